@@ -1,0 +1,13 @@
+"""cufuse: fused CUDA kernels for CuPy and PyTorch arrays, with NumPy fallbacks.
+
+    >>> import cufuse
+    >>> y = cufuse.add_mul_exp(x, z)        # exp((x + z) * 2) in one pass
+"""
+from ._runtime import CUDA_AVAILABLE
+from ._interop import from_torch, to_torch
+from .ops import add_mul_exp, add_relu, fma, mul_tanh
+
+__version__ = "0.1.0"
+
+__all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch",
+           "add_relu", "mul_tanh", "add_mul_exp", "fma"]

@@ -1,0 +1,281 @@
+"""What came in and how to give it back.
+
+Every op validates its operands here, before anything is launched: the array
+kind (NumPy, CuPy, torch CPU, torch CUDA), the dtype rules, broadcasting, the
+device, and ``out=``. The result is a ``Plan`` that the op's GPU path or its
+NumPy fallback carries out.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from numbers import Number
+
+import numpy as np
+
+try:
+    import cupy as _cp
+    CupyArray = _cp.ndarray
+except Exception:  # pragma: no cover - depends on the machine
+    _cp = None
+
+    class CupyArray:  # placeholder: no instance ever matches
+        pass
+
+NUMPY = "numpy.ndarray"
+CUPY = "cupy.ndarray"
+TORCH_CPU = "torch.Tensor (CPU)"
+TORCH_CUDA = "torch.Tensor (CUDA)"
+GPU_KINDS = (CUPY, TORCH_CUDA)
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+FLOAT_NAMES = "float16, float32, float64"
+
+
+# ----------------------------------------------------------------- torch dtypes
+def torch():
+    """The torch module if the user has imported it (cufuse never imports it)."""
+    return sys.modules.get("torch")
+
+
+_TORCH_TO_NP: dict = {}
+_NP_TO_TORCH: dict = {}
+
+
+def _torch_tables(t):
+    if not _TORCH_TO_NP:
+        pairs = [(t.float16, np.float16), (t.float32, np.float32), (t.float64, np.float64),
+                 (t.int8, np.int8), (t.uint8, np.uint8), (t.int16, np.int16), (t.int32, np.int32),
+                 (t.int64, np.int64), (t.bool, np.bool_), (t.complex64, np.complex64),
+                 (t.complex128, np.complex128)]
+        for td, nd in pairs:
+            _TORCH_TO_NP[td] = np.dtype(nd)
+            _NP_TO_TORCH[np.dtype(nd)] = td
+    return _TORCH_TO_NP, _NP_TO_TORCH
+
+
+def torch_to_numpy_dtype(td):
+    t2n, _ = _torch_tables(torch())
+    return t2n.get(td)
+
+
+def numpy_to_torch_dtype(nd):
+    _, n2t = _torch_tables(torch())
+    return n2t[np.dtype(nd)]
+
+
+def is_torch_tensor(x) -> bool:
+    t = torch()
+    return t is not None and isinstance(x, t.Tensor)
+
+
+# ----------------------------------------------------------------- classifying
+def kind_of(x):
+    """The array kind of ``x``, or None for a scalar. TypeError for anything else."""
+    if isinstance(x, np.ndarray):
+        return NUMPY
+    if isinstance(x, CupyArray):
+        return CUPY
+    if is_torch_tensor(x):
+        return TORCH_CUDA if x.is_cuda else TORCH_CPU
+    if isinstance(x, (bool, np.bool_)):
+        raise TypeError("bool scalars are not accepted; pass a float (or int) scalar")
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return None
+    if isinstance(x, Number):
+        raise TypeError(f"{type(x).__name__} scalars are not accepted; pass a float (or int) scalar")
+    raise TypeError(f"got {type(x).__module__}.{type(x).__name__}; accepted are numpy.ndarray, "
+                    "cupy.ndarray, torch.Tensor and Python/NumPy int or float scalars")
+
+
+def dtype_of(x, kind):
+    if kind in (TORCH_CPU, TORCH_CUDA):
+        d = torch_to_numpy_dtype(x.dtype)
+        return d if d is not None else x.dtype
+    return x.dtype
+
+
+def device_of(x, kind):
+    if kind == CUPY:
+        return x.data.device_id
+    if kind == TORCH_CUDA:
+        return x.get_device()
+    return None
+
+
+def strides_of(x, kind):
+    """Strides in elements."""
+    if kind in (TORCH_CPU, TORCH_CUDA):
+        return tuple(x.stride())
+    item = x.itemsize
+    return tuple(s // item for s in x.strides)
+
+
+def pointer_of(x, kind):
+    return x.data.ptr if kind == CUPY else x.data_ptr()
+
+
+def describe(x, kind=None) -> str:
+    kind = kind if kind is not None else kind_of(x)
+    if kind is None:
+        return f"scalar {x!r}"
+    dev = device_of(x, kind)
+    where = f", GPU {dev}" if dev is not None else ""
+    return f"{kind} ({dtype_of(x, kind)}, shape {tuple(x.shape)}{where})"
+
+
+def check_grad(x, name):
+    t = torch()
+    if x.requires_grad and t.is_grad_enabled():
+        raise NotImplementedError(
+            f"cufuse.{name}: a tensor that requires grad was given and cufuse ops have no autograd yet; "
+            "call it under torch.no_grad() or pass tensor.detach()")
+
+
+# ----------------------------------------------------------------------- plans
+@dataclass
+class Plan:
+    name: str
+    kind: str                  # one of the kinds above
+    dtype: np.dtype            # result dtype
+    shape: tuple               # broadcast result shape
+    operands: list             # per operand: the array, or None for a scalar
+    scalars: list              # per operand: the scalar value, or None for an array
+    device: int | None = None  # GPU ordinal for GPU kinds
+    out: object = None
+    size: int = field(default=0)
+
+
+def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, accepted_names=FLOAT_NAMES) -> Plan:
+    """Validate the operands of an elementwise op; raises before any launch."""
+    kinds, dtypes, arrays = [], [], []
+    for i, x in enumerate(args):
+        try:
+            k = kind_of(x)
+        except TypeError as e:
+            raise TypeError(f"cufuse.{name}: operand {i + 1}: {e}") from None
+        kinds.append(k)
+        if k is not None:
+            d = dtype_of(x, k)
+            if d not in accepted:
+                raise TypeError(f"cufuse.{name}: operand {i + 1} is {describe(x, k)}; "
+                                f"accepted dtypes are {accepted_names}")
+            if k in (TORCH_CPU, TORCH_CUDA):
+                check_grad(x, name)
+            dtypes.append(d)
+            arrays.append((i, x, k))
+    if not arrays:
+        raise TypeError(f"cufuse.{name}: at least one operand must be an array "
+                        "(numpy.ndarray, cupy.ndarray or torch.Tensor); got only scalars")
+    kind = arrays[0][2]
+    for i, x, k in arrays[1:]:
+        if k != kind:
+            raise TypeError(f"cufuse.{name}: mixed array kinds: operand {arrays[0][0] + 1} is "
+                            f"{describe(arrays[0][1], kind)} and operand {i + 1} is {describe(x, k)}; "
+                            "convert one (cufuse.from_torch / cufuse.to_torch, cupy.asarray, .get())")
+    scalars = [None if k is not None else x for x, k in zip(args, kinds)]
+    dtype = np.result_type(*dtypes, *[s for s in scalars if s is not None])
+    if dtype not in accepted:  # e.g. an int64 NumPy scalar that promotes float16 to float64 stays valid
+        raise TypeError(f"cufuse.{name}: operands promote to {dtype}; accepted dtypes are {accepted_names}")
+    try:
+        shape = np.broadcast_shapes(*[tuple(x.shape) for _, x, _ in arrays])
+    except ValueError:
+        shapes = ", ".join(str(tuple(x.shape)) for _, x, _ in arrays)
+        raise ValueError(f"cufuse.{name}: operand shapes {shapes} do not broadcast together") from None
+
+    device = None
+    if kind in GPU_KINDS:
+        device = device_of(arrays[0][1], kind)
+        for i, x, k in arrays[1:]:
+            d = device_of(x, k)
+            if d != device:
+                raise ValueError(f"cufuse.{name}: operands on different GPUs: operand {arrays[0][0] + 1} "
+                                 f"on GPU {device}, operand {i + 1} on GPU {d}")
+
+    if out is not None:
+        check_out(name, out, kind, dtype, shape, device)
+    plan = Plan(name, kind, dtype, shape, [x if k is not None else None for x, k in zip(args, kinds)],
+                scalars, device, out)
+    plan.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return plan
+
+
+def check_out(name, out, kind, dtype, shape, device):
+    try:
+        ok = kind_of(out)
+    except TypeError:
+        ok = None
+    if ok is None:
+        raise TypeError(f"cufuse.{name}: out must be a {kind}; got {type(out).__module__}.{type(out).__name__}")
+    if ok != kind:
+        raise TypeError(f"cufuse.{name}: out is {describe(out, ok)} but the operands are {kind}")
+    od = dtype_of(out, ok)
+    if od != dtype:
+        raise TypeError(f"cufuse.{name}: out has dtype {od}; the result dtype is {dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"cufuse.{name}: out has shape {tuple(out.shape)}; the result shape is {tuple(shape)}")
+    if kind in GPU_KINDS and device_of(out, ok) != device:
+        raise ValueError(f"cufuse.{name}: out is on GPU {device_of(out, ok)} but the operands are on GPU {device}")
+    if kind in (TORCH_CPU, TORCH_CUDA):
+        check_grad(out, name)
+    if kind == NUMPY and not out.flags.writeable:
+        raise ValueError(f"cufuse.{name}: out is a read-only numpy array")
+    st = strides_of(out, ok)
+    if any(s == 0 and n > 1 for s, n in zip(st, out.shape)):
+        raise ValueError(f"cufuse.{name}: out is a broadcast view (a stride is 0); it must own each element")
+
+
+# ------------------------------------------------------------------- layouts
+def broadcast_strides(shape, strides, out_shape):
+    """Element strides of an operand broadcast to ``out_shape`` (0 on broadcast dims)."""
+    pad = len(out_shape) - len(shape)
+    res = [0] * pad
+    for n, s, on in zip(shape, strides, out_shape[pad:]):
+        res.append(0 if (n == 1 and on != 1) else s)
+    return res
+
+
+def collapse(shape, strides_list):
+    """Drop size-1 dims and merge dims that are contiguous for every operand.
+
+    Returns (shape, strides_list), innermost dim first.
+    """
+    dims = [(n, [st[d] for st in strides_list]) for d, n in enumerate(shape) if n != 1]
+    dims.reverse()  # innermost first
+    merged: list = []
+    for n, st in dims:
+        if merged:
+            pn, pst = merged[-1]
+            # previous (inner) dim pn with strides pst; this outer dim n with st
+            if all(s == ps * pn for s, ps in zip(st, pst)):
+                merged[-1] = (pn * n, pst)
+                continue
+        merged.append((n, st))
+    if not merged:
+        merged = [(1, [0] * len(strides_list))]
+    shp = [n for n, _ in merged]
+    sts = [[st[k] for _, st in merged] for k in range(len(strides_list))]
+    return shp, sts
+
+
+def is_c_contiguous(shape, strides) -> bool:
+    expect = 1
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1 and s != expect:
+            return False
+        expect *= n
+    return True
+
+
+def extent(ptr, shape, strides, itemsize):
+    """[lo, hi) bytes touched by an array view."""
+    lo = hi = ptr
+    for n, s in zip(shape, strides):
+        if n == 0:
+            return ptr, ptr
+        span = (n - 1) * s * itemsize
+        if span < 0:
+            lo += span
+        else:
+            hi += span
+    return lo, hi + itemsize

@@ -1,0 +1,49 @@
+"""Zero-copy, stream-ordered conversion between torch and NumPy/CuPy."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays as A
+
+
+def from_torch(t):
+    """A torch tensor as a CuPy array (CUDA) or a NumPy array (CPU), sharing memory.
+
+    CUDA tensors go through DLPack with CuPy's current stream as the consumer:
+    work torch queued on its current stream is ordered before anything CuPy
+    queues afterwards, without a host synchronization. CPU tensors are
+    detached and viewed with ``Tensor.numpy()``.
+    """
+    if not A.is_torch_tensor(t):
+        raise TypeError(f"cufuse.from_torch: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+    if t.is_cuda:
+        from ._runtime import _cp, CUDA_AVAILABLE
+        if _cp is None or not CUDA_AVAILABLE:
+            raise RuntimeError("cufuse.from_torch: a CUDA tensor needs CuPy and a usable GPU")
+        with _cp.cuda.Device(t.get_device()):
+            return _cp.from_dlpack(t.detach())
+    if t.device.type != "cpu":
+        raise TypeError(f"cufuse.from_torch: tensors on {t.device} are not supported (CPU or CUDA only)")
+    return t.detach().numpy()
+
+
+def to_torch(a):
+    """A CuPy array (as a CUDA tensor) or a NumPy array (as a CPU tensor), sharing memory.
+
+    CuPy arrays go through DLPack with torch's current stream as the consumer,
+    so work queued on CuPy's current stream is done before torch reads.
+    """
+    torch = A.torch()
+    if torch is None:
+        try:
+            import torch  # noqa: F811 - explicit conversion asks for torch
+        except ImportError:
+            raise ImportError("cufuse.to_torch needs PyTorch installed") from None
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a)
+    if isinstance(a, A.CupyArray):
+        return torch.from_dlpack(a)
+    if isinstance(a, torch.Tensor):
+        return a
+    raise TypeError(f"cufuse.to_torch: expected a numpy.ndarray or cupy.ndarray, got "
+                    f"{type(a).__module__}.{type(a).__name__}")

@@ -1,0 +1,222 @@
+"""The one place that compiles, caches and launches kernels.
+
+Kernel sources live in ``kernels/<family>.cu``. Each family is compiled once
+per device, lazily, as one ``cupy.RawModule`` whose ``name_expressions``
+instantiate every registered template (for ``__half``, ``float`` and
+``double``). Local ``#include "x.cuh"`` lines are inlined before compiling,
+so CuPy's on-disk cache key covers every header the kernel depends on and a
+changed header never serves a stale binary.
+
+Ops register their name expressions here (``register``) and fetch launchable
+functions with ``get_function``; ``launch`` sizes the grid from the SM count
+and queues the kernel on CuPy's current stream (or the stream it is given).
+"""
+from __future__ import annotations
+
+import os
+import re
+import threading
+from pathlib import Path
+
+import numpy as np
+
+try:  # cupy is an optional extra
+    import cupy as _cp
+except Exception:  # pragma: no cover - depends on the machine
+    _cp = None
+
+BLOCK = 256            # threads per block for every elementwise launch
+WAVES = 8              # resident blocks per SM the grid is capped at (2048 threads / 256)
+
+# Canonical C++ spelling of each storage dtype, as NVRTC writes it back.
+CTYPES = {
+    np.dtype(np.float16): "__half",
+    np.dtype(np.float32): "float",
+    np.dtype(np.float64): "double",
+}
+
+
+def _cuda_available() -> bool:
+    if _cp is None or os.environ.get("CUFUSE_DISABLE_CUDA", "") not in ("", "0"):
+        return False
+    try:
+        return _cp.cuda.runtime.getDeviceCount() > 0
+    except Exception:
+        return False
+
+
+CUDA_AVAILABLE = _cuda_available()
+
+
+# --------------------------------------------------------------------- sources
+def kernel_dir() -> Path:
+    """Folder holding the .cu/.cuh sources: inside the installed package
+    (wheels ship them as ``cufuse/kernels``) or the repository's ``kernels/``."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "kernels", here.parent / "kernels"):
+        if (cand / "common.cuh").is_file():
+            return cand
+    raise FileNotFoundError(
+        f"cufuse kernel sources not found (looked in {here / 'kernels'} and {here.parent / 'kernels'}); "
+        "reinstall cufuse")
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
+
+
+def load_source(family: str) -> str:
+    """Source of ``kernels/<family>.cu`` with local includes inlined (each once)."""
+    root = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> str:
+        path = root / name
+        if name in seen:
+            return ""
+        seen.add(name)
+        text = path.read_text()
+        text = text.replace("#pragma once", "")
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+
+    return expand(f"{family}.cu")
+
+
+def cuda_include_dirs() -> list[str]:
+    """Folders holding cuda_fp16.h: the pip NVIDIA runtime headers or the toolkit."""
+    dirs = []
+    try:
+        from cuda import pathfinder  # shipped with cupy 14 / cuda-python
+        d = pathfinder.find_nvidia_header_directory("cudart")
+        if d:
+            dirs.append(str(d))
+    except Exception:
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        root = os.environ.get(env)
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_fp16.h")):
+            dirs.append(os.path.join(root, "include"))
+    if not dirs and os.path.isfile("/usr/local/cuda/include/cuda_fp16.h"):
+        dirs.append("/usr/local/cuda/include")
+    return list(dict.fromkeys(dirs))
+
+
+def compile_options() -> tuple[str, ...]:
+    return ("--std=c++17",) + tuple(f"-I{d}" for d in cuda_include_dirs())
+
+
+# -------------------------------------------------------------------- registry
+# family -> {name expression: (label, dtype name)}; filled by the op modules.
+_REGISTRY: dict[str, dict[str, tuple[str, str]]] = {}
+
+
+def name_expression(kernel: str, *template_args: str) -> str:
+    """``kernel<a, b, c>``: the spelling NVRTC writes back, which CuPy's disk
+    cache needs to serve a second process."""
+    return f"{kernel}<{', '.join(template_args)}>"
+
+
+def register(family: str, expression: str, label: str, dtype: str) -> str:
+    with _lock:
+        _REGISTRY.setdefault(family, {})[expression] = (label, dtype)
+        # A module already built for this family lacks the new expression.
+        for key in [k for k in _modules if k[0] == family]:
+            del _modules[key]
+    return expression
+
+
+def registry() -> dict[str, dict[str, tuple[str, str]]]:
+    return {f: dict(e) for f, e in _REGISTRY.items()}
+
+
+# -------------------------------------------------------------------- modules
+_lock = threading.RLock()
+_modules: dict[tuple[str, int], object] = {}
+_functions: dict[tuple[str, int], object] = {}
+_sm_counts: dict[int, int] = {}
+
+
+def _require_cuda():
+    if not CUDA_AVAILABLE:
+        raise RuntimeError("cufuse: no usable CUDA GPU (cupy missing, no driver, or no device)")
+
+
+def _module(family: str, device: int):
+    key = (family, device)
+    mod = _modules.get(key)
+    if mod is None:
+        exprs = sorted(_REGISTRY.get(family, {}))
+        if not exprs:
+            raise KeyError(f"no kernels registered for family {family!r}")
+        mod = _cp.RawModule(code=load_source(family), options=compile_options(),
+                            name_expressions=exprs)
+        _modules[key] = mod
+    return mod
+
+
+def get_function(family: str, expression: str, device: int):
+    """The compiled ``cupy.cuda.Function`` for ``expression`` on ``device``."""
+    key = (expression, device)
+    fn = _functions.get(key)
+    if fn is None:
+        _require_cuda()
+        with _lock:
+            fn = _functions.get(key)
+            if fn is None:
+                with _cp.cuda.Device(device):
+                    fn = _module(family, device).get_function(expression).kernel
+                _functions[key] = fn
+    return fn
+
+
+def sm_count(device: int) -> int:
+    n = _sm_counts.get(device)
+    if n is None:
+        n = _cp.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"]
+        _sm_counts[device] = n
+    return n
+
+
+def grid_for(work: int, device: int) -> int:
+    """Blocks for a grid-stride loop over ``work`` items: enough to cover it,
+    capped at WAVES resident blocks per SM."""
+    blocks = (work + BLOCK - 1) // BLOCK
+    cap = _sm_counts.get(device) or sm_count(device)
+    cap *= WAVES
+    return blocks if blocks < cap else cap
+
+
+def launch(fn, work: int, device: int, args: tuple, stream=None) -> None:
+    """Launch ``fn`` over ``work`` grid-stride items on ``stream`` (None: CuPy's current)."""
+    blocks = grid_for(work, device) or 1
+    if stream is None:
+        fn((blocks,), (BLOCK,), args)
+    else:
+        fn((blocks,), (BLOCK,), args, 0, stream)
+
+
+# ------------------------------------------------------------------- streams
+_external_streams: dict[int, object] = {}
+
+
+def external_stream(ptr: int, device: int):
+    """A cached ``cupy.cuda.ExternalStream`` for a raw stream handle (torch's)."""
+    key = (ptr, device)
+    s = _external_streams.get(key)
+    if s is None:
+        s = _cp.cuda.ExternalStream(ptr, device)
+        _external_streams[key] = s
+    return s
+
+
+def cache_dir() -> str:
+    return os.environ.get("CUPY_CACHE_DIR", os.path.expanduser("~/.cupy/kernel_cache"))
+
+
+def nvrtc_version() -> str:
+    if _cp is None:
+        return "unavailable (cupy not installed)"
+    try:
+        major, minor = _cp.cuda.nvrtc.getVersion()
+        return f"{major}.{minor}"
+    except Exception as e:  # pragma: no cover - depends on the machine
+        return f"unavailable ({type(e).__name__})"

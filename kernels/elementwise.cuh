@@ -1,0 +1,163 @@
+// cufuse: the one generic elementwise driver.
+//
+// An op is a functor with `template <typename C> C operator()(C...) const`
+// taking and returning values in the compute type (float for __half). The
+// driver owns everything else:
+//
+//   * contiguous path: grid-stride over 16-byte packs when every pointer is
+//     aligned to 16 bytes, scalar loop otherwise; the tail (n % pack) is
+//     handled once, by the scalar loop; 64-bit indices throughout;
+//   * strided path: any layout (transposed, step-sliced, broadcast with
+//     stride 0, negative strides), dims collapsed on the host;
+//   * scalar operands: a null input pointer means "use the scalar argument",
+//     which arrives as a double and is rounded to the storage type first.
+//
+// Kernel entry points ew1/ew2/ew3 (and *_strided) differ only in how many
+// input pointers they take; op parameters, if any, follow as `P... p` and
+// construct the functor: Op{p...}.
+#pragma once
+
+#include "common.cuh"
+
+namespace cufuse {
+
+constexpr int kMaxDims = 8;      // after collapsing; more falls back to a copy
+constexpr int kMaxOperands = 4;  // the output plus up to three inputs
+
+// Strides in elements, dim 0 innermost; operand 0 is the output.
+struct Layout {
+    long long shape[kMaxDims];
+    long long stride[kMaxOperands][kMaxDims];
+    int ndim;
+};
+
+template <typename Op, int NIN, typename C>
+__device__ __forceinline__ C apply_op(const Op& op, const C (&x)[NIN]) {
+    if constexpr (NIN == 1) return op(x[0]);
+    else if constexpr (NIN == 2) return op(x[0], x[1]);
+    else return op(x[0], x[1], x[2]);
+}
+
+template <typename Tout, typename Tin> struct PackWidth {
+    static constexpr int value = 16 / (sizeof(Tin) > sizeof(Tout) ? sizeof(Tin) : sizeof(Tout));
+};
+
+template <typename Op, int NIN, typename Tout, typename Tin>
+__device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Tin* const (&in)[NIN],
+                                               const double (&s)[NIN], long long n) {
+    using C = compute_t<Tin>;
+    constexpr int V = PackWidth<Tout, Tin>::value;
+    C sc[NIN];
+    bool aligned = is_aligned<Tout, V>(out);
+#pragma unroll
+    for (int k = 0; k < NIN; ++k) {
+        sc[k] = scalar_to_compute<Tin>(s[k]);
+        aligned = aligned && (in[k] == nullptr || is_aligned<Tin, V>(in[k]));
+    }
+    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    long long done = 0;
+    if (aligned) {
+        const long long npack = n / V;
+        for (long long p = tid; p < npack; p += nthreads) {
+            Pack<Tin, V> x[NIN];
+#pragma unroll
+            for (int k = 0; k < NIN; ++k)
+                if (in[k] != nullptr) x[k] = reinterpret_cast<const Pack<Tin, V>*>(in[k])[p];
+            Pack<Tout, V> y;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                C v[NIN];
+#pragma unroll
+                for (int k = 0; k < NIN; ++k) v[k] = in[k] != nullptr ? to_compute<C>(x[k].v[j]) : sc[k];
+                y.v[j] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
+            }
+            reinterpret_cast<Pack<Tout, V>*>(out)[p] = y;
+        }
+        done = npack * V;
+    }
+    // The tail of the vector path, or everything when a pointer is misaligned.
+    for (long long i = done + tid; i < n; i += nthreads) {
+        C v[NIN];
+#pragma unroll
+        for (int k = 0; k < NIN; ++k) v[k] = in[k] != nullptr ? to_compute<C>(in[k][i]) : sc[k];
+        out[i] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
+    }
+}
+
+template <typename Op, int NIN, typename Tout, typename Tin>
+__device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* const (&in)[NIN],
+                                            const double (&s)[NIN], long long n, const Layout& L) {
+    using C = compute_t<Tin>;
+    C sc[NIN];
+#pragma unroll
+    for (int k = 0; k < NIN; ++k) sc[k] = scalar_to_compute<Tin>(s[k]);
+    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long i = tid; i < n; i += nthreads) {
+        long long off[NIN + 1];
+#pragma unroll
+        for (int k = 0; k <= NIN; ++k) off[k] = 0;
+        long long rem = i;
+#pragma unroll
+        for (int d = 0; d < kMaxDims; ++d) {
+            if (d >= L.ndim) break;
+            const long long c = rem % L.shape[d];
+            rem /= L.shape[d];
+#pragma unroll
+            for (int k = 0; k <= NIN; ++k) off[k] += c * L.stride[k][d];
+        }
+        C v[NIN];
+#pragma unroll
+        for (int k = 0; k < NIN; ++k) v[k] = in[k] != nullptr ? to_compute<C>(in[k][off[k + 1]]) : sc[k];
+        out[off[0]] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
+    }
+}
+
+}  // namespace cufuse
+
+// ---- kernel entry points (global namespace: short name expressions) --------
+#define CUFUSE_EW_BOUNDS __launch_bounds__(256)
+
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew1(Tout* out, const Tin* a, double sa, long long n, P... p) {
+    const Tin* in[1] = {a};
+    const double s[1] = {sa};
+    cufuse::run_contiguous<Op, 1>(Op{p...}, out, in, s, n);
+}
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew2(Tout* out, const Tin* a, const Tin* b, double sa, double sb, long long n,
+                                     P... p) {
+    const Tin* in[2] = {a, b};
+    const double s[2] = {sa, sb};
+    cufuse::run_contiguous<Op, 2>(Op{p...}, out, in, s, n);
+}
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew3(Tout* out, const Tin* a, const Tin* b, const Tin* c, double sa, double sb,
+                                     double sc, long long n, P... p) {
+    const Tin* in[3] = {a, b, c};
+    const double s[3] = {sa, sb, sc};
+    cufuse::run_contiguous<Op, 3>(Op{p...}, out, in, s, n);
+}
+
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew1_strided(Tout* out, const Tin* a, double sa, long long n,
+                                             cufuse::Layout L, P... p) {
+    const Tin* in[1] = {a};
+    const double s[1] = {sa};
+    cufuse::run_strided<Op, 1>(Op{p...}, out, in, s, n, L);
+}
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew2_strided(Tout* out, const Tin* a, const Tin* b, double sa, double sb,
+                                             long long n, cufuse::Layout L, P... p) {
+    const Tin* in[2] = {a, b};
+    const double s[2] = {sa, sb};
+    cufuse::run_strided<Op, 2>(Op{p...}, out, in, s, n, L);
+}
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew3_strided(Tout* out, const Tin* a, const Tin* b, const Tin* c, double sa,
+                                             double sb, double sc, long long n, cufuse::Layout L, P... p) {
+    const Tin* in[3] = {a, b, c};
+    const double s[3] = {sa, sb, sc};
+    cufuse::run_strided<Op, 3>(Op{p...}, out, in, s, n, L);
+}
