@@ -26,7 +26,10 @@ except Exception:  # pragma: no cover - depends on the machine
     _cp = None
 
 BLOCK = 256            # threads per block for every elementwise launch
-WAVES = 8              # resident blocks per SM the grid is capped at (2048 threads / 256)
+# Grid cap, in blocks per SM: 32 (four times the 8 resident 256-thread blocks)
+# measured best on an H200 at 50M elements: +4 to +8 points of copy bandwidth
+# over a single resident wave for every op, float32 and float16 (bench/NOTES.md).
+WAVES = 32
 
 # Canonical C++ spelling of each storage dtype, as NVRTC writes it back.
 CTYPES = {
@@ -176,12 +179,16 @@ def sm_count(device: int) -> int:
     return n
 
 
+def grid_cap(device: int) -> int:
+    """Most blocks a grid-stride launch gets on ``device``."""
+    return sm_count(device) * WAVES
+
+
 def grid_for(work: int, device: int) -> int:
     """Blocks for a grid-stride loop over ``work`` items: enough to cover it,
-    capped at WAVES resident blocks per SM."""
+    capped at ``grid_cap``."""
     blocks = (work + BLOCK - 1) // BLOCK
-    cap = _sm_counts.get(device) or sm_count(device)
-    cap *= WAVES
+    cap = grid_cap(device)
     return blocks if blocks < cap else cap
 
 

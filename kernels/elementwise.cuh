@@ -21,6 +21,10 @@
 
 namespace cufuse {
 
+#ifndef CUFUSE_EW_UNROLL
+#define CUFUSE_EW_UNROLL 2
+#endif
+
 constexpr int kMaxDims = 8;      // after collapsing; more falls back to a copy
 constexpr int kMaxOperands = 4;  // the output plus up to three inputs
 
@@ -58,21 +62,34 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
     const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
     long long done = 0;
     if (aligned) {
+        // U packs per thread per iteration: their loads are all issued before
+        // the first use, so more bytes are in flight while a warp computes.
+        constexpr int U = CUFUSE_EW_UNROLL;
+        Pack<Tout, V>* dst = reinterpret_cast<Pack<Tout, V>*>(out);
         const long long npack = n / V;
-        for (long long p = tid; p < npack; p += nthreads) {
-            Pack<Tin, V> x[NIN];
+        for (long long p0 = tid; p0 < npack; p0 += nthreads * U) {
+            Pack<Tin, V> x[U][NIN];
 #pragma unroll
-            for (int k = 0; k < NIN; ++k)
-                if (in[k] != nullptr) x[k] = reinterpret_cast<const Pack<Tin, V>*>(in[k])[p];
-            Pack<Tout, V> y;
+            for (int u = 0; u < U; ++u) {
+                const long long p = p0 + u * nthreads;
 #pragma unroll
-            for (int j = 0; j < V; ++j) {
-                C v[NIN];
-#pragma unroll
-                for (int k = 0; k < NIN; ++k) v[k] = in[k] != nullptr ? to_compute<C>(x[k].v[j]) : sc[k];
-                y.v[j] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
+                for (int k = 0; k < NIN; ++k)
+                    if (p < npack && in[k] != nullptr) x[u][k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k]) + p);
             }
-            reinterpret_cast<Pack<Tout, V>*>(out)[p] = y;
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+                const long long p = p0 + u * nthreads;
+                if (p >= npack) break;
+                Pack<Tout, V> y;
+#pragma unroll
+                for (int j = 0; j < V; ++j) {
+                    C v[NIN];
+#pragma unroll
+                    for (int k = 0; k < NIN; ++k) v[k] = in[k] != nullptr ? to_compute<C>(x[u][k].v[j]) : sc[k];
+                    y.v[j] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
+                }
+                store_pack(dst + p, y);
+            }
         }
         done = npack * V;
     }

@@ -52,58 +52,53 @@ class ElementwiseOp:
     def _fn(self, dtype, device, strided=False):
         return R.get_function(FAMILY, self._expr[dtype][strided], device)
 
-    def __call__(self, *args, out=None):
-        if len(args) != self.arity:
-            raise TypeError(f"cufuse.{self.name} takes {self.arity} operands, got {len(args)}")
-        a0 = args[0]
-        if type(a0) is A.CupyArray:
-            res = self._fast_cupy(a0, args, out)
-        elif A.is_torch_tensor(a0) and a0.is_cuda:
-            res = self._fast_torch(a0, args, out)
-        else:
-            res = None
-        return res if res is not None else self._general(args, out)
+    def _fast_entry(self, dt, dev):
+        """(Function, pack width, grid cap) for the contiguous kernel: built once per dtype and device."""
+        key = (dt, dev)
+        ent = self._fast.get(key)
+        if ent is None:
+            ent = self._fast[key] = (self._fn(dt, dev), self._pack[dt], R.grid_cap(dev))
+        return ent
 
-    def _fast_cupy(self, a0, args, out):
-        """Same-shape C-contiguous CuPy arrays of one float dtype on the current device."""
-        dt = a0.dtype
-        if dt not in self._pack or not a0._c_contiguous:
-            return None
-        shape = a0.shape
-        dev = a0.data.device_id
-        for x in args:
-            if (type(x) is not A.CupyArray or x.dtype != dt or not x._c_contiguous or x.shape != shape
-                    or x.data.device_id != dev):
-                return None
-        if dev != R._cp.cuda.runtime.getDevice():
-            return None
-        n = a0.size
-        if out is None:
-            out = R._cp.ndarray(shape, dt)
-        else:
-            if (type(out) is not A.CupyArray or out.dtype != dt or not out._c_contiguous
-                    or out.shape != shape or out.data.device_id != dev):
-                return None
-            optr, nbytes = out.data.ptr, n * dt.itemsize
-            for x in args:  # partial overlap with an input needs the general path's temporary
-                d = x.data.ptr - optr
-                if d != 0 and -nbytes < d < nbytes:
-                    return None
-        if n == 0:
-            return out
-        fn = self._fast.get((dt, dev))
-        if fn is None:
-            fn = self._fast[(dt, dev)] = self._fn(dt, dev)
-        R.launch(fn, n // self._pack[dt] or 1, dev, (out, *args, *self._zeros, n))
-        return out
+    def __call__(self, *args, out=None):
+        """Fast paths first, written flat because every attribute read and
+        call counts at 100K elements: same-shape C-contiguous CuPy arrays (or
+        CUDA tensors) of one float dtype on the current device. Anything else,
+        including every error, goes to the general path."""
+        a0 = args[0] if args else None
+        if type(a0) is A.CupyArray and len(args) == self.arity:
+            dt = a0.dtype
+            shape = a0.shape
+            dev = a0.data.device_id
+            if dt in self._pack and a0._c_contiguous and dev == _get_device():
+                for x in args:
+                    if (type(x) is not A.CupyArray or x.dtype != dt or not x._c_contiguous or x.shape != shape
+                            or x.data.device_id != dev):
+                        break
+                else:
+                    n = a0.size
+                    if out is None:
+                        out = R._cp.ndarray(shape, dt)
+                    elif not (type(out) is A.CupyArray and out.dtype == dt and out._c_contiguous
+                              and out.shape == shape and out.data.device_id == dev
+                              and not _partial_overlap(out.data.ptr, [x.data.ptr for x in args], n * dt.itemsize)):
+                        return self._general(args, out)
+                    if n:
+                        fn, vec, cap = self._fast.get((dt, dev)) or self._fast_entry(dt, dev)
+                        blocks = ((n // vec) + 255) >> 8 or 1
+                        fn((blocks if blocks < cap else cap,), (256,), (out, *args, *self._zeros, n))
+                    return out
+        elif A.is_torch_tensor(a0) and a0.is_cuda and len(args) == self.arity:
+            res = self._fast_torch(a0, args, out)
+            if res is not None:
+                return res
+        return self._general(args, out)
 
     def _fast_torch(self, a0, args, out):
         """Same-shape contiguous CUDA tensors: raw pointers, torch's current stream, no DLPack."""
-        if a0.requires_grad or not a0.is_contiguous():
-            return None
         tdt = a0.dtype
-        dt = A.torch_to_numpy_dtype(tdt)
-        if dt not in self._pack:
+        dt = _TORCH_FLOATS.get(tdt)
+        if dt is None or a0.requires_grad or not a0.is_contiguous():
             return None
         shape = a0.shape
         dev = a0.get_device()
@@ -112,32 +107,27 @@ class ElementwiseOp:
             if (type(x) is not tensor or x.dtype != tdt or x.requires_grad or not x.is_contiguous()
                     or x.shape != shape or x.get_device() != dev):
                 return None
-        if dev != R._cp.cuda.runtime.getDevice():
+        if dev != _get_device():
             return None
+        ptrs = [x.data_ptr() for x in args]
         n = a0.numel()
         if out is None:
-            out = A.torch().empty(shape, dtype=tdt, device=a0.device)
-        else:
-            if (type(out) is not tensor or out.dtype != tdt or out.requires_grad or not out.is_contiguous()
-                    or out.shape != shape or out.get_device() != dev):
-                return None
-            optr, nbytes = out.data_ptr(), n * dt.itemsize
-            for x in args:
-                d = x.data_ptr() - optr
-                if d != 0 and -nbytes < d < nbytes:
-                    return None
-        if n == 0:
-            return out
-        fn = self._fast.get((dt, dev))
-        if fn is None:
-            fn = self._fast[(dt, dev)] = self._fn(dt, dev)
-        stream = R.external_stream(_torch_stream(dev), dev)
-        ptrs = tuple(x.data_ptr() for x in args)
-        R.launch(fn, n // self._pack[dt] or 1, dev, (out.data_ptr(), *ptrs, *self._zeros, n), stream)
+            out = A.torch().empty_like(a0)
+        elif not (type(out) is tensor and out.dtype == tdt and not out.requires_grad and out.is_contiguous()
+                  and out.shape == shape and out.get_device() == dev
+                  and not _partial_overlap(out.data_ptr(), ptrs, n * dt.itemsize)):
+            return None
+        if n:
+            fn, vec, cap = self._fast.get((dt, dev)) or self._fast_entry(dt, dev)
+            blocks = ((n // vec) + 255) >> 8 or 1
+            fn((blocks if blocks < cap else cap,), (256,), (out.data_ptr(), *ptrs, *self._zeros, n), 0,
+               R.external_stream(_torch_stream(dev), dev))
         return out
 
     # ------------------------------------------------------- general path
     def _general(self, args, out):
+        if len(args) != self.arity:
+            raise TypeError(f"cufuse.{self.name} takes {self.arity} operands, got {len(args)}")
         plan = A.plan_elementwise(self.name, args, out)
         if plan.kind in A.GPU_KINDS:
             return self._run_gpu(plan)
@@ -238,6 +228,32 @@ class ElementwiseOp:
                 layout["stride"][k + 1, :len(cshape)] = next(it)
         fn = self._fn(dt, dev, strided=True)
         R.launch(fn, n, dev, (optr, *ptrs, *svals, n, layout[()]), stream)
+
+
+def _partial_overlap(optr, ptrs, nbytes):
+    """Same-layout contiguous operands: does out overlap an input other than exactly?"""
+    for p in ptrs:
+        d = p - optr
+        if d and -nbytes < d < nbytes:
+            return True
+    return False
+
+
+_get_device = R._cp.cuda.runtime.getDevice if R._cp is not None else None
+
+
+class _TorchFloats(dict):
+    """torch float dtype -> numpy dtype, filled on first use (torch is never imported by cufuse)."""
+
+    def get(self, key, default=None):
+        if not self:
+            t = A.torch()
+            self.update({t.float16: np.dtype(np.float16), t.float32: np.dtype(np.float32),
+                         t.float64: np.dtype(np.float64)})
+        return dict.get(self, key, default)
+
+
+_TORCH_FLOATS = _TorchFloats()
 
 
 def _torch_stream(dev):
