@@ -174,7 +174,10 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, accepted_names
                             f"{describe(arrays[0][1], kind)} and operand {i + 1} is {describe(x, k)}; "
                             "convert one (cufuse.from_torch / cufuse.to_torch, cupy.asarray, .get())")
     scalars = [None if k is not None else x for x, k in zip(args, kinds)]
-    dtype = np.result_type(*dtypes, *[s for s in scalars if s is not None])
+    try:
+        dtype = np.result_type(*dtypes, *[s for s in scalars if s is not None])
+    except (OverflowError, TypeError) as e:
+        raise TypeError(f"cufuse.{name}: cannot combine the operands' types ({e})") from None
     if dtype not in accepted:  # e.g. an int64 NumPy scalar that promotes float16 to float64 stays valid
         raise TypeError(f"cufuse.{name}: operands promote to {dtype}; accepted dtypes are {accepted_names}")
     try:
@@ -221,7 +224,7 @@ def check_out(name, out, kind, dtype, shape, device):
     if kind == NUMPY and not out.flags.writeable:
         raise ValueError(f"cufuse.{name}: out is a read-only numpy array")
     st = strides_of(out, ok)
-    if any(s == 0 and n > 1 for s, n in zip(st, out.shape)):
+    if 0 not in tuple(out.shape) and any(s == 0 and n > 1 for s, n in zip(st, out.shape)):
         raise ValueError(f"cufuse.{name}: out is a broadcast view (a stride is 0); it must own each element")
 
 

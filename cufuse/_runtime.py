@@ -205,12 +205,26 @@ def launch(fn, work: int, device: int, args: tuple, stream=None) -> None:
 _external_streams: dict[int, object] = {}
 
 
+class _RawStream:
+    """A raw stream handle speaking the CUDA stream protocol."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
 def external_stream(ptr: int, device: int):
-    """A cached ``cupy.cuda.ExternalStream`` for a raw stream handle (torch's)."""
+    """A cached CuPy stream object for a raw stream handle (torch's), to launch on."""
     key = (ptr, device)
     s = _external_streams.get(key)
     if s is None:
-        s = _cp.cuda.ExternalStream(ptr, device)
+        with _cp.cuda.Device(device):
+            if hasattr(_cp.cuda.Stream, "from_external"):  # CuPy >= 14
+                s = _cp.cuda.Stream.from_external(_RawStream(ptr))
+            else:  # pragma: no cover - older CuPy
+                s = _cp.cuda.ExternalStream(ptr, device)
         _external_streams[key] = s
     return s
 

@@ -10,6 +10,8 @@ reads, so small calls cost little more than the launch itself.
 """
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 
 from .. import _arrays as A
@@ -60,38 +62,63 @@ class ElementwiseOp:
             ent = self._fast[key] = (self._fn(dt, dev), self._pack[dt], R.grid_cap(dev))
         return ent
 
+    def public(self, params, doc):
+        """The public function: a closure holding the fast paths, written flat
+        (locals only, no helper calls) because at 100K elements every
+        attribute read counts. Same-shape C-contiguous CuPy arrays of one float
+        dtype on the current device launch straight away; torch CUDA tensors
+        take ``_fast_torch``; everything else, errors included, goes to the
+        general path."""
+        arity, packs, fast, general = self.arity, self._pack, self._fast, self._general
+        fast_entry, fast_torch, zeros = self._fast_entry, self._fast_torch, self._zeros
+        CupyArray, is_tensor, get_device = A.CupyArray, A.is_torch_tensor, _get_device
+        new_array = R._cp.ndarray if R._cp is not None else None
+
+        def op(*args, out=None):
+            if len(args) == arity:
+                a0 = args[0]
+                if type(a0) is CupyArray:
+                    dt = a0.dtype
+                    shape = a0.shape
+                    dev = a0.data.device_id
+                    if dt in packs and a0._c_contiguous and dev == get_device():
+                        for x in args[1:]:
+                            if (type(x) is not CupyArray or (x.dtype is not dt and x.dtype != dt)
+                                    or not x._c_contiguous or x.shape != shape or x.data.device_id != dev):
+                                break
+                        else:
+                            n = a0.size
+                            if out is None:
+                                out = new_array(shape, dt)
+                            elif (type(out) is CupyArray and (out.dtype is dt or out.dtype == dt)
+                                  and out._c_contiguous and out.shape == shape and out.data.device_id == dev):
+                                optr, nbytes = out.data.ptr, n * dt.itemsize
+                                for x in args:  # partial overlap needs the general path's temporary
+                                    d = x.data.ptr - optr
+                                    if d and -nbytes < d < nbytes:
+                                        return general(args, out)
+                            else:
+                                return general(args, out)
+                            if n:
+                                fn, vec, cap = fast.get((dt, dev)) or fast_entry(dt, dev)
+                                blocks = ((n // vec) + 255) >> 8 or 1
+                                fn((blocks if blocks < cap else cap,), (256,), (out, *args, *zeros, n))
+                            return out
+                elif is_tensor(a0) and a0.is_cuda:
+                    res = fast_torch(a0, args, out)
+                    if res is not None:
+                        return res
+            return general(args, out)
+
+        op.__name__ = op.__qualname__ = self.name
+        op.__module__ = "cufuse"
+        op.__doc__ = doc
+        op.__signature__ = inspect.Signature(
+            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY) for p in params]
+            + [inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None)])
+        return op
+
     def __call__(self, *args, out=None):
-        """Fast paths first, written flat because every attribute read and
-        call counts at 100K elements: same-shape C-contiguous CuPy arrays (or
-        CUDA tensors) of one float dtype on the current device. Anything else,
-        including every error, goes to the general path."""
-        a0 = args[0] if args else None
-        if type(a0) is A.CupyArray and len(args) == self.arity:
-            dt = a0.dtype
-            shape = a0.shape
-            dev = a0.data.device_id
-            if dt in self._pack and a0._c_contiguous and dev == _get_device():
-                for x in args:
-                    if (type(x) is not A.CupyArray or x.dtype != dt or not x._c_contiguous or x.shape != shape
-                            or x.data.device_id != dev):
-                        break
-                else:
-                    n = a0.size
-                    if out is None:
-                        out = R._cp.ndarray(shape, dt)
-                    elif not (type(out) is A.CupyArray and out.dtype == dt and out._c_contiguous
-                              and out.shape == shape and out.data.device_id == dev
-                              and not _partial_overlap(out.data.ptr, [x.data.ptr for x in args], n * dt.itemsize)):
-                        return self._general(args, out)
-                    if n:
-                        fn, vec, cap = self._fast.get((dt, dev)) or self._fast_entry(dt, dev)
-                        blocks = ((n // vec) + 255) >> 8 or 1
-                        fn((blocks if blocks < cap else cap,), (256,), (out, *args, *self._zeros, n))
-                    return out
-        elif A.is_torch_tensor(a0) and a0.is_cuda and len(args) == self.arity:
-            res = self._fast_torch(a0, args, out)
-            if res is not None:
-                return res
         return self._general(args, out)
 
     def _fast_torch(self, a0, args, out):
@@ -127,7 +154,7 @@ class ElementwiseOp:
     # ------------------------------------------------------- general path
     def _general(self, args, out):
         if len(args) != self.arity:
-            raise TypeError(f"cufuse.{self.name} takes {self.arity} operands, got {len(args)}")
+            raise TypeError(f"cufuse.{self.name} takes {self.arity} operands, got {len(args)} positional arguments")
         plan = A.plan_elementwise(self.name, args, out)
         if plan.kind in A.GPU_KINDS:
             return self._run_gpu(plan)
@@ -144,11 +171,11 @@ class ElementwiseOp:
             else:
                 arr = x.numpy() if torch_cpu else x
                 vals.append(arr.astype(cdt, copy=False))
-        with np.errstate(all="ignore"):
+        with np.errstate(all="ignore"):  # overflow to inf is the answer, as on the GPU
             res = np.asarray(self.numpy_impl(*vals), dtype=cdt)
-        if res.shape != plan.shape:  # all-scalar-but-one 0-d operands
-            res = np.array(np.broadcast_to(res, plan.shape))
-        res = res.astype(plan.dtype, copy=False)
+            if res.shape != plan.shape:  # all-scalar-but-one 0-d operands
+                res = np.array(np.broadcast_to(res, plan.shape))
+            res = res.astype(plan.dtype, copy=False)
         if plan.out is not None:
             target = plan.out.numpy() if torch_cpu else plan.out
             np.copyto(target, res)
@@ -284,25 +311,9 @@ _COMMON = """
 """
 
 
-def add_relu(a, b, /, *, out=None):
-    return _add_relu(a, b, out=out)
-
-
-def mul_tanh(a, b, /, *, out=None):
-    return _mul_tanh(a, b, out=out)
-
-
-def add_mul_exp(x, y, /, *, out=None):
-    return _add_mul_exp(x, y, out=out)
-
-
-def fma(q, k, v, /, *, out=None):
-    return _fma(q, k, v, out=out)
-
-
-add_relu.__doc__ = "relu(a + b), fused: one pass over memory.\n" + _COMMON
-mul_tanh.__doc__ = "tanh(a * b), fused: one pass over memory.\n" + _COMMON
-add_mul_exp.__doc__ = "exp((x + y) * 2), fused: one pass over memory.\n" + _COMMON
-fma.__doc__ = "q * k + v, fused (a fused multiply-add): one pass over memory.\n" + _COMMON
+add_relu = _add_relu.public("ab", "relu(a + b), fused: one pass over memory.\n" + _COMMON)
+mul_tanh = _mul_tanh.public("ab", "tanh(a * b), fused: one pass over memory.\n" + _COMMON)
+add_mul_exp = _add_mul_exp.public("xy", "exp((x + y) * 2), fused: one pass over memory.\n" + _COMMON)
+fma = _fma.public("qkv", "q * k + v, fused (a fused multiply-add): one pass over memory.\n" + _COMMON)
 
 OPS = {"add_relu": _add_relu, "mul_tanh": _mul_tanh, "add_mul_exp": _add_mul_exp, "fma": _fma}

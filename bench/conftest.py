@@ -1,0 +1,373 @@
+"""Fixtures and the end-of-run summary table for the cufuse benchmarks.
+
+Everything heavy (CuPy import, the copy-bandwidth measurement, input arrays)
+happens lazily, inside the first benchmark that runs: with ``--benchmark-skip``
+(the default addopts) or without a GPU nothing here touches the device.
+"""
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cufuse
+
+# Filled by the tests, read by pytest_terminal_summary.
+BANDWIDTH: list[dict] = []   # one dict per bandwidth benchmark that ran
+LATENCY: list[dict] = []     # one dict per latency benchmark that ran
+SKIPPED: dict[str, str] = {}  # peer -> reason it was skipped
+_BENCH: dict = {}            # the one GpuBench of the session, once created
+
+COPY_BYTES = 1 << 30         # 1 GiB source + 1 GiB destination for the copy reference
+FLUSH_BYTES = 512 << 20      # memset before each event-timed call (see gpu_time_us)
+
+
+def size_label(n: int) -> str:
+    if n % 1_000_000 == 0:
+        return f"{n // 1_000_000}M"
+    if n % 1_000 == 0:
+        return f"{n // 1_000}K"
+    return str(n)
+
+
+class GpuBench:
+    """Device helpers shared by every benchmark of the session."""
+
+    def __init__(self):
+        import cupy as cp
+        self.cp = cp
+        self.device = cp.cuda.runtime.getDevice()
+        self.bandwidth = BANDWIDTH   # the tests append their rows here
+        self.latency = LATENCY
+        self._inputs_key = None
+        self._inputs = None
+        self._scratch = None
+        self._copy = None
+        self._info = None
+        self._flush_us = None
+        self._streams = {}
+
+    # ------------------------------------------------------------ basics
+    def sync(self):
+        """Wait for all work on the device (every stream: CuPy's and torch's)."""
+        self.cp.cuda.runtime.deviceSynchronize()
+
+    def info(self) -> dict:
+        if self._info is None:
+            cp = self.cp
+            props = cp.cuda.runtime.getDeviceProperties(self.device)
+            name = props["name"]
+            name = name.decode() if isinstance(name, bytes) else str(name)
+            rt = cp.cuda.runtime.runtimeGetVersion()
+            drv = cp.cuda.runtime.driverGetVersion()
+            self._info = {
+                "gpu": name,
+                "sms": int(props["multiProcessorCount"]),
+                "mem_gib": round(props["totalGlobalMem"] / 2**30, 1),
+                "cupy": cp.__version__,
+                "cuda_runtime": f"{rt // 1000}.{rt % 1000 // 10}",
+                "driver_cuda": f"{drv // 1000}.{drv % 1000 // 10}",
+                "cufuse": cufuse.__version__,
+            }
+            import sys
+            torch = sys.modules.get("torch")
+            if torch is not None:
+                self._info["torch"] = torch.__version__
+        return self._info
+
+    # ------------------------------------------------------------ inputs
+    def inputs(self, n: int, dtype) -> tuple:
+        """Three random-normal CuPy arrays of ``n`` elements (generated on the
+        GPU, fixed seeds). Only the latest (n, dtype) is kept, to bound memory."""
+        dtype = np.dtype(dtype)
+        key = (n, dtype)
+        if self._inputs_key != key:
+            cp = self.cp
+            self._inputs = None
+            cp.get_default_memory_pool().free_all_blocks()
+            arrs = []
+            for k in range(3):
+                rng = cp.random.default_rng(1234 + k)
+                a = rng.standard_normal(n, dtype=np.float32)
+                arrs.append(a if dtype == np.float32 else a.astype(dtype))
+            self._inputs = tuple(arrs)
+            self._inputs_key = key
+            self.sync()
+        return self._inputs
+
+    # ------------------------------------------------------------ timing
+    def _flush(self, stream):
+        """Queue a 512 MiB memset on ``stream``: evicts L2 (like triton's
+        do_bench) and keeps the GPU busy while the host queues the timed call."""
+        cp = self.cp
+        if self._scratch is None:
+            self._scratch = cp.empty(FLUSH_BYTES, dtype=np.uint8)
+        cp.cuda.runtime.memsetAsync(self._scratch.data.ptr, 0, FLUSH_BYTES, stream.ptr)
+
+    def gpu_time_us(self, fn, stream, reps: int, warmup: int = 10, batch: int = 1) -> dict:
+        """GPU microseconds per ``fn()`` by CUDA events on ``stream`` (the
+        stream fn queues its work on): median over ``reps`` of ``batch``
+        back-to-back calls between two events, divided by ``batch``.
+
+        Before each repetition, memsets of a 512 MiB buffer are queued: they
+        evict L2 (as triton's do_bench does) and keep the GPU busy while the
+        host queues the calls, so the events bracket GPU work and not the
+        host's launch overhead. Enough memsets are queued to outlast the
+        host's enqueue time seen in the warm-up (twice over); ``backlog_ok``
+        says whether the measured enqueue time stayed under the backlog.
+        """
+        cp = self.cp
+        flush_us = self.flush_us()
+        warm = []
+        for _ in range(warmup):
+            t0 = time.perf_counter()
+            fn()
+            warm.append(time.perf_counter() - t0)
+        self.sync()
+        need_us = 2 * statistics.median(warm) * 1e6 * batch
+        n_flush = min(32, max(1, math.ceil(need_us / flush_us)))
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        gpu, enq = [], []
+        for _ in range(reps):
+            for _ in range(n_flush):
+                self._flush(stream)
+            start.record(stream)
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            enq.append(time.perf_counter() - t0)
+            end.record(stream)
+            end.synchronize()
+            gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / batch)
+        self.sync()
+        enq_us = statistics.median(enq) * 1e6
+        return {"gpu_us": statistics.median(gpu), "enqueue_us": enq_us / batch,
+                "backlog_us": n_flush * flush_us, "backlog_ok": enq_us < 0.9 * n_flush * flush_us}
+
+    def flush_us(self) -> float:
+        """GPU microseconds of one 512 MiB memset (measured once)."""
+        if self._flush_us is None:
+            cp = self.cp
+            s = cp.cuda.get_current_stream()
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+            ts = []
+            for _ in range(7):
+                self._flush(s)
+                start.record(s)
+                self._flush(s)
+                end.record(s)
+                end.synchronize()
+                ts.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+            self._flush_us = statistics.median(ts)
+        return self._flush_us
+
+    def external_stream(self, ptr: int):
+        """A cached CuPy stream object for a raw stream handle (torch's)."""
+        s = self._streams.get(ptr)
+        if s is None:
+            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works
+                warnings.simplefilter("ignore", DeprecationWarning)
+                s = self._streams[ptr] = self.cp.cuda.ExternalStream(ptr, self.device)
+        return s
+
+    def copy_bandwidth(self) -> dict:
+        """Device-to-device copy bandwidth, measured once per session: 1 GiB by
+        cudaMemcpyAsync and by ``dst[...] = src``, CUDA events, median of 20,
+        bytes = read + written. The reference is the faster of the two."""
+        if self._copy is None:
+            cp = self.cp
+            s = cp.cuda.get_current_stream()
+            src = cp.random.default_rng(7).standard_normal(COPY_BYTES // 4, dtype=np.float32)
+            dst = cp.empty_like(src)
+            start, end = cp.cuda.Event(), cp.cuda.Event()
+
+            def median_ms(fn, reps=20, warmup=3):
+                for _ in range(warmup):
+                    fn()
+                s.synchronize()
+                ts = []
+                for _ in range(reps):
+                    start.record(s)
+                    fn()
+                    end.record(s)
+                    end.synchronize()
+                    ts.append(cp.cuda.get_elapsed_time(start, end))
+                return statistics.median(ts)
+
+            def memcpy():
+                cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, COPY_BYTES,
+                                            cp.cuda.runtime.memcpyDeviceToDevice, s.ptr)
+
+            def assign():
+                dst[...] = src
+
+            t_memcpy = median_ms(memcpy)
+            t_assign = median_ms(assign)
+            ok = bool(cp.array_equal(dst, src))
+            del src, dst
+            self.sync()
+            cp.get_default_memory_pool().free_all_blocks()
+            g_memcpy = 2 * COPY_BYTES / (t_memcpy * 1e-3) / 1e9
+            g_assign = 2 * COPY_BYTES / (t_assign * 1e-3) / 1e9
+            if not ok:
+                raise AssertionError("device-to-device copy reference produced wrong data")
+            self._copy = {"memcpy_GBps": g_memcpy, "assign_GBps": g_assign,
+                          "GBps": max(g_memcpy, g_assign), "flush_us": self.flush_us()}
+        return self._copy
+
+    @staticmethod
+    def host_loop_us(fns: dict, sync, calls: int = 2000, rounds: int = 7) -> dict:
+        """Host wall microseconds per call of each fn: ``calls`` calls between
+        two synchronizes, divided; the variants are interleaved round by
+        round; median of ``rounds``."""
+        for f in fns.values():  # warm-up: compile, fill memory pools
+            for _ in range(200):
+                f()
+        sync()
+        samples = {k: [] for k in fns}
+        for _ in range(rounds):
+            for k, f in fns.items():
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    f()
+                sync()
+                samples[k].append((time.perf_counter() - t0) / calls * 1e6)
+        return {k: statistics.median(v) for k, v in samples.items()}
+
+    # ------------------------------------------------------------ skips
+    @staticmethod
+    def skip(peer: str, reason: str):
+        SKIPPED.setdefault(peer, reason)
+        pytest.skip(f"{peer}: {reason}")
+
+
+@pytest.fixture(scope="session")
+def gpu():
+    """The session's GpuBench (skips when cufuse has no usable GPU)."""
+    if not cufuse.CUDA_AVAILABLE:
+        pytest.skip("cufuse.CUDA_AVAILABLE is False: no usable CUDA GPU")
+    if "gpu" not in _BENCH:
+        _BENCH["gpu"] = GpuBench()
+    return _BENCH["gpu"]
+
+
+# ---------------------------------------------------------------- summary
+PEERS = ("cupy-chain", "cupy.fuse", "torch-eager", "torch.compile")
+DT_SHORT = {"float32": "f32", "float16": "f16"}
+
+
+def _table(header, rows, align):
+    """A Markdown table with padded columns (readable in a terminal too)."""
+    cells = [list(header)] + [[str(c) for c in r] for r in rows]
+    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
+
+    def line(r):
+        return "| " + " | ".join(c.rjust(w[i]) if align[i] == "r" else c.ljust(w[i])
+                                 for i, c in enumerate(r)) + " |"
+
+    sep = "|" + "|".join(("-" * (w[i] + 1) + ":") if align[i] == "r" else ("-" * (w[i] + 2))
+                         for i in range(len(header))) + "|"
+    return [line(cells[0]), sep] + [line(r) for r in cells[1:]]
+
+
+def _us(x):
+    return "-" if x is None else (f"{x:.1f}" if x < 1000 else f"{x:.0f}")
+
+
+def summary_lines(full=False) -> list[str]:
+    out = []
+    g = _BENCH.get("gpu")
+    if g is not None:
+        info = g.info()
+        out.append(" ".join(f"{k}={v}" for k, v in info.items()))
+        if g._copy is not None:
+            c = g._copy
+            out.append(f"D2D copy reference (1 GiB, read+written): {c['GBps']:.0f} GB/s "
+                       f"(cudaMemcpyAsync {c['memcpy_GBps']:.0f}, dst[...]=src {c['assign_GBps']:.0f})")
+    if BANDWIDTH:
+        out.append("")
+        out += ["Bandwidth. µs: CUDA-event median of one call, on the GPU (a 512 MiB memset before each call",
+                "flushes L2 and keeps the GPU busy while the host queues the call). GB/s: (inputs read once +",
+                "output written once) / µs. % copy: of the D2D copy GB/s above. Peer cells: peer µs (peer µs /",
+                "cufuse µs; >1 = cufuse faster). cufuse writes into a preallocated out=; peers allocate."]
+        by_key = {}
+        for r in BANDWIDTH:
+            by_key.setdefault((r["op"], r["dtype"], r["n"]), {})[r["impl"]] = r
+        rows = []
+        for (op, dt, n), impls in by_key.items():
+            cf = impls.get("cufuse")
+            row = [op, size_label(n), DT_SHORT.get(dt, dt)]
+            if cf is not None:
+                row += [_us(cf["gpu_us"]), f"{cf['GBps']:.0f}", f"{cf['pct_of_copy']:.1f}%"]
+            else:
+                row += ["-", "-", "-"]
+            for p in PEERS:
+                r = impls.get(p)
+                if r is None:
+                    row.append("-")
+                elif cf is None:
+                    row.append(_us(r["gpu_us"]))
+                else:
+                    row.append(f"{_us(r['gpu_us'])} ({r['gpu_us'] / cf['gpu_us']:.2f}x)")
+            rows.append(row)
+        out += _table(["op", "n", "dtype", "cufuse µs", "GB/s", "% copy", *PEERS], rows,
+                      "lllrrr" + "r" * len(PEERS))
+        if full:
+            out.append("")
+            out.append("Every implementation (host µs = pytest-benchmark median of call + device synchronize):")
+            rows = [[r["op"], size_label(r["n"]), DT_SHORT.get(r["dtype"], r["dtype"]), r["impl"],
+                     _us(r["gpu_us"]), _us(r.get("host_us")), f"{r['GBps']:.0f}", f"{r['pct_of_copy']:.1f}%",
+                     _us(r.get("enqueue_us")), "yes" if r.get("backlog_ok", True) else "NO",
+                     r.get("out_dtype", r["dtype"])]
+                    for r in BANDWIDTH]
+            out += _table(["op", "n", "dtype", "impl", "GPU µs", "host µs", "GB/s", "% copy", "enqueue µs",
+                           "backlog ok", "out dtype"], rows, "llllrrrrrll")
+    for lat in LATENCY:
+        out.append("")
+        out += [f"Launch latency, add_mul_exp, {size_label(lat['n'])} {lat['dtype']}. µs/call: host wall time of "
+                f"{lat['calls']}-call loops between",
+                f"synchronizes, /{lat['calls']}, median of {lat['rounds']}, variants interleaved. GPU µs/call: CUDA "
+                "events over 20 back-to-back calls",
+                "(a loop whose µs/call is close to its GPU µs/call is GPU-bound, not launch-bound)."]
+        bare = lat["us"]["bare RawKernel"]
+        rows = []
+        for k, v in lat["us"].items():
+            g = lat.get("gpu_us", {}).get(k)
+            rows.append([k, f"{v:.2f}", f"{v / bare:.2f}x", "-" if g is None else f"{g:.2f}",
+                         lat["targets"].get(k, "")])
+        out += _table(["variant", "µs/call", "vs bare", "GPU µs/call", "target"], rows, "lrrrl")
+    bad = [f"{r['op']}-{r['dtype']}-{size_label(r['n'])}-{r['impl']}" for r in BANDWIDTH if not r.get("backlog_ok", True)]
+    if bad:
+        out.append("")
+        out.append("host enqueue outlasted the memset backlog (GPU µs include host time) for: " + ", ".join(bad))
+    if SKIPPED:
+        out.append("")
+        out += [f"skipped peer {k}: {v}" for k, v in SKIPPED.items()]
+    return out
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if not (BANDWIDTH or LATENCY):
+        return
+    terminalreporter.section("cufuse benchmark summary")
+    for line in summary_lines():
+        terminalreporter.write_line(line)
+    try:  # the long form, and the raw rows, beside pytest-benchmark's own files
+        d = Path(config.rootpath) / ".benchmarks"
+        d.mkdir(exist_ok=True)
+        (d / "cufuse-summary.md").write_text("\n".join(summary_lines(full=True)) + "\n")
+        (d / "cufuse-summary.json").write_text(json.dumps(
+            {"info": _BENCH["gpu"].info() if "gpu" in _BENCH else {},
+             "copy": _BENCH["gpu"]._copy if "gpu" in _BENCH else None,
+             "bandwidth": BANDWIDTH, "latency": LATENCY, "skipped": SKIPPED}, indent=1, default=str))
+        terminalreporter.write_line(f"(full table: {d / 'cufuse-summary.md'}; raw rows: {d / 'cufuse-summary.json'})")
+    except OSError as e:
+        terminalreporter.write_line(f"(could not write the full summary: {e})")

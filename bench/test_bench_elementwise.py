@@ -1,0 +1,305 @@
+"""Benchmarks of cufuse's fused elementwise ops.
+
+* test_bandwidth: add_relu, mul_tanh, add_mul_exp, fma at 100K/1M/20M/50M
+  elements, float32 and float16, cufuse (out=) against the CuPy ufunc chain,
+  cupy.fuse, torch eager and torch.compile.
+* test_latency: launch overhead at 100K elements against a bare RawKernel.
+
+Run from the repository root:  PYTHONPATH=$PWD python3 -m pytest bench --benchmark-only -q
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufuse
+
+NO_GPU = "cufuse.CUDA_AVAILABLE is False (CuPy missing, no driver or no GPU): nothing to benchmark"
+# Every benchmark is skipped without a GPU; the module still imports without
+# CuPy or torch, so that collection never errors.
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cufuse.CUDA_AVAILABLE, reason=NO_GPU)]
+
+cp = torch = None
+TORCH_REASON = "no GPU"
+if cufuse.CUDA_AVAILABLE:
+    import cupy as cp
+    try:
+        import torch
+        TORCH_REASON = None if torch.cuda.is_available() else "torch has no CUDA device"
+    except Exception as e:  # not installed, or a broken install
+        torch = None
+        TORCH_REASON = f"torch not importable ({type(e).__name__}: {e})"
+
+SIZES = (100_000, 1_000_000, 20_000_000, 50_000_000)
+DTYPES = ("float32", "float16")
+IMPLS = ("cufuse", "cupy-chain", "cupy.fuse", "torch-eager", "torch.compile")
+TOL = {"float32": (1e-4, 1e-4), "float16": (1e-2, 2e-2)}  # (rtol, atol) vs float64 NumPy
+
+
+def size_label(n):
+    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1_000}K"
+
+
+# ----------------------------------------------------------------- the ops
+def cp_add_relu(a, b):
+    return cp.maximum(a + b, 0)
+
+
+def cp_mul_tanh(a, b):
+    return cp.tanh(a * b)
+
+
+def cp_add_mul_exp(x, y):
+    return cp.exp((x + y) * 2)
+
+
+def cp_fma(q, k, v):
+    return q * k + v
+
+
+def t_add_relu(a, b):
+    return torch.relu(a + b)
+
+
+def t_mul_tanh(a, b):
+    return torch.tanh(a * b)
+
+
+def t_add_mul_exp(x, y):
+    return torch.exp((x + y) * 2)
+
+
+def t_fma(q, k, v):
+    return q * k + v
+
+
+OPS = {  # name: (arity, cufuse op, CuPy chain, torch eager, float64 NumPy reference)
+    "add_relu": (2, cufuse.add_relu, cp_add_relu, t_add_relu, lambda a, b: np.maximum(a + b, 0.0)),
+    "mul_tanh": (2, cufuse.mul_tanh, cp_mul_tanh, t_mul_tanh, lambda a, b: np.tanh(a * b)),
+    "add_mul_exp": (2, cufuse.add_mul_exp, cp_add_mul_exp, t_add_mul_exp, lambda x, y: np.exp((x + y) * 2.0)),
+    "fma": (3, cufuse.fma, cp_fma, t_fma, lambda q, k, v: q * k + v),
+}
+
+_FUSED: dict = {}
+_COMPILED: dict = {}
+
+
+def fused(op):
+    if op not in _FUSED:
+        _FUSED[op] = cp.fuse(OPS[op][2])
+    return _FUSED[op]
+
+
+def compiled(op):
+    if op not in _COMPILED:
+        _COMPILED[op] = torch.compile(OPS[op][3])
+    return _COMPILED[op]
+
+
+def torch_dtype(dtype):
+    return {"float32": torch.float32, "float16": torch.float16}[dtype]
+
+
+def torch_stream(gpu):
+    """torch's current stream as a CuPy stream object, for the events."""
+    return gpu.external_stream(torch.cuda.current_stream().cuda_stream)
+
+
+# ----------------------------------------------------------------- checking
+def as_cupy(res):
+    return res if isinstance(res, cp.ndarray) else cp.from_dlpack(res)
+
+
+def check_close(op, ins, res, dtype):
+    """Compare ``res`` with a float64 NumPy reference computed from the same
+    inputs, on about 65K strided samples plus the last 1024 elements."""
+    n = res.size
+    assert n == ins[0].size
+    step = max(1, n // 65536)
+    idx = cp.unique(cp.concatenate([cp.arange(0, n, step), cp.arange(max(0, n - 1024), n)]))
+    got = res[idx].get().astype(np.float64)
+    args = [x[idx].get().astype(np.float64) for x in ins]
+    with np.errstate(all="ignore"):
+        ref = OPS[op][4](*args)
+    # exp overflows float16 near x + y > 5.5: compare only where the reference
+    # fits the dtype with room; beyond it, the result must be huge or inf.
+    fmax = float(np.finfo(dtype).max)
+    fits = np.abs(ref) < 0.5 * fmax
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(got[fits], ref[fits], rtol=rtol, atol=atol,
+                               err_msg=f"{op} {dtype} n={n}: result differs from the float64 reference")
+    assert np.all(np.abs(got[~fits]) > 0.25 * fmax), f"{op} {dtype}: wrong values where the result overflows"
+
+
+# ----------------------------------------------------------------- bandwidth
+def rounds_for(n):
+    """(pytest-benchmark host rounds, CUDA-event repetitions)."""
+    if n <= 1_000_000:
+        return 100, 50
+    if n <= 20_000_000:
+        return 30, 30
+    return 20, 20
+
+
+CASES = [pytest.param(op, dt, n, impl, id=f"{op}-{dt}-{size_label(n)}-{impl}",
+                      marks=[pytest.mark.slow] if n >= 20_000_000 else [])
+         for op in OPS for dt in DTYPES for n in SIZES for impl in IMPLS]
+
+
+@pytest.mark.parametrize("op,dtype,n,impl", CASES)
+def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
+    arity, cf_op, cp_op, _, _ = OPS[op]
+    benchmark.group = f"{op} {size_label(n)} {dtype}"
+    copy = gpu.copy_bandwidth()
+    ins = gpu.inputs(n, dtype)[:arity]
+
+    stream = cp.cuda.get_current_stream()
+    if impl == "cufuse":
+        out = cp.empty(n, dtype)
+        call = lambda: cf_op(*ins, out=out)  # noqa: E731
+    elif impl == "cupy-chain":
+        call = lambda: cp_op(*ins)  # noqa: E731
+    elif impl == "cupy.fuse":
+        if not hasattr(cp, "fuse"):
+            gpu.skip(impl, "this CuPy has no cupy.fuse")
+        f = fused(op)
+        call = lambda: f(*ins)  # noqa: E731
+    else:  # torch-eager, torch.compile: the same memory, shared through DLPack
+        if TORCH_REASON:
+            gpu.skip(impl, TORCH_REASON)
+        tins = [torch.from_dlpack(x) for x in ins]
+        assert tins[0].dtype == torch_dtype(dtype)
+        f = OPS[op][3] if impl == "torch-eager" else compiled(op)
+        call = lambda: f(*tins)  # noqa: E731
+        stream = torch_stream(gpu)
+
+    # Correctness on the same inputs (for torch.compile this also compiles:
+    # compilation stays out of the timings; a failure to compile skips).
+    try:
+        res = call()
+        gpu.sync()
+    except Exception as e:
+        if impl != "torch.compile":
+            raise
+        gpu.skip(impl, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+    res = as_cupy(res)
+    check_close(op, ins, res, dtype)
+    nbytes = sum(x.nbytes for x in ins) + res.nbytes  # inputs read once + output written once
+    out_dtype = str(res.dtype)
+    del res
+
+    host_rounds, reps = rounds_for(n)
+    timing = gpu.gpu_time_us(call, stream, reps=reps)
+    gpu_us = timing["gpu_us"]
+
+    def target():
+        call()
+        gpu.sync()
+
+    benchmark.pedantic(target, rounds=host_rounds, warmup_rounds=3, iterations=1)
+    host_us = benchmark.stats.stats.median * 1e6 if benchmark.stats else None
+
+    gbps = nbytes / (gpu_us * 1e-6) / 1e9
+    row = {"op": op, "n": n, "dtype": dtype, "impl": impl, "bytes": nbytes, "gpu_us": gpu_us,
+           "GBps": gbps, "pct_of_copy": 100.0 * gbps / copy["GBps"], "copy_GBps": copy["GBps"],
+           "host_us": host_us, "enqueue_us": timing["enqueue_us"], "backlog_ok": timing["backlog_ok"],
+           "event_reps": reps, "out_dtype": out_dtype,
+           "allocates": impl != "cufuse"}
+    benchmark.extra_info.update(row)
+    gpu.bandwidth.append(row)
+
+
+# ----------------------------------------------------------------- latency
+BARE_SRC = r"""
+extern "C" __global__ void bare(const float* a, const float* b, float* o, long long n) {
+    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) o[i] = expf((a[i] + b[i]) * 2.0f);
+}
+"""
+
+SLUG = {"bare RawKernel": "bare", "cufuse (cupy)": "cufuse", "cufuse (cupy, out=)": "cufuse_out",
+        "cufuse (torch)": "cufuse_torch", "cufuse (torch, out=)": "cufuse_torch_out",
+        "torch eager": "torch_eager", "cupy chain": "cupy_chain"}
+CALLS = 2000    # calls between two synchronizes
+ROUNDS = 7      # median over this many loops
+
+
+def test_latency(benchmark, gpu):
+    """Host wall time per call at 100K float32 elements (launch overhead):
+    targets: cufuse <= 2x a bare RawKernel launch and >= 2x faster than the
+    torch eager chain; with out= <= 1.3x the bare launch; on torch tensors
+    <= 2.2x the bare launch."""
+    n, dtype = 100_000, "float32"
+    benchmark.group = "latency 100K float32"
+    x, y, _ = gpu.inputs(n, dtype)
+    o_bare, o_out = cp.empty(n, dtype), cp.empty(n, dtype)
+    kern = cp.RawKernel(BARE_SRC, "bare")
+    grid, n64 = (n + 255) // 256, np.int64(n)
+
+    def bare():
+        kern((grid,), (256,), (x, y, o_bare, n64))
+
+    fns = {
+        "bare RawKernel": bare,
+        "cufuse (cupy)": lambda: cufuse.add_mul_exp(x, y),
+        "cufuse (cupy, out=)": lambda: cufuse.add_mul_exp(x, y, out=o_out),
+    }
+    results = {"bare RawKernel": o_bare, "cufuse (cupy, out=)": o_out}
+    if not TORCH_REASON:
+        tx, ty = torch.from_dlpack(x), torch.from_dlpack(y)
+        to = torch.empty_like(tx)
+        fns["cufuse (torch)"] = lambda: cufuse.add_mul_exp(tx, ty)
+        fns["cufuse (torch, out=)"] = lambda: cufuse.add_mul_exp(tx, ty, out=to)
+        fns["torch eager"] = lambda: torch.exp((tx + ty) * 2)
+        results["cufuse (torch, out=)"] = to
+    fns["cupy chain"] = lambda: cp.exp((x + y) * 2)
+
+    for name, f in fns.items():  # every variant computes the right thing
+        r = f()
+        gpu.sync()
+        check_close("add_mul_exp", (x, y), as_cupy(results.get(name, r)), dtype)
+
+    us = gpu.host_loop_us(fns, gpu.sync, calls=CALLS, rounds=ROUNDS)
+    # GPU time per call of each variant, 20 calls back to back (is a loop host- or GPU-bound?)
+    gpu_us = {}
+    for name, f in fns.items():
+        s = torch_stream(gpu) if "torch" in name else cp.cuda.get_current_stream()
+        gpu_us[name] = gpu.gpu_time_us(f, s, reps=15, batch=20)["gpu_us"]
+
+    cf = fns["cufuse (cupy)"]
+
+    def loop():
+        for _ in range(CALLS):
+            cf()
+        gpu.sync()
+
+    benchmark.pedantic(loop, rounds=ROUNDS, warmup_rounds=1, iterations=1)
+
+    b = us["bare RawKernel"]
+    targets, ratios = {}, {}
+
+    def target(key, ratio_name, ratio, ok, text):
+        ratios[ratio_name] = ratio
+        targets[key] = f"{text}: {ratio:.2f}x {'met' if ok else 'MISSED'}"
+
+    r = us["cufuse (cupy)"] / b
+    target("cufuse (cupy)", "cufuse_vs_bare", r, r <= 2.0, "<= 2x bare")
+    r = us["cufuse (cupy, out=)"] / b
+    target("cufuse (cupy, out=)", "cufuse_out_vs_bare", r, r <= 1.3, "<= 1.3x bare")
+    if "cufuse (torch)" in us:
+        r = us["cufuse (torch)"] / b
+        target("cufuse (torch)", "cufuse_torch_vs_bare", r, r <= 2.2, "<= 2.2x bare")
+        ratios["cufuse_torch_out_vs_bare"] = us["cufuse (torch, out=)"] / b
+        r = us["torch eager"] / us["cufuse (cupy)"]
+        target("torch eager", "torch_eager_vs_cufuse", r, r >= 2.0, "cufuse >= 2x faster")
+    ratios["cupy_chain_vs_cufuse"] = us["cupy chain"] / us["cufuse (cupy)"]
+
+    entry = {"n": n, "dtype": dtype, "calls": CALLS, "rounds": ROUNDS, "us": us, "gpu_us": gpu_us,
+             "ratios": ratios, "targets": targets,
+             "pytest_benchmark_cufuse_us": (benchmark.stats.stats.median / CALLS * 1e6) if benchmark.stats else None}
+    benchmark.extra_info.update({
+        "n": n, "dtype": dtype, "calls_per_round": CALLS,
+        **{"us_" + SLUG[k]: v for k, v in us.items()},
+        **{"gpu_us_" + SLUG[k]: v for k, v in gpu_us.items()},
+        **ratios, "targets": "; ".join(f"{k} {v}" for k, v in targets.items())})
+    gpu.latency.append(entry)

@@ -1,0 +1,173 @@
+"""Shared test helpers: tolerances, the float64 reference, inputs, backends.
+
+The reference is written here, independently of cufuse (never its
+``numpy_impl`` lambdas): every operand is widened to float64 (a scalar is
+first rounded to the result dtype, as NumPy does when a Python scalar meets
+an array), the function is evaluated in float64, and the result is rounded to
+the output dtype (so that overflow to inf happens where it must).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufuse
+
+# ----------------------------------------------------------------- tolerances
+# (rtol, atol) per output dtype, stated once. The expected value is the float64
+# reference rounded to the output dtype, so float16 may differ from it by one
+# half-precision ulp (2**-10 ~ 9.8e-4 relative: float32 compute, then rounding);
+# float32 by a few ulps (expf/tanhf, fma vs. mul+add cancellation near 0);
+# float64 by a few ulps.
+TOL = {
+    np.dtype(np.float16): (2e-3, 1e-4),
+    np.dtype(np.float32): (1e-5, 1e-5),
+    np.dtype(np.float64): (1e-12, 1e-12),
+}
+
+DTYPES = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
+
+# ------------------------------------------------------------------ reference
+_REF = {
+    "add_relu": lambda a, b: np.maximum(a + b, 0.0),        # np.maximum propagates NaN
+    "mul_tanh": lambda a, b: np.tanh(a * b),
+    "add_mul_exp": lambda x, y: np.exp((x + y) * 2.0),
+    "fma": lambda q, k, v: q * k + v,
+}
+ARITY = {"add_relu": 2, "mul_tanh": 2, "add_mul_exp": 2, "fma": 3}
+OP_NAMES = list(_REF)
+OPS = {name: getattr(cufuse, name) for name in OP_NAMES}
+
+
+def _widen(v, result_dtype):
+    if isinstance(v, np.ndarray):
+        return v.astype(np.float64)
+    # Python / NumPy scalar: rounded to the result dtype first (NumPy semantics)
+    return np.asarray(v, dtype=result_dtype).astype(np.float64)
+
+
+def reference(op, inputs, result_dtype):
+    """float64 reference of ``op`` on NumPy arrays / scalars (not yet rounded)."""
+    result_dtype = np.dtype(result_dtype)
+    vals = [_widen(v, result_dtype) for v in inputs]
+    with np.errstate(all="ignore"):
+        r = _REF[op](*vals)
+    return np.asarray(r, dtype=np.float64)
+
+
+def assert_close(got, ref, dtype):
+    """``got`` (NumPy, output dtype) against the float64 reference ``ref``."""
+    dtype = np.dtype(dtype)
+    assert isinstance(got, np.ndarray)
+    assert got.dtype == dtype, f"result dtype {got.dtype}, expected {dtype}"
+    assert got.shape == ref.shape, f"result shape {got.shape}, expected {ref.shape}"
+    with np.errstate(all="ignore"):
+        expected = ref.astype(dtype).astype(np.float64)
+    g = got.astype(np.float64)
+    np.testing.assert_array_equal(np.isnan(g), np.isnan(expected), err_msg="NaN positions differ")
+    np.testing.assert_array_equal(np.isposinf(g), np.isposinf(expected), err_msg="+inf positions differ")
+    np.testing.assert_array_equal(np.isneginf(g), np.isneginf(expected), err_msg="-inf positions differ")
+    rtol, atol = TOL[dtype]
+    np.testing.assert_allclose(g, expected, rtol=rtol, atol=atol, equal_nan=True)
+
+
+# ---------------------------------------------------------------------- inputs
+def scale_for(op):
+    """Keep exp's argument small enough that float16 does not overflow."""
+    return 0.5 if op == "add_mul_exp" else 1.0
+
+
+def rand(shape, dtype, seed, scale=1.0):
+    """Random normal values in ``dtype``, never zero."""
+    rng = np.random.default_rng(seed)
+    x = np.asarray(rng.standard_normal(shape) * scale).astype(dtype)
+    x[x == 0] = 0.5
+    return x
+
+
+# -------------------------------------------------------------------- backends
+class Backend:
+    """Converts NumPy inputs to one array kind and results back to NumPy."""
+
+    def __init__(self, name):
+        self.name = name
+        self.gpu = name in ("cupy", "torch_cuda")
+        self.is_torch = name.startswith("torch")
+        self.negative_strides = name in ("numpy", "cupy")  # torch has none
+        if self.is_torch:
+            self.torch = pytest.importorskip("torch")
+            if name == "torch_cuda" and not self.torch.cuda.is_available():
+                pytest.skip("torch without CUDA")
+        if name == "cupy":
+            if not cufuse.CUDA_AVAILABLE:
+                pytest.skip("no CUDA GPU")
+            import cupy
+            self.cp = cupy
+
+    def __repr__(self):
+        return f"Backend({self.name})"
+
+    def asarray(self, a):
+        """A copy of NumPy array ``a`` in this kind (contiguous)."""
+        a = np.array(a, order="C", copy=True)  # (np.ascontiguousarray makes 0-d arrays 1-d)
+        if self.name == "numpy":
+            return a
+        if self.name == "cupy":
+            return self.cp.asarray(a)
+        t = self.torch.from_numpy(a)
+        return t.to("cuda") if self.name == "torch_cuda" else t
+
+    def to_numpy(self, x):
+        if self.name == "numpy":
+            return np.array(x)
+        if self.name == "cupy":
+            return self.cp.asnumpy(x)
+        return np.array(x.detach().cpu().numpy())
+
+    def full(self, shape, value, dtype):
+        return self.asarray(np.full(shape, value, dtype=dtype))
+
+    def is_kind(self, x):
+        if self.name == "numpy":
+            return isinstance(x, np.ndarray)
+        if self.name == "cupy":
+            return isinstance(x, self.cp.ndarray)
+        if not isinstance(x, self.torch.Tensor):
+            return False
+        return x.is_cuda if self.name == "torch_cuda" else x.device.type == "cpu"
+
+    def synchronize(self):
+        if self.name == "cupy":
+            self.cp.cuda.get_current_stream().synchronize()
+        elif self.name == "torch_cuda":
+            self.torch.cuda.synchronize()
+
+
+BACKEND_PARAMS = [
+    pytest.param("numpy", id="numpy"),
+    pytest.param("torch_cpu", id="torch_cpu"),
+    pytest.param("cupy", id="cupy", marks=pytest.mark.cuda),
+    pytest.param("torch_cuda", id="torch_cuda", marks=pytest.mark.cuda),
+]
+
+
+def check_kind(backend, res, shape, dtype, like=None):
+    """The result is of the backend's kind, shape and dtype (on ``like``'s device)."""
+    assert backend.is_kind(res), f"{backend.name}: result is {type(res)}"
+    assert tuple(res.shape) == tuple(shape)
+    if backend.is_torch:
+        assert backend.to_numpy(res).dtype == np.dtype(dtype)
+        if like is not None:
+            assert res.device == like.device
+    else:
+        assert res.dtype == np.dtype(dtype)
+        if backend.name == "cupy" and like is not None:
+            assert res.data.device_id == like.data.device_id
+
+
+def gpu_count():
+    """Number of CUDA devices CuPy sees (0 without a usable GPU)."""
+    if not cufuse.CUDA_AVAILABLE:
+        return 0
+    from cufuse import _runtime as R
+    return R._cp.cuda.runtime.getDeviceCount()

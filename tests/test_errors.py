@@ -1,0 +1,316 @@
+"""Every documented error: exception type, a key phrase of the message, and
+(on the GPU backends) that nothing was launched before the error."""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import cufuse
+from cufuse.ops.elementwise import OPS as INTERNAL_OPS
+
+from _reference import ARITY, OP_NAMES, OPS, Backend, gpu_count, rand
+
+F16, F32, F64 = (np.dtype(t) for t in (np.float16, np.float32, np.float64))
+ACCEPTED = "float16, float32, float64"
+op_param = pytest.mark.parametrize("op", OP_NAMES)
+
+
+def operands(backend, op, shape=(4, 5), dtype=F32):
+    return [backend.asarray(rand(shape, dtype, 10 + k)) for k in range(ARITY[op])]
+
+
+# ---------------------------------------------------------------------- dtypes
+BAD_DTYPES = [np.int32, np.int64, np.uint8, np.bool_, np.complex64, np.complex128]
+
+
+@op_param
+@pytest.mark.parametrize("bad", BAD_DTYPES, ids=lambda t: np.dtype(t).name)
+@pytest.mark.parametrize("position", [0, -1], ids=["first", "last"])
+def test_non_float_array_dtype(backend, op, bad, position, launches):
+    args = operands(backend, op)
+    args[position] = backend.asarray(np.ones((4, 5), dtype=bad))
+    with pytest.raises(TypeError, match=ACCEPTED):
+        OPS[op](*args)
+    assert launches == []
+
+
+def test_torch_bfloat16_rejected(backend, launches):
+    if not backend.is_torch:
+        pytest.skip("bfloat16 exists only in torch")
+    torch = backend.torch
+    a = backend.asarray(rand((8,), F32, 1)).to(torch.bfloat16)
+    with pytest.raises(TypeError, match=ACCEPTED):
+        cufuse.add_relu(a, a)
+    assert launches == []
+
+
+@op_param
+def test_only_scalars(op):
+    with pytest.raises(TypeError, match="at least one operand must be an array"):
+        OPS[op](*([1.5] * ARITY[op]))
+    with pytest.raises(TypeError, match="at least one operand must be an array"):
+        OPS[op](*([np.float32(1.5)] + [2] * (ARITY[op] - 1)))
+
+
+@pytest.mark.parametrize("scalar, phrase", [(True, "bool scalars are not accepted"),
+                                            (np.bool_(False), "bool scalars are not accepted"),
+                                            (1 + 2j, "complex scalars are not accepted")],
+                         ids=["bool", "np.bool_", "complex"])
+def test_bad_scalar_types(backend, scalar, phrase, launches):
+    x = backend.asarray(rand((5,), F32, 2))
+    with pytest.raises(TypeError, match=phrase):
+        cufuse.add_relu(x, scalar)
+    assert launches == []
+
+
+# ------------------------------------------------------------- operand count
+@op_param
+def test_wrong_operand_count(backend, op):
+    x = backend.asarray(rand((5,), F32, 3))
+    n = ARITY[op]
+    with pytest.raises(TypeError, match="positional argument"):
+        OPS[op](*[x] * (n - 1))
+    with pytest.raises(TypeError, match="positional argument"):
+        OPS[op](*[x] * (n + 1))
+    with pytest.raises(TypeError, match="positional argument"):
+        OPS[op]()
+
+
+@op_param
+def test_wrong_operand_count_internal(op):
+    """The op objects behind the functions check the count themselves."""
+    x = rand((5,), F32, 3)
+    n = ARITY[op]
+    with pytest.raises(TypeError, match=f"takes {n} operands, got {n + 1}"):
+        INTERNAL_OPS[op](*[x] * (n + 1))
+    with pytest.raises(TypeError, match=f"takes {n} operands, got {n - 1}"):
+        INTERNAL_OPS[op](*[x] * (n - 1))
+
+
+# ------------------------------------------------------------ operand types
+@op_param
+@pytest.mark.parametrize("bad", [[1.0, 2.0], "abc", None, {"a": 1}, object()],
+                         ids=["list", "str", "None", "dict", "object"])
+def test_non_array_operand(backend, op, bad, launches):
+    x = backend.asarray(rand((2,), F32, 4))
+    args = [x] * ARITY[op]
+    args[1] = bad
+    name = f"{type(bad).__module__}.{type(bad).__name__}"
+    with pytest.raises(TypeError, match=re.escape(f"operand 2: got {name}")):
+        OPS[op](*args)
+    assert launches == []
+
+
+@op_param
+def test_shapes_do_not_broadcast(backend, op, launches):
+    args = [backend.asarray(rand((3, 4), F32, 5))] * ARITY[op]
+    args[-1] = backend.asarray(rand((5,), F32, 6))
+    with pytest.raises(ValueError, match="do not broadcast"):
+        OPS[op](*args)
+    assert launches == []
+
+
+# --------------------------------------------------------------- mixed kinds
+KIND_NAMES = {"numpy": "numpy.ndarray", "cupy": "cupy.ndarray",
+              "torch_cpu": "torch.Tensor (CPU)", "torch_cuda": "torch.Tensor (CUDA)"}
+_GPU = pytest.mark.cuda
+MIXED = [
+    pytest.param("numpy", "torch_cpu", id="numpy-torch_cpu"),
+    pytest.param("torch_cpu", "numpy", id="torch_cpu-numpy"),
+    pytest.param("numpy", "cupy", id="numpy-cupy", marks=_GPU),
+    pytest.param("cupy", "numpy", id="cupy-numpy", marks=_GPU),
+    pytest.param("cupy", "torch_cuda", id="cupy-torch_cuda", marks=_GPU),
+    pytest.param("torch_cuda", "cupy", id="torch_cuda-cupy", marks=_GPU),
+    pytest.param("torch_cpu", "torch_cuda", id="torch_cpu-torch_cuda", marks=_GPU),
+    pytest.param("torch_cuda", "numpy", id="torch_cuda-numpy", marks=_GPU),
+    pytest.param("cupy", "torch_cpu", id="cupy-torch_cpu", marks=_GPU),
+]
+
+
+@op_param
+@pytest.mark.parametrize("first, second", MIXED)
+def test_mixed_kinds(op, first, second, launches):
+    b1, b2 = Backend(first), Backend(second)
+    args = [b1.asarray(rand((6,), F32, 7))] + [2.5] * (ARITY[op] - 2) + [b2.asarray(rand((6,), F32, 8))]
+    with pytest.raises(TypeError, match="mixed array kinds") as exc:
+        OPS[op](*args)
+    msg = str(exc.value)
+    assert KIND_NAMES[first] in msg and KIND_NAMES[second] in msg
+    assert launches == []
+
+
+# ------------------------------------------------------------------------ out=
+@op_param
+def test_out_wrong_shape(backend, op, launches):
+    args = operands(backend, op)
+    for shape in [(5, 4), (4, 5, 1), (20,), ()]:
+        out = backend.full(shape, np.nan, F32)
+        with pytest.raises(ValueError, match=re.escape(f"out has shape {shape}")):
+            OPS[op](*args, out=out)
+        assert np.isnan(backend.to_numpy(out)).all()
+    assert launches == []
+
+
+@op_param
+@pytest.mark.parametrize("out_dtype", [F16, F64, np.dtype(np.int32)], ids=lambda d: d.name)
+def test_out_wrong_dtype(backend, op, out_dtype, launches):
+    args = operands(backend, op)
+    out = backend.asarray(np.zeros((4, 5), out_dtype))
+    with pytest.raises(TypeError, match="out has dtype"):
+        OPS[op](*args, out=out)
+    assert launches == []
+
+
+def test_out_dtype_is_the_promoted_one(backend, launches):
+    """float16 + float32 operands need a float32 out; a float16 out is refused."""
+    a, b = backend.asarray(rand((8,), F16, 1)), backend.asarray(rand((8,), F32, 2))
+    with pytest.raises(TypeError, match="result dtype is float32"):
+        cufuse.add_relu(a, b, out=backend.full((8,), 0, F16))
+    assert launches == []
+
+
+OTHER_KIND = {"numpy": "torch_cpu", "torch_cpu": "numpy", "cupy": "numpy", "torch_cuda": "cupy"}
+
+
+@op_param
+def test_out_wrong_kind(backend, op, launches):
+    other = Backend(OTHER_KIND[backend.name])
+    args = operands(backend, op)
+    out = other.full((4, 5), np.nan, F32)
+    with pytest.raises(TypeError, match=re.escape(f"but the operands are {KIND_NAMES[backend.name]}")):
+        OPS[op](*args, out=out)
+    assert np.isnan(other.to_numpy(out)).all()
+    assert launches == []
+
+
+@pytest.mark.parametrize("bad", [[0.0] * 20, 1.0, "out"], ids=["list", "float", "str"])
+def test_out_not_an_array(backend, bad, launches):
+    args = operands(backend, "add_relu", shape=(20,))
+    with pytest.raises(TypeError, match="out must be a"):
+        cufuse.add_relu(*args, out=bad)
+    assert launches == []
+
+
+def _broadcast_out(backend, shape):
+    """A writable view with a stride of 0, in the backend's kind."""
+    base = backend.full((1, shape[1]), np.nan, F32)
+    if backend.name == "numpy":
+        return np.lib.stride_tricks.as_strided(base, shape=shape, strides=(0, base.strides[1]),
+                                               writeable=True)
+    if backend.name == "cupy":
+        return backend.cp.broadcast_to(base, shape)
+    return base.expand(*shape)
+
+
+@op_param
+def test_out_broadcast_view(backend, op, launches):
+    args = operands(backend, op)
+    out = _broadcast_out(backend, (4, 5))
+    with pytest.raises(ValueError, match="broadcast view"):
+        OPS[op](*args, out=out)
+    assert launches == []
+
+
+@op_param
+def test_out_read_only_numpy(op):
+    args = operands(Backend("numpy"), op)
+    out = np.zeros((4, 5), F32)
+    out.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        OPS[op](*args, out=out)
+    assert not out.any()
+
+
+def test_out_read_only_numpy_broadcast():
+    """np.broadcast_to views are read-only: refused either way (ValueError)."""
+    x = rand((4, 5), F32, 1)
+    out = np.broadcast_to(np.zeros((1, 5), F32), (4, 5))
+    with pytest.raises(ValueError, match="read-only|broadcast view"):
+        cufuse.add_relu(x, x, out=out)
+
+
+# --------------------------------------------------------------- autograd
+def _torch_backend(backend):
+    if not backend.is_torch:
+        pytest.skip("requires_grad exists only in torch")
+    return backend.torch
+
+
+@op_param
+@pytest.mark.parametrize("where", ["operand", "out"])
+def test_requires_grad(backend, op, where, launches):
+    torch = _torch_backend(backend)
+    np_in = [rand((64,), F32, 20 + k) for k in range(ARITY[op])]
+    args = [backend.asarray(a) for a in np_in]
+    out = None
+    if where == "operand":
+        args[0] = args[0].clone().requires_grad_(True)
+    else:
+        out = backend.full((64,), np.nan, F32).requires_grad_(True)
+    kw = {} if out is None else {"out": out}
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        OPS[op](*args, **kw)
+    assert launches == []
+    # Works under torch.no_grad(), with the same values as detached inputs give.
+    with torch.no_grad():
+        res = OPS[op](*args, **kw)
+    expected = OPS[op](*[a.detach() for a in args])
+    np.testing.assert_array_equal(backend.to_numpy(res), backend.to_numpy(expected))
+    if out is not None:
+        assert res is out
+
+
+# ----------------------------------------------------------------- two GPUs
+def _two_gpus():
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+
+
+@pytest.mark.cuda
+@op_param
+def test_cupy_operands_on_two_gpus(op, launches):
+    _two_gpus()
+    import cupy as cp
+    a0 = cp.asarray(rand((16,), F32, 1))
+    with cp.cuda.Device(1):
+        a1 = cp.asarray(rand((16,), F32, 2))
+        out1 = cp.zeros((16,), F32)
+    args = [a0] * (ARITY[op] - 1) + [a1]
+    with pytest.raises(ValueError, match="different GPUs"):
+        OPS[op](*args)
+    with pytest.raises(ValueError, match="out is on GPU 1"):
+        OPS[op](*[a0] * ARITY[op], out=out1)
+    assert launches == []
+
+
+@pytest.mark.cuda
+@op_param
+def test_torch_operands_on_two_gpus(op, launches):
+    _two_gpus()
+    torch = pytest.importorskip("torch")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("torch sees fewer than 2 GPUs")
+    a0 = torch.from_numpy(rand((16,), F32, 1)).to("cuda:0")
+    a1 = torch.from_numpy(rand((16,), F32, 2)).to("cuda:1")
+    with pytest.raises(ValueError, match="different GPUs"):
+        OPS[op](*[a0] * (ARITY[op] - 1), a1)
+    with pytest.raises(ValueError, match="out is on GPU 1"):
+        OPS[op](*[a0] * ARITY[op], out=torch.zeros(16, device="cuda:1"))
+    assert launches == []
+
+
+@pytest.mark.cuda
+def test_cupy_operands_on_second_gpu_run_there(launches):
+    """Both operands on GPU 1 while GPU 0 is current: the result is on GPU 1 and right."""
+    _two_gpus()
+    import cupy as cp
+    from _reference import assert_close, reference
+    a, b = rand((4097,), F32, 1), rand((4097,), F32, 2)
+    with cp.cuda.Device(1):
+        da, db = cp.asarray(a), cp.asarray(b)
+    with cp.cuda.Device(0):
+        res = cufuse.add_relu(da, db)
+    assert res.data.device_id == 1 and len(launches) == 1
+    assert_close(cp.asnumpy(res), reference("add_relu", [a, b], F32), F32)

@@ -1,0 +1,309 @@
+"""Runtime and tooling: the build / demo / info CLI, kernel sources and the
+registry, the CuPy disk cache across processes, and the layout helpers
+(``_arrays.collapse`` / ``broadcast_strides`` / ``extent``) that decide which
+kernel sees which strides."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cufuse
+from cufuse import _arrays as A
+from cufuse import _runtime as R
+
+ROOT = Path(cufuse.__file__).resolve().parent.parent
+
+
+def subprocess_env(**extra):
+    """os.environ plus the repository root first on PYTHONPATH (the same cufuse)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra)
+    return env
+
+
+def run_py(args, timeout=600, **extra_env):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env=subprocess_env(**extra_env), cwd=str(ROOT))
+
+
+# ------------------------------------------------------------------ package
+def test_version_matches_pyproject():
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert cufuse.__version__ == meta["project"]["version"]
+
+
+def test_cuda_available_is_a_bool_and_consistent():
+    assert isinstance(cufuse.CUDA_AVAILABLE, bool)
+    assert cufuse.CUDA_AVAILABLE == R.CUDA_AVAILABLE
+    if R._cp is None:
+        assert cufuse.CUDA_AVAILABLE is False
+
+
+def test_disable_cuda_env_uses_the_fallback():
+    code = ("import numpy as np, cufuse; r = cufuse.add_relu(np.ones(3, np.float32), -2.0); "
+            "print(cufuse.CUDA_AVAILABLE, type(r).__module__)")
+    p = run_py(["-c", code], timeout=120, CUFUSE_DISABLE_CUDA="1")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "numpy"]
+
+
+# ---------------------------------------------------------- sources, registry
+def test_kernel_dir_holds_the_sources():
+    d = R.kernel_dir()
+    for name in ("common.cuh", "elementwise.cuh", "elementwise.cu"):
+        assert (d / name).is_file()
+
+
+def test_load_source_inlines_local_includes_once():
+    src = R.load_source("elementwise")
+    assert not re.search(r'^\s*#\s*include\s+"', src, re.M), "a local include was left in"
+    assert "#pragma once" not in src
+    assert "#include <cuda_fp16.h>" in src                   # system headers stay
+    for functor in ("struct AddRelu", "struct MulTanh", "struct AddMulExp", "struct Fma"):
+        assert src.count(functor) == 1
+    assert src.count("struct Layout {") == 1                  # elementwise.cuh inlined once
+    assert src.count("struct compute_type {") == 1            # common.cuh inlined once
+
+
+def test_registry_has_every_op_and_dtype():
+    reg = R.registry()
+    assert set(reg) == {"elementwise"}
+    entries = reg["elementwise"]
+    src = R.load_source("elementwise")
+    labels = {}
+    for expr, (label, dtype) in entries.items():
+        m = re.fullmatch(r"(ew[123](?:_strided)?)<(\w+), (__half|float|double), \3>", expr)
+        assert m, expr
+        kernel, functor, ctype = m.groups()
+        assert f"void CUFUSE_EW_BOUNDS {kernel}(" in src and f"struct {functor}" in src
+        assert {"__half": "float16", "float": "float32", "double": "float64"}[ctype] == dtype
+        labels.setdefault(label, set()).add(dtype)
+    for name in ("add_relu", "mul_tanh", "add_mul_exp", "fma"):
+        for label in (name, f"{name} (strided)"):
+            assert labels.get(label) == {"float16", "float32", "float64"}, label
+
+
+# --------------------------------------------------------------------- CLIs
+def _need_nvrtc():
+    try:
+        import cupy
+        cupy.cuda.nvrtc.getVersion()
+    except Exception as e:
+        pytest.skip(f"CuPy / NVRTC not usable: {type(e).__name__}: {e}")
+
+
+@pytest.mark.parametrize("archs", ["sm_90", "sm_80,sm_90"])
+def test_build_cli_compiles_every_kernel(archs):
+    _need_nvrtc()
+    p = run_py(["-m", "cufuse", "build", "--arch", archs])
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "FAIL" not in p.stdout
+    expressions = [e for fam in R.registry().values() for e in fam]
+    assert expressions
+    ok = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
+    arch_list = archs.split(",")
+    assert len(ok) == len(expressions) * len(arch_list)
+    for arch in arch_list:
+        for e in expressions:
+            hits = [line for line in ok if f" {arch} " in line and line.endswith(" " + e)]
+            assert len(hits) == 1, (arch, e)
+
+
+def test_build_cli_bad_arch_name():
+    p = run_py(["-m", "cufuse", "build", "--arch", "sm_xx"], timeout=120)
+    assert p.returncode != 0
+    assert "bad architecture" in p.stderr
+
+
+def test_build_cli_arch_nvrtc_rejects():
+    _need_nvrtc()
+    p = run_py(["-m", "cufuse", "build", "--arch", "sm_1"])
+    assert p.returncode != 0
+    assert "FAIL" in p.stdout
+
+
+def test_demo_cli():
+    p = run_py(["-m", "cufuse"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    out = p.stdout
+    assert "exp((x + y) * 2)" in out
+    rows = re.findall(r"^\s*([\d,]+)\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+[\d.]+\s+\(max rel err ([^)]+)\)\s*$", out, re.M)
+    assert [int(n.replace(",", "")) for n, _ in rows] == [100_000, 1_000_000, 20_000_000]
+    for _, err in rows:
+        assert float(err) < 1e-5
+    assert ("NumPy fallback" in out) == (not cufuse.CUDA_AVAILABLE)
+
+
+def test_info_cli():
+    p = run_py(["-m", "cufuse", "info"], timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert f"cufuse {cufuse.__version__}" in p.stdout
+    assert f"kernel sources: {R.kernel_dir()}" in p.stdout
+    assert ("NumPy fallback" in p.stdout) == (not cufuse.CUDA_AVAILABLE)
+
+
+# --------------------------------------------------------------- disk cache
+_CACHE_SCRIPT = r"""
+import numpy as np
+import cupy as cp
+import cupy.cuda.compiler as cc
+
+assert hasattr(cc, "_compile_using_nvrtc_no_warning"), "CuPy internals changed: update the test"
+calls = []
+_real = cc._compile_using_nvrtc_no_warning
+
+def _counting(*args, **kwargs):
+    calls.append(args[0][:40])
+    return _real(*args, **kwargs)
+
+cc._compile_using_nvrtc_no_warning = _counting
+
+import cufuse
+rng = np.random.default_rng(0)
+for name, arity in (("add_relu", 2), ("mul_tanh", 2), ("add_mul_exp", 2), ("fma", 3)):
+    op = getattr(cufuse, name)
+    for dt in (np.float16, np.float32, np.float64):
+        xs = [cp.asarray((rng.standard_normal(64) * 0.5).astype(dt)) for _ in range(arity)]
+        a = op(*xs)                       # contiguous kernel
+        b = op(*[x[::2] for x in xs])     # strided kernel
+        assert a.dtype == dt and b.shape == (32,)
+cp.cuda.Device().synchronize()
+print("CUFUSE_FILE", cufuse.__file__)
+print("COMPILES", len(calls))
+"""
+
+
+@pytest.mark.cuda
+def test_second_process_compiles_nothing(tmp_path):
+    cache = tmp_path / "cupy_cache"
+    cache.mkdir()
+    env = {"CUPY_CACHE_DIR": str(cache)}
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", _CACHE_SCRIPT], capture_output=True, text=True,
+                           timeout=600, cwd=str(tmp_path),
+                           env={k: v for k, v in subprocess_env(**env).items() if k != "CUPY_CACHE_IN_MEMORY"})
+        assert p.returncode == 0, p.stdout + p.stderr
+        assert f"CUFUSE_FILE {cufuse.__file__}" in p.stdout
+        return int(re.search(r"^COMPILES (\d+)$", p.stdout, re.M).group(1))
+
+    first = run()
+    assert first >= 1                    # the counter does see compiles
+    assert any(cache.iterdir())
+    assert run() == 0                    # everything came from the disk cache
+
+
+# ------------------------------------------------------------------ layouts
+def _elem_strides(a):
+    return [s // a.itemsize for s in a.strides]
+
+
+def _layouts():
+    base = np.zeros((4, 6, 10), np.float32)
+    return {
+        "contiguous": base,
+        "transposed": base.transpose(2, 0, 1),
+        "sliced": base[:, 1:5, ::3],
+        "negative": base[::-1, :, ::-2],
+    }
+
+
+BROADCASTS = [((5,), (4, 5)), ((1, 5), (4, 5)), ((4, 1), (4, 5)), ((), (3, 4)),
+              ((2, 1, 3), (4, 2, 5, 3)), ((4, 5), (4, 5)), ((1,), (1,)), ((1, 1), (7, 1))]
+
+
+@pytest.mark.parametrize("shape, out_shape", BROADCASTS, ids=str)
+@pytest.mark.parametrize("layout", ["contiguous", "sliced", "negative"])
+def test_broadcast_strides_match_numpy(shape, out_shape, layout):
+    size = int(np.prod(shape)) if shape else 1
+    big = np.zeros(size * 4, np.float32)
+    x = {"contiguous": big[:size], "sliced": big[::4], "negative": big[::-4]}[layout].reshape(shape)
+    got = A.broadcast_strides(x.shape, _elem_strides(x), out_shape)
+    want = _elem_strides(np.broadcast_to(x, out_shape))
+    assert len(got) == len(out_shape)
+    # the stride of a dim of size 1 is never used (NumPy may report 0 or anything)
+    assert [g for g, n in zip(got, out_shape) if n != 1] == [w for w, n in zip(want, out_shape) if n != 1]
+
+
+def _offsets(shape, strides):
+    """Element offsets of a (shape, strides) layout, visited in C order."""
+    if not shape:
+        return np.zeros(1, np.int64)
+    idx = np.indices(shape).reshape(len(shape), -1)
+    return (np.asarray(strides, np.int64)[:, None] * idx).sum(axis=0)
+
+
+def _check_collapse(shape, strides_list):
+    cshape, cstrides = A.collapse(shape, strides_list)
+    assert len(cstrides) == len(strides_list)
+    assert all(len(st) == len(cshape) for st in cstrides)
+    assert int(np.prod(cshape)) == int(np.prod(shape))
+    for st, cst in zip(strides_list, cstrides):  # collapsed dims are innermost first
+        np.testing.assert_array_equal(_offsets(shape, st), _offsets(cshape[::-1], cst[::-1]))
+    return cshape, cstrides
+
+
+@pytest.mark.parametrize("layout", list(_layouts()))
+@pytest.mark.parametrize("second", [None, "row", "column", "middle", "scalar"])
+def test_collapse_preserves_offsets(layout, second):
+    """Every operand visits the same elements in the same order after collapsing."""
+    x = _layouts()[layout]
+    shape = x.shape
+    out = np.empty(shape, np.float32)
+    strides = [_elem_strides(out), _elem_strides(x)]
+    if second is not None:
+        yshape = {"row": shape[-1:], "column": shape[:-1] + (1,), "middle": (shape[0], 1, shape[2]),
+                  "scalar": ()}[second]
+        y = np.zeros(yshape, np.float32)
+        strides.append(A.broadcast_strides(y.shape, _elem_strides(y), shape))
+    _check_collapse(shape, strides)
+
+
+# (shape, element strides per operand, number of dims after collapsing)
+COLLAPSE_DIMS = [
+    ((2, 3, 4), [[12, 4, 1], [12, 4, 1]], 1),          # all C-contiguous
+    ((1, 4, 1, 5), [[20, 5, 5, 1], [20, 5, 5, 1]], 1),  # size-1 dims dropped
+    ((4, 5), [[5, 1], [1, 4]], 2),                     # transposed input
+    ((4, 5), [[5, 1], [0, 1]], 2),                     # row broadcast
+    ((4, 5), [[5, 1], [1, 0]], 2),                     # column broadcast
+    ((4, 5), [[5, 1], [0, 0]], 1),                     # broadcast scalar-like operand
+    ((4, 5), [[5, 1], [20, 2]], 2),                    # x[:, ::2] of (4, 20): rows apart
+    ((2, 5), [[5, 1], [5, 1]], 1),                     # x[:2] of (4, 5): still contiguous
+    ((7,), [[1], [3]], 1),                             # step slice
+    ((7,), [[1], [-1]], 1),                            # reversed
+    ((1, 1), [[1, 1], [1, 1]], 1),                     # all size 1
+    ((3, 4, 5), [[20, 5, 1], [4, 1, 12]], 2),          # innermost dim apart, outer two mergeable
+]
+
+
+@pytest.mark.parametrize("shape, strides, ndim", COLLAPSE_DIMS, ids=[str(c[:2]) for c in COLLAPSE_DIMS])
+def test_collapse_merges_what_it_can(shape, strides, ndim):
+    cshape, cstrides = _check_collapse(shape, strides)
+    assert len(cshape) == ndim
+    if shape == (1, 1):
+        assert cshape == [1] and cstrides == [[0], [0]]
+
+
+def test_collapse_contiguous_is_one_dim_of_stride_one():
+    """What the op uses to pick the contiguous kernel."""
+    shape = (3, 4, 5)
+    c = [20, 5, 1]
+    assert A.collapse(shape, [c, c, c]) == ([60], [[1], [1], [1]])
+
+
+@pytest.mark.parametrize("view", ["contiguous", "transposed", "sliced", "negative", "broadcast"])
+def test_extent_matches_numpy_byte_bounds(view):
+    byte_bounds = getattr(np.lib, "array_utils", np).byte_bounds
+    base = np.zeros((5, 8), np.float64)
+    x = {"contiguous": base, "transposed": base.T, "sliced": base[1:4, 2:7:2],
+         "negative": base[::-1, ::-3], "broadcast": np.broadcast_to(base[2:3], (6, 8))}[view]
+    got = A.extent(x.ctypes.data, x.shape, _elem_strides(x), x.itemsize)
+    assert got == byte_bounds(x)
