@@ -10,7 +10,6 @@ import json
 import math
 import statistics
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -168,13 +167,9 @@ class GpuBench:
         return self._flush_us
 
     def external_stream(self, ptr: int):
-        """A cached CuPy stream object for a raw stream handle (torch's)."""
-        s = self._streams.get(ptr)
-        if s is None:
-            with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream; it still works
-                warnings.simplefilter("ignore", DeprecationWarning)
-                s = self._streams[ptr] = self.cp.cuda.ExternalStream(ptr, self.device)
-        return s
+        """A CuPy stream object for a raw stream handle (torch's): cufuse's own cache."""
+        from cufuse import _runtime
+        return _runtime.external_stream(ptr, self.device)
 
     def copy_bandwidth(self) -> dict:
         """Device-to-device copy bandwidth, measured once per session: 1 GiB by

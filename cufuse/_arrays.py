@@ -92,7 +92,8 @@ def dtype_of(x, kind):
     if kind in (TORCH_CPU, TORCH_CUDA):
         d = torch_to_numpy_dtype(x.dtype)
         return d if d is not None else x.dtype
-    return x.dtype
+    d = x.dtype
+    return d if d.isnative else d.newbyteorder("=")  # big-endian NumPy input: same values
 
 
 def device_of(x, kind):

@@ -5,10 +5,13 @@ Tolerances, the float64 reference and the backend helpers live in
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 
 import cufuse
 from cufuse import _runtime as R
+from cufuse.ops.elementwise import OPS as ELEMENTWISE_OPS
 
 from _reference import BACKEND_PARAMS, Backend
 
@@ -34,16 +37,45 @@ def backend(request):
     return Backend(request.param)
 
 
+class Launch(NamedTuple):
+    grid: tuple
+    block: tuple
+    stream: object  # None: CuPy's current stream
+
+
+class _CountingFunction:
+    """Wraps a compiled kernel (cupy.cuda.Function) and records every call."""
+
+    def __init__(self, fn, calls):
+        self._fn = fn
+        self._calls = calls
+
+    def __call__(self, *args, **kwargs):
+        stream = args[4] if len(args) > 4 else kwargs.get("stream")
+        self._calls.append(Launch(args[0], args[1], stream))
+        return self._fn(*args, **kwargs)
+
+
 @pytest.fixture
 def launches(monkeypatch):
-    """Records every kernel launch that goes through cufuse._runtime.launch."""
+    """Records every kernel launch cufuse makes, as a list of ``Launch``.
+
+    Every kernel comes from ``cufuse._runtime.get_function``, which is wrapped
+    here; the ops' per-(dtype, device) caches of contiguous kernels
+    (``ElementwiseOp._fast``) are emptied for the test so that they refill
+    with wrapped kernels, and restored afterwards."""
     calls = []
-    real = R.launch
+    real = R.get_function
 
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
+    def counting_get_function(*args, **kwargs):
+        return _CountingFunction(real(*args, **kwargs), calls)
 
-    monkeypatch.setattr(R, "launch", counting)
-    return calls
-
+    monkeypatch.setattr(R, "get_function", counting_get_function)
+    caches = [op._fast for op in ELEMENTWISE_OPS.values()]
+    saved = [dict(c) for c in caches]
+    for c in caches:
+        c.clear()
+    yield calls
+    for c, s in zip(caches, saved):
+        c.clear()
+        c.update(s)

@@ -100,6 +100,26 @@ def test_views(backend, op, dtype, view, launches):
     run_checked(backend, op, args, np_in, launches, dtype)
 
 
+MANY_DIMS = ["reversed_9d", "broadcast_10d"]
+
+
+@op_param
+@pytest.mark.parametrize("layout", MANY_DIMS)
+def test_many_dims(backend, op, layout, launches):
+    """Layouts that stay more than 8-D after merging contiguous dims (the
+    strided kernel's Layout holds 8) still give NumPy's answer; per
+    kernels/elementwise.cuh, 'more falls back to a copy'."""
+    sc = scale_for(op)
+    if layout == "reversed_9d":   # every dim's stride differs: nothing merges
+        args = [_permute(backend, backend.asarray(rand((2,) * 9, F32, 1300 + k, sc)), tuple(range(8, -1, -1)))
+                for k in range(ARITY[op])]
+    else:                         # the second operand broadcasts along every other dim
+        shapes = [(2,) * 10, (2, 1) * 5] + [(2,) * 10] * (ARITY[op] - 2)
+        args = [backend.asarray(rand(s, F32, 1310 + k, sc)) for k, s in enumerate(shapes)]
+    np_in = [backend.to_numpy(a) for a in args]
+    run_checked(backend, op, args, np_in, launches, F32)
+
+
 # ------------------------------------------------------------------- broadcast
 # An operand is a shape (an array), or "float" / "int" (Python scalar), or
 # "npscalar" (a NumPy scalar of the test dtype).

@@ -70,11 +70,12 @@ def test_bad_scalar_types(backend, scalar, phrase, launches):
 def test_wrong_operand_count(backend, op):
     x = backend.asarray(rand((5,), F32, 3))
     n = ARITY[op]
-    with pytest.raises(TypeError, match="positional argument"):
+    phrase = f"takes {n} (operands|positional arguments)"
+    with pytest.raises(TypeError, match=phrase):
         OPS[op](*[x] * (n - 1))
-    with pytest.raises(TypeError, match="positional argument"):
+    with pytest.raises(TypeError, match=phrase):
         OPS[op](*[x] * (n + 1))
-    with pytest.raises(TypeError, match="positional argument"):
+    with pytest.raises(TypeError, match=phrase):
         OPS[op]()
 
 

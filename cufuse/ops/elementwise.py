@@ -243,8 +243,20 @@ class ElementwiseOp:
             R.launch(fn, n // self._pack[dt] or 1, dev, (optr, *ptrs, *svals, n), stream)
             return
         if len(cshape) > _STRIDED_NDIM:
-            raise ValueError(f"cufuse.{self.name}: the layout needs {len(cshape)} dims after merging "
-                             f"contiguous ones; at most {_STRIDED_NDIM} are supported (make an operand contiguous)")
+            # More dims than the strided kernel indexes: copy the operands to
+            # contiguous arrays of the result shape, compute, copy back.
+            is_torch = kind == A.TORCH_CUDA
+            dense = [None if x is None else
+                     (x.expand(shape).contiguous() if is_torch else R._cp.ascontiguousarray(R._cp.broadcast_to(x, shape)))
+                     for x in ins]
+            tmp = (A.torch().empty(shape, dtype=out.dtype, device=out.device) if is_torch
+                   else R._cp.ndarray(shape, dt))
+            self._launch(tmp, dense, scalars, kind, dt, dev, shape, n, stream)
+            if is_torch:
+                out.copy_(tmp)
+            else:
+                out[...] = tmp
+            return
         layout = np.zeros((), dtype=_LAYOUT)
         layout["ndim"] = len(cshape)
         layout["shape"][:len(cshape)] = cshape
