@@ -9,12 +9,16 @@
 //     handled once, by the scalar loop; 64-bit indices throughout;
 //   * strided path: any layout (transposed, step-sliced, broadcast with
 //     stride 0, negative strides), dims collapsed on the host;
-//   * scalar operands: a null input pointer means "use the scalar argument",
-//     which arrives as a double and is rounded to the storage type first.
+//   * scalar operands travel in the pointer slot (see the calling convention
+//     below), so an all-array call passes exactly (out, inputs..., n).
 //
-// Kernel entry points ew1/ew2/ew3 (and *_strided) differ only in how many
-// input pointers they take; op parameters, if any, follow as `P... p` and
-// construct the functor: Op{p...}.
+// Calling convention of every entry point: (out, in_0 .. in_{N-1}, nm
+// [, Layout], p...). `nm` holds the element count in its low kScalarShift
+// bits; bit kScalarShift + k set means input k is a scalar, and its slot
+// holds the bit pattern of a double instead of a pointer (the value is
+// rounded to the storage type first, as NumPy rounds a Python scalar). Op
+// parameters, if any, follow as `P... p` and construct the functor: Op{p...}.
+// Entry points ew1/ew2/ew3 (and *_strided) differ only in the input count.
 #pragma once
 
 #include "common.cuh"
@@ -25,6 +29,7 @@ namespace cufuse {
 #define CUFUSE_EW_UNROLL 2
 #endif
 
+constexpr int kScalarShift = 56;  // nm: count in bits 0..55, scalar flags above
 constexpr int kMaxDims = 8;      // after collapsing; more falls back to a copy
 constexpr int kMaxOperands = 4;  // the output plus up to three inputs
 
@@ -42,22 +47,33 @@ __device__ __forceinline__ C apply_op(const Op& op, const C (&x)[NIN]) {
     else return op(x[0], x[1], x[2]);
 }
 
+// Splits nm into the count and the per-input scalar flags and values.
+template <int NIN, typename Tin>
+__device__ __forceinline__ long long decode_operands(const Tin* const (&in)[NIN], long long nm, bool (&is_s)[NIN],
+                                                     compute_t<Tin> (&sc)[NIN]) {
+#pragma unroll
+    for (int k = 0; k < NIN; ++k) {
+        is_s[k] = (nm >> (kScalarShift + k)) & 1;
+        sc[k] = is_s[k] ? scalar_to_compute<Tin>(__longlong_as_double(reinterpret_cast<long long>(in[k])))
+                        : compute_t<Tin>(0);
+    }
+    return nm & ((1LL << kScalarShift) - 1);
+}
+
 template <typename Tout, typename Tin> struct PackWidth {
     static constexpr int value = 16 / (sizeof(Tin) > sizeof(Tout) ? sizeof(Tin) : sizeof(Tout));
 };
 
 template <typename Op, int NIN, typename Tout, typename Tin>
-__device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Tin* const (&in)[NIN],
-                                               const double (&s)[NIN], long long n) {
+__device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm) {
     using C = compute_t<Tin>;
     constexpr int V = PackWidth<Tout, Tin>::value;
     C sc[NIN];
+    bool is_s[NIN];
+    const long long n = decode_operands<NIN>(in, nm, is_s, sc);
     bool aligned = is_aligned<Tout, V>(out);
 #pragma unroll
-    for (int k = 0; k < NIN; ++k) {
-        sc[k] = scalar_to_compute<Tin>(s[k]);
-        aligned = aligned && (in[k] == nullptr || is_aligned<Tin, V>(in[k]));
-    }
+    for (int k = 0; k < NIN; ++k) aligned = aligned && (is_s[k] || is_aligned<Tin, V>(in[k]));
     const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
     long long done = 0;
@@ -74,7 +90,7 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
                 const long long p = p0 + u * nthreads;
 #pragma unroll
                 for (int k = 0; k < NIN; ++k)
-                    if (p < npack && in[k] != nullptr) x[u][k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k]) + p);
+                    if (p < npack && !is_s[k]) x[u][k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k]) + p);
             }
 #pragma unroll
             for (int u = 0; u < U; ++u) {
@@ -85,7 +101,7 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
                 for (int j = 0; j < V; ++j) {
                     C v[NIN];
 #pragma unroll
-                    for (int k = 0; k < NIN; ++k) v[k] = in[k] != nullptr ? to_compute<C>(x[u][k].v[j]) : sc[k];
+                    for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(x[u][k].v[j]);
                     y.v[j] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
                 }
                 store_pack(dst + p, y);
@@ -97,18 +113,18 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
     for (long long i = done + tid; i < n; i += nthreads) {
         C v[NIN];
 #pragma unroll
-        for (int k = 0; k < NIN; ++k) v[k] = in[k] != nullptr ? to_compute<C>(in[k][i]) : sc[k];
+        for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(in[k][i]);
         out[i] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
     }
 }
 
 template <typename Op, int NIN, typename Tout, typename Tin>
-__device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* const (&in)[NIN],
-                                            const double (&s)[NIN], long long n, const Layout& L) {
+__device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm,
+                                            const Layout& L) {
     using C = compute_t<Tin>;
     C sc[NIN];
-#pragma unroll
-    for (int k = 0; k < NIN; ++k) sc[k] = scalar_to_compute<Tin>(s[k]);
+    bool is_s[NIN];
+    const long long n = decode_operands<NIN>(in, nm, is_s, sc);
     const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long i = tid; i < n; i += nthreads) {
@@ -126,7 +142,7 @@ __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* 
         }
         C v[NIN];
 #pragma unroll
-        for (int k = 0; k < NIN; ++k) v[k] = in[k] != nullptr ? to_compute<C>(in[k][off[k + 1]]) : sc[k];
+        for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(in[k][off[k + 1]]);
         out[off[0]] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
     }
 }
@@ -137,44 +153,35 @@ __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* 
 #define CUFUSE_EW_BOUNDS __launch_bounds__(256)
 
 template <typename Op, typename Tout, typename Tin, typename... P>
-__global__ void CUFUSE_EW_BOUNDS ew1(Tout* out, const Tin* a, double sa, long long n, P... p) {
+__global__ void CUFUSE_EW_BOUNDS ew1(Tout* out, const Tin* a, long long nm, P... p) {
     const Tin* in[1] = {a};
-    const double s[1] = {sa};
-    cufuse::run_contiguous<Op, 1>(Op{p...}, out, in, s, n);
+    cufuse::run_contiguous<Op, 1>(Op{p...}, out, in, nm);
 }
 template <typename Op, typename Tout, typename Tin, typename... P>
-__global__ void CUFUSE_EW_BOUNDS ew2(Tout* out, const Tin* a, const Tin* b, double sa, double sb, long long n,
-                                     P... p) {
+__global__ void CUFUSE_EW_BOUNDS ew2(Tout* out, const Tin* a, const Tin* b, long long nm, P... p) {
     const Tin* in[2] = {a, b};
-    const double s[2] = {sa, sb};
-    cufuse::run_contiguous<Op, 2>(Op{p...}, out, in, s, n);
+    cufuse::run_contiguous<Op, 2>(Op{p...}, out, in, nm);
 }
 template <typename Op, typename Tout, typename Tin, typename... P>
-__global__ void CUFUSE_EW_BOUNDS ew3(Tout* out, const Tin* a, const Tin* b, const Tin* c, double sa, double sb,
-                                     double sc, long long n, P... p) {
+__global__ void CUFUSE_EW_BOUNDS ew3(Tout* out, const Tin* a, const Tin* b, const Tin* c, long long nm, P... p) {
     const Tin* in[3] = {a, b, c};
-    const double s[3] = {sa, sb, sc};
-    cufuse::run_contiguous<Op, 3>(Op{p...}, out, in, s, n);
+    cufuse::run_contiguous<Op, 3>(Op{p...}, out, in, nm);
 }
 
 template <typename Op, typename Tout, typename Tin, typename... P>
-__global__ void CUFUSE_EW_BOUNDS ew1_strided(Tout* out, const Tin* a, double sa, long long n,
-                                             cufuse::Layout L, P... p) {
+__global__ void CUFUSE_EW_BOUNDS ew1_strided(Tout* out, const Tin* a, long long nm, cufuse::Layout L, P... p) {
     const Tin* in[1] = {a};
-    const double s[1] = {sa};
-    cufuse::run_strided<Op, 1>(Op{p...}, out, in, s, n, L);
+    cufuse::run_strided<Op, 1>(Op{p...}, out, in, nm, L);
 }
 template <typename Op, typename Tout, typename Tin, typename... P>
-__global__ void CUFUSE_EW_BOUNDS ew2_strided(Tout* out, const Tin* a, const Tin* b, double sa, double sb,
-                                             long long n, cufuse::Layout L, P... p) {
+__global__ void CUFUSE_EW_BOUNDS ew2_strided(Tout* out, const Tin* a, const Tin* b, long long nm, cufuse::Layout L,
+                                             P... p) {
     const Tin* in[2] = {a, b};
-    const double s[2] = {sa, sb};
-    cufuse::run_strided<Op, 2>(Op{p...}, out, in, s, n, L);
+    cufuse::run_strided<Op, 2>(Op{p...}, out, in, nm, L);
 }
 template <typename Op, typename Tout, typename Tin, typename... P>
-__global__ void CUFUSE_EW_BOUNDS ew3_strided(Tout* out, const Tin* a, const Tin* b, const Tin* c, double sa,
-                                             double sb, double sc, long long n, cufuse::Layout L, P... p) {
+__global__ void CUFUSE_EW_BOUNDS ew3_strided(Tout* out, const Tin* a, const Tin* b, const Tin* c, long long nm,
+                                             cufuse::Layout L, P... p) {
     const Tin* in[3] = {a, b, c};
-    const double s[3] = {sa, sb, sc};
-    cufuse::run_strided<Op, 3>(Op{p...}, out, in, s, n, L);
+    cufuse::run_strided<Op, 3>(Op{p...}, out, in, nm, L);
 }

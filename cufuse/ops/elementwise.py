@@ -19,6 +19,7 @@ from .. import _runtime as R
 
 FAMILY = "elementwise"
 _STRIDED_NDIM = 8     # kernels/elementwise.cuh: kMaxDims
+_SCALAR_SHIFT = 56    # kernels/elementwise.cuh: kScalarShift
 _MAX_OPERANDS = 4     # kernels/elementwise.cuh: kMaxOperands
 _LAYOUT = np.dtype({"names": ["shape", "stride", "ndim"],
                     "formats": [(np.int64, (_STRIDED_NDIM,)), (np.int64, (_MAX_OPERANDS, _STRIDED_NDIM)), np.int32]},
@@ -47,7 +48,6 @@ class ElementwiseOp:
             R.register(FAMILY, strided, f"{name} (strided)", dt.name)
             self._expr[dt] = (contig, strided)
             self._pack[dt] = 16 // dt.itemsize
-        self._zeros = (0.0,) * arity
         self._fast = {}  # (dtype, device) -> contiguous Function
 
     # ------------------------------------------------------------ hot path
@@ -55,59 +55,110 @@ class ElementwiseOp:
         return R.get_function(FAMILY, self._expr[dtype][strided], device)
 
     def _fast_entry(self, dt, dev):
-        """(Function, pack width, grid cap) for the contiguous kernel: built once per dtype and device."""
+        """(device, Function, pack width, grid cap, itemsize) of the contiguous kernel for
+        ``dt`` on ``dev``, or None for a dtype the kernels do not take. Cached
+        in ``_fast`` under (dt, dev) and, for the hot path, under dt alone."""
+        if dt not in self._pack:
+            return None
         key = (dt, dev)
         ent = self._fast.get(key)
         if ent is None:
-            ent = self._fast[key] = (self._fn(dt, dev), self._pack[dt], R.grid_cap(dev))
+            ent = self._fast[key] = (dev, self._fn(dt, dev), self._pack[dt], R.grid_cap(dev), dt.itemsize)
+        self._fast[dt] = ent
         return ent
 
     def public(self, params, doc):
         """The public function: a closure holding the fast paths, written flat
-        (locals only, no helper calls) because at 100K elements every
-        attribute read counts. Same-shape C-contiguous CuPy arrays of one float
-        dtype on the current device launch straight away; torch CUDA tensors
-        take ``_fast_torch``; everything else, errors included, goes to the
-        general path."""
-        arity, packs, fast, general = self.arity, self._pack, self._fast, self._general
-        fast_entry, fast_torch, zeros = self._fast_entry, self._fast_torch, self._zeros
-        CupyArray, is_tensor, get_device = A.CupyArray, A.is_torch_tensor, _get_device
+        (locals only, one pass over the operands, no helper calls) because at
+        100K elements every attribute read counts. Same-shape C-contiguous
+        CuPy arrays, or contiguous CUDA tensors, of one float dtype on the
+        current device launch straight away; everything else, errors
+        included, goes to the general path."""
+        arity, fast, general = self.arity, self._fast, self._general
+        fast_entry = self._fast_entry
+        CupyArray, get_device = A.CupyArray, _get_device
         new_array = R._cp.ndarray if R._cp is not None else None
+        torch_dtypes, torch_streams, TORCH = _TORCH_DTYPES, _TORCH_STREAMS, _TORCH
 
         def op(*args, out=None):
-            if len(args) == arity:
-                a0 = args[0]
-                if type(a0) is CupyArray:
-                    dt = a0.dtype
-                    shape = a0.shape
-                    dev = a0.data.device_id
-                    if dt in packs and a0._c_contiguous and dev == get_device():
-                        for x in args[1:]:
-                            if (type(x) is not CupyArray or (x.dtype is not dt and x.dtype != dt)
-                                    or not x._c_contiguous or x.shape != shape or x.data.device_id != dev):
-                                break
-                        else:
-                            n = a0.size
-                            if out is None:
-                                out = new_array(shape, dt)
-                            elif (type(out) is CupyArray and (out.dtype is dt or out.dtype == dt)
-                                  and out._c_contiguous and out.shape == shape and out.data.device_id == dev):
-                                optr, nbytes = out.data.ptr, n * dt.itemsize
-                                for x in args:  # partial overlap needs the general path's temporary
-                                    d = x.data.ptr - optr
-                                    if d and -nbytes < d < nbytes:
-                                        return general(args, out)
-                            else:
-                                return general(args, out)
-                            if n:
-                                fn, vec, cap = fast.get((dt, dev)) or fast_entry(dt, dev)
-                                blocks = ((n // vec) + 255) >> 8 or 1
-                                fn((blocks if blocks < cap else cap,), (256,), (out, *args, *zeros, n))
-                            return out
-                elif is_tensor(a0) and a0.is_cuda:
-                    res = fast_torch(a0, args, out)
-                    if res is not None:
-                        return res
+            if len(args) != arity:
+                return general(args, out)
+            a0 = args[0]
+            ta0 = type(a0)
+            if ta0 is CupyArray:
+                dt = a0.dtype
+                a0d = a0.data
+                dev = a0d.device_id
+                ent = fast.get(dt)
+                if ent is None or ent[0] != dev:
+                    ent = fast_entry(dt, dev)
+                if ent is None or not a0._c_contiguous or dev != get_device():
+                    return general(args, out)
+                shape = a0.shape
+                n = a0.size
+                if out is not None:
+                    if not (type(out) is CupyArray and (out.dtype is dt or out.dtype == dt) and out._c_contiguous
+                            and out.shape == shape):
+                        return general(args, out)
+                    od = out.data
+                    optr, nbytes = od.ptr, n * ent[4]
+                    d = a0d.ptr - optr
+                    if od.device_id != dev or (d and -nbytes < d < nbytes):  # partial overlap: a temporary
+                        return general(args, out)
+                for x in args[1:]:
+                    if (type(x) is not CupyArray or (x.dtype is not dt and x.dtype != dt)
+                            or not x._c_contiguous or x.shape != shape):
+                        return general(args, out)
+                    xd = x.data
+                    if xd.device_id != dev:
+                        return general(args, out)
+                    if out is not None:
+                        d = xd.ptr - optr
+                        if d and -nbytes < d < nbytes:
+                            return general(args, out)
+                if out is None:
+                    out = new_array(shape, dt)
+                if n:
+                    blocks = ((n // ent[2]) + 255) >> 8 or 1
+                    ent[1]((blocks if blocks < ent[3] else ent[3],), (256,), (out, *args, n))
+                return out
+            if ta0 is TORCH[0] and a0.is_cuda:
+                # Raw pointers on torch's current stream: no DLPack, no CuPy array.
+                dt = torch_dtypes.get(a0.dtype)
+                dev = a0.get_device()
+                if dt is None or a0.requires_grad or not a0.is_contiguous() or dev != get_device():
+                    return general(args, out)
+                ent = fast.get(dt)
+                if ent is None or ent[0] != dev:
+                    ent = fast_entry(dt, dev)
+                tdt, shape = a0.dtype, a0.shape
+                ptrs = [a0.data_ptr()]
+                for x in args[1:]:
+                    if (type(x) is not ta0 or x.dtype != tdt or x.requires_grad or not x.is_contiguous()
+                            or x.shape != shape or x.get_device() != dev):
+                        return general(args, out)
+                    ptrs.append(x.data_ptr())
+                n = a0.numel()
+                if out is None:
+                    out = TORCH[1](a0)
+                elif (type(out) is ta0 and out.dtype == tdt and not out.requires_grad and out.is_contiguous()
+                      and out.shape == shape and out.get_device() == dev):
+                    optr, nbytes = out.data_ptr(), n * ent[4]
+                    for p in ptrs:
+                        d = p - optr
+                        if d and -nbytes < d < nbytes:
+                            return general(args, out)
+                else:
+                    return general(args, out)
+                if n:
+                    raw = TORCH[2](dev)
+                    stream = torch_streams.get(raw) or _torch_stream_for(raw, dev)
+                    blocks = ((n // ent[2]) + 255) >> 8 or 1
+                    ent[1]((blocks if blocks < ent[3] else ent[3],), (256,), (out.data_ptr(), *ptrs, n), 0, stream)
+                return out
+            if TORCH[0] is None and A.is_torch_tensor(a0):
+                _bind_torch()  # first tensor seen: bind torch's fast-path helpers, then retry
+                return op(*args, out=out)
             return general(args, out)
 
         op.__name__ = op.__qualname__ = self.name
@@ -120,36 +171,6 @@ class ElementwiseOp:
 
     def __call__(self, *args, out=None):
         return self._general(args, out)
-
-    def _fast_torch(self, a0, args, out):
-        """Same-shape contiguous CUDA tensors: raw pointers, torch's current stream, no DLPack."""
-        tdt = a0.dtype
-        dt = _TORCH_FLOATS.get(tdt)
-        if dt is None or a0.requires_grad or not a0.is_contiguous():
-            return None
-        shape = a0.shape
-        dev = a0.get_device()
-        tensor = type(a0)
-        for x in args:
-            if (type(x) is not tensor or x.dtype != tdt or x.requires_grad or not x.is_contiguous()
-                    or x.shape != shape or x.get_device() != dev):
-                return None
-        if dev != _get_device():
-            return None
-        ptrs = [x.data_ptr() for x in args]
-        n = a0.numel()
-        if out is None:
-            out = A.torch().empty_like(a0)
-        elif not (type(out) is tensor and out.dtype == tdt and not out.requires_grad and out.is_contiguous()
-                  and out.shape == shape and out.get_device() == dev
-                  and not _partial_overlap(out.data_ptr(), ptrs, n * dt.itemsize)):
-            return None
-        if n:
-            fn, vec, cap = self._fast.get((dt, dev)) or self._fast_entry(dt, dev)
-            blocks = ((n // vec) + 255) >> 8 or 1
-            fn((blocks if blocks < cap else cap,), (256,), (out.data_ptr(), *ptrs, *self._zeros, n), 0,
-               R.external_stream(_torch_stream(dev), dev))
-        return out
 
     # ------------------------------------------------------- general path
     def _general(self, args, out):
@@ -232,15 +253,22 @@ class ElementwiseOp:
 
     def _launch(self, out, ins, scalars, kind, dt, dev, shape, n, stream):
         optr = A.pointer_of(out, kind)
-        ptrs = tuple(0 if x is None else A.pointer_of(x, kind) for x in ins)
-        svals = tuple(0.0 if s is None else float(s) for s in scalars)
+        # The kernels' calling convention (kernels/elementwise.cuh): a scalar
+        # travels as the bits of a double in its input's pointer slot, flagged
+        # in the high bits of the count.
+        ptrs = tuple(int(np.float64(s).view(np.int64)) if x is None else A.pointer_of(x, kind)
+                     for x, s in zip(ins, scalars))
+        nm = n
+        for k, x in enumerate(ins):
+            if x is None:
+                nm |= 1 << (_SCALAR_SHIFT + k)
         ost = A.strides_of(out, kind)
         strides = [list(ost)] + [A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape)
                                  for x in ins if x is not None]
         cshape, cstrides = A.collapse(shape, strides)
         if len(cshape) == 1 and all(st[0] == 1 for st in cstrides):
             fn = self._fn(dt, dev)  # contiguous after collapsing (no broadcast among arrays)
-            R.launch(fn, n // self._pack[dt] or 1, dev, (optr, *ptrs, *svals, n), stream)
+            R.launch(fn, n // self._pack[dt] or 1, dev, (optr, *ptrs, nm), stream)
             return
         if len(cshape) > _STRIDED_NDIM:
             # More dims than the strided kernel indexes: copy the operands to
@@ -266,33 +294,31 @@ class ElementwiseOp:
             if x is not None:
                 layout["stride"][k + 1, :len(cshape)] = next(it)
         fn = self._fn(dt, dev, strided=True)
-        R.launch(fn, n, dev, (optr, *ptrs, *svals, n, layout[()]), stream)
-
-
-def _partial_overlap(optr, ptrs, nbytes):
-    """Same-layout contiguous operands: does out overlap an input other than exactly?"""
-    for p in ptrs:
-        d = p - optr
-        if d and -nbytes < d < nbytes:
-            return True
-    return False
+        R.launch(fn, n, dev, (optr, *ptrs, nm, layout[()]), stream)
 
 
 _get_device = R._cp.cuda.runtime.getDevice if R._cp is not None else None
 
-
-class _TorchFloats(dict):
-    """torch float dtype -> numpy dtype, filled on first use (torch is never imported by cufuse)."""
-
-    def get(self, key, default=None):
-        if not self:
-            t = A.torch()
-            self.update({t.float16: np.dtype(np.float16), t.float32: np.dtype(np.float32),
-                         t.float64: np.dtype(np.float64)})
-        return dict.get(self, key, default)
+# torch fast-path helpers, bound when the first tensor is seen (cufuse never
+# imports torch itself): [torch.Tensor, torch.empty_like, raw current stream getter].
+_TORCH = [None, None, None]
+_TORCH_DTYPES: dict = {}   # torch float dtype -> numpy dtype
+_TORCH_STREAMS: dict = {}  # raw stream handle -> CuPy stream object
 
 
-_TORCH_FLOATS = _TorchFloats()
+def _bind_torch():
+    t = A.torch()
+    _TORCH_DTYPES.update({t.float16: np.dtype(np.float16), t.float32: np.dtype(np.float32),
+                          t.float64: np.dtype(np.float64)})
+    _TORCH[1] = t.empty_like
+    _TORCH[2] = getattr(t._C, "_cuda_getCurrentRawStream", None) or (
+        lambda dev: t.cuda.current_stream(dev).cuda_stream)
+    _TORCH[0] = t.Tensor
+
+
+def _torch_stream_for(raw, dev):
+    s = _TORCH_STREAMS[raw] = R.external_stream(raw, dev)
+    return s
 
 
 def _torch_stream(dev):
