@@ -26,10 +26,12 @@ except Exception:  # pragma: no cover - depends on the machine
     _cp = None
 
 BLOCK = 256            # threads per block for every elementwise launch
-# Grid cap, in blocks per SM: 32 (four times the 8 resident 256-thread blocks)
-# measured best on an H200 at 50M elements: +4 to +8 points of copy bandwidth
-# over a single resident wave for every op, float32 and float16 (bench/NOTES.md).
-WAVES = 32
+# Grid cap, in blocks per SM. A grid that covers every 16-byte pack in one
+# pass beat grid-stride loops on an H200 at 50M elements (bench/NOTES.md):
+# 8 blocks/SM (one resident wave) 84-96% of copy bandwidth, 32/SM 92-99%,
+# one pass 95-102%. 512/SM keeps one pass up to ~69M float32 elements
+# (138M float16) and bounds the grid beyond that.
+WAVES = 512
 
 # Canonical C++ spelling of each storage dtype, as NVRTC writes it back.
 CTYPES = {
