@@ -5,9 +5,11 @@
 """
 from ._runtime import CUDA_AVAILABLE
 from ._interop import from_torch, to_torch
-from .ops import add_mul_exp, add_relu, fma, mul_tanh
+from ._random import manual_seed
+from .ops import add_mul_exp, add_relu, bias_gelu, dequantize_int8, fma, gelu_dropout, mul_tanh, quantize_int8
 
 __version__ = "0.1.0"
 
 __all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch",
-           "add_relu", "mul_tanh", "add_mul_exp", "fma"]
+           "add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout",
+           "quantize_int8", "dequantize_int8", "manual_seed"]

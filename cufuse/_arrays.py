@@ -145,10 +145,15 @@ class Plan:
     device: int | None = None  # GPU ordinal for GPU kinds
     out: object = None
     size: int = field(default=0)
+    out_dtype: np.dtype = None  # result dtype when it differs from the computed one (e.g. int8)
 
 
-def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, accepted_names=FLOAT_NAMES) -> Plan:
-    """Validate the operands of an elementwise op; raises before any launch."""
+def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None) -> Plan:
+    """Validate the operands of an elementwise op; raises before any launch.
+
+    ``accepted``: the array dtypes taken; ``out_dtype``: the result dtype
+    when it is not the promoted operand dtype."""
+    accepted_names = ", ".join(np.dtype(d).name for d in accepted)
     kinds, dtypes, arrays = [], [], []
     for i, x in enumerate(args):
         try:
@@ -196,10 +201,11 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, accepted_names
                 raise ValueError(f"cufuse.{name}: operands on different GPUs: operand {arrays[0][0] + 1} "
                                  f"on GPU {device}, operand {i + 1} on GPU {d}")
 
+    out_dtype = np.dtype(out_dtype) if out_dtype is not None else dtype
     if out is not None:
-        check_out(name, out, kind, dtype, shape, device)
+        check_out(name, out, kind, out_dtype, shape, device)
     plan = Plan(name, kind, dtype, shape, [x if k is not None else None for x, k in zip(args, kinds)],
-                scalars, device, out)
+                scalars, device, out, out_dtype=out_dtype)
     plan.size = int(np.prod(shape, dtype=np.int64)) if shape else 1
     return plan
 

@@ -34,11 +34,13 @@ BLOCK = 256            # threads per block for every elementwise launch
 WAVES = 512
 
 # Canonical C++ spelling of each storage dtype, as NVRTC writes it back.
-CTYPES = {
+# FLOAT_CTYPES are the dtypes every float op is instantiated for.
+FLOAT_CTYPES = {
     np.dtype(np.float16): "__half",
     np.dtype(np.float32): "float",
     np.dtype(np.float64): "double",
 }
+CTYPES = {**FLOAT_CTYPES, np.dtype(np.int8): "signed char"}
 
 
 def _cuda_available() -> bool:

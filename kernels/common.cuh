@@ -38,9 +38,70 @@ __device__ __forceinline__ float tanh(float x) { return ::tanhf(x); }
 __device__ __forceinline__ double tanh(double x) { return ::tanh(x); }
 __device__ __forceinline__ float fma(float a, float b, float c) { return ::fmaf(a, b, c); }
 __device__ __forceinline__ double fma(double a, double b, double c) { return ::fma(a, b, c); }
+__device__ __forceinline__ float erf(float x) { return ::erff(x); }
+__device__ __forceinline__ double erf(double x) { return ::erf(x); }
+__device__ __forceinline__ float rint(float x) { return ::rintf(x); }  // half to even
+__device__ __forceinline__ double rint(double x) { return ::rint(x); }
 // relu that propagates NaN (x > 0 is false for NaN, so test the other way).
 template <typename C> __device__ __forceinline__ C relu(C x) { return x < C(0) ? C(0) : x; }
+
+// GELU with PyTorch's two definitions.
+template <typename C> __device__ __forceinline__ C gelu_erf(C v) {
+    return C(0.5) * v * (C(1) + erf(v * C(0.70710678118654752440)));
+}
+template <typename C> __device__ __forceinline__ C gelu_tanh(C v) {
+    return C(0.5) * v * (C(1) + tanh(C(0.79788456080286535588) * (v + C(0.044715) * v * v * v)));
+}
+
+// clamp(rint(x / scale + zp), -128, 127) with a true division; NaN -> 0.
+template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R zp) {
+    R v = x / scale + zp;
+    if (v != v) return 0;
+    v = rint(v);
+    v = v < R(-128) ? R(-128) : (v > R(127) ? R(127) : v);
+    return static_cast<signed char>(v);
+}
 }  // namespace math
+
+// n / d for a divisor fixed per launch: a multiply-high with a magic number
+// computed on the host (cufuse/ops/quantize.py: magic) when n and d are below 2**31,
+// a plain 64-bit division beyond. `mg` packs the magic (low 32 bits) and the
+// shift (high 32 bits).
+__device__ __forceinline__ long long fast_div(long long n, long long d, unsigned long long mg) {
+    if (n < (1LL << 31) && d < (1LL << 31)) {
+        const unsigned m = static_cast<unsigned>(mg), sh = static_cast<unsigned>(mg >> 32);
+        const unsigned t = __umulhi(static_cast<unsigned>(n), m);
+        return static_cast<long long>((t + static_cast<unsigned>(n)) >> sh);
+    }
+    return n / d;
+}
+
+// Philox4x32-10 (Salmon et al., Random123): a counter-based generator; the
+// same (counter, key) gives the same four words everywhere (the NumPy
+// fallback implements it too).
+__device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
+    constexpr unsigned M0 = 0xD2511F53u, M1 = 0xCD9E8D57u, W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#pragma unroll
+    for (int r = 0; r < 10; ++r) {
+        if (r > 0) {
+            k.x += W0;
+            k.y += W1;
+        }
+        const unsigned hi0 = __umulhi(M0, c.x), lo0 = M0 * c.x;
+        const unsigned hi1 = __umulhi(M1, c.z), lo1 = M1 * c.z;
+        c = make_uint4(hi1 ^ c.y ^ k.x, lo1, hi0 ^ c.w ^ k.y, lo0);
+    }
+    return c;
+}
+
+// Word i % 4 of Philox4x32-10 at counter i / 4 under a 64-bit key.
+__device__ __forceinline__ unsigned philox_word(unsigned long long seed, long long i) {
+    const unsigned long long q = static_cast<unsigned long long>(i) >> 2;
+    const uint4 r = philox4x32_10(make_uint4(static_cast<unsigned>(q), static_cast<unsigned>(q >> 32), 0u, 0u),
+                                  make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32)));
+    const int w = static_cast<int>(i & 3);
+    return w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
+}
 
 // 16-byte-aligned pack of N storage elements, loaded and stored as one access.
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack {

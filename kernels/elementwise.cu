@@ -34,3 +34,16 @@ struct Fma {
         return cufuse::math::fma(q, k, v);
     }
 };
+
+// gelu(x + bias), PyTorch's erf definition / its tanh approximation
+struct BiasGeluErf {
+    template <typename C> __device__ __forceinline__ C operator()(C x, C b) const {
+        return cufuse::math::gelu_erf(x + b);
+    }
+};
+struct BiasGeluTanh {
+    template <typename C> __device__ __forceinline__ C operator()(C x, C b) const {
+        return cufuse::math::gelu_tanh(x + b);
+    }
+};
+

@@ -36,37 +36,58 @@ struct Layout {
     int ndim;
 };
 
+// ---- functor traits ---------------------------------------------------------
+// A functor may declare
+//   using compute = T;                    the arithmetic type (default: compute_t<Tin>)
+//   static constexpr bool indexed = true; operator() takes the element's logical
+//                                         C-order index first: op(i, x...)
+template <typename...> using void_t = void;
+template <typename Op, typename Tin, typename = void> struct op_compute { using type = compute_t<Tin>; };
+template <typename Op, typename Tin> struct op_compute<Op, Tin, void_t<typename Op::compute>> {
+    using type = typename Op::compute;
+};
+template <typename Op, typename = void> struct op_indexed { static constexpr bool value = false; };
+template <typename Op> struct op_indexed<Op, void_t<decltype(Op::indexed)>> { static constexpr bool value = Op::indexed; };
+
 template <typename Op, int NIN, typename C>
-__device__ __forceinline__ C apply_op(const Op& op, const C (&x)[NIN]) {
-    if constexpr (NIN == 1) return op(x[0]);
-    else if constexpr (NIN == 2) return op(x[0], x[1]);
-    else return op(x[0], x[1], x[2]);
+__device__ __forceinline__ auto apply_op(const Op& op, long long i, const C (&x)[NIN]) {
+    if constexpr (op_indexed<Op>::value) {
+        if constexpr (NIN == 1) return op(i, x[0]);
+        else if constexpr (NIN == 2) return op(i, x[0], x[1]);
+        else return op(i, x[0], x[1], x[2]);
+    } else {
+        if constexpr (NIN == 1) return op(x[0]);
+        else if constexpr (NIN == 2) return op(x[0], x[1]);
+        else return op(x[0], x[1], x[2]);
+    }
 }
 
 // Splits nm into the count and the per-input scalar flags and values.
-template <int NIN, typename Tin>
+template <int NIN, typename C, typename Tin>
 __device__ __forceinline__ long long decode_operands(const Tin* const (&in)[NIN], long long nm, bool (&is_s)[NIN],
-                                                     compute_t<Tin> (&sc)[NIN]) {
+                                                     C (&sc)[NIN]) {
 #pragma unroll
     for (int k = 0; k < NIN; ++k) {
         is_s[k] = (nm >> (kScalarShift + k)) & 1;
-        sc[k] = is_s[k] ? scalar_to_compute<Tin>(__longlong_as_double(reinterpret_cast<long long>(in[k])))
-                        : compute_t<Tin>(0);
+        sc[k] = is_s[k] ? C(scalar_to_compute<Tin>(__longlong_as_double(reinterpret_cast<long long>(in[k])))) : C(0);
     }
     return nm & ((1LL << kScalarShift) - 1);
 }
 
+// Elements per pack: 16-byte accesses on the wider side, and stores of at
+// least 4 bytes (narrow outputs such as int8 are written in packs).
 template <typename Tout, typename Tin> struct PackWidth {
-    static constexpr int value = 16 / (sizeof(Tin) > sizeof(Tout) ? sizeof(Tin) : sizeof(Tout));
+    static constexpr int wide = 16 / (sizeof(Tin) > sizeof(Tout) ? sizeof(Tin) : sizeof(Tout));
+    static constexpr int value = wide * sizeof(Tout) < 4 ? 4 / sizeof(Tout) : wide;
 };
 
 template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm) {
-    using C = compute_t<Tin>;
+    using C = typename op_compute<Op, Tin>::type;
     constexpr int V = PackWidth<Tout, Tin>::value;
     C sc[NIN];
     bool is_s[NIN];
-    const long long n = decode_operands<NIN>(in, nm, is_s, sc);
+    const long long n = decode_operands<NIN, C>(in, nm, is_s, sc);
     bool aligned = is_aligned<Tout, V>(out);
 #pragma unroll
     for (int k = 0; k < NIN; ++k) aligned = aligned && (is_s[k] || is_aligned<Tin, V>(in[k]));
@@ -91,7 +112,7 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
                 C v[NIN];
 #pragma unroll
                 for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(x[k].v[j]);
-                y.v[j] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
+                y.v[j] = from_compute<Tout>(apply_op<Op, NIN, C>(op, p * V + j, v));
             }
             store_pack(dst + p, y);
         }
@@ -102,17 +123,17 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
         C v[NIN];
 #pragma unroll
         for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(in[k][i]);
-        out[i] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
+        out[i] = from_compute<Tout>(apply_op<Op, NIN, C>(op, i, v));
     }
 }
 
 template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm,
                                             const Layout& L) {
-    using C = compute_t<Tin>;
+    using C = typename op_compute<Op, Tin>::type;
     C sc[NIN];
     bool is_s[NIN];
-    const long long n = decode_operands<NIN>(in, nm, is_s, sc);
+    const long long n = decode_operands<NIN, C>(in, nm, is_s, sc);
     const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long i = tid; i < n; i += nthreads) {
@@ -131,7 +152,7 @@ __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* 
         C v[NIN];
 #pragma unroll
         for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(in[k][off[k + 1]]);
-        out[off[0]] = from_compute<Tout>(apply_op<Op, NIN, C>(op, v));
+        out[off[0]] = from_compute<Tout>(apply_op<Op, NIN, C>(op, i, v));
     }
 }
 

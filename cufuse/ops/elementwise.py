@@ -15,9 +15,10 @@ import inspect
 import numpy as np
 
 from .. import _arrays as A
+from .. import _random
 from .. import _runtime as R
 
-FAMILY = "elementwise"
+FAMILY = "elementwise"  # kernels/elementwise.cu; ops may name another family that includes the driver
 _STRIDED_NDIM = 8     # kernels/elementwise.cuh: kMaxDims
 _SCALAR_SHIFT = 56    # kernels/elementwise.cuh: kScalarShift
 _MAX_OPERANDS = 4     # kernels/elementwise.cuh: kMaxOperands
@@ -33,26 +34,55 @@ def _compute_dtype(dtype):
     return _F32 if dtype == _F16 else dtype
 
 
+def pack_width(in_dt, out_dt):
+    """Elements per pack (kernels/elementwise.cuh PackWidth): 16-byte accesses
+    on the wider side, stores of at least 4 bytes."""
+    wide = 16 // max(in_dt.itemsize, out_dt.itemsize)
+    return 4 // out_dt.itemsize if wide * out_dt.itemsize < 4 else wide
+
+
 class ElementwiseOp:
-    def __init__(self, name, functor, arity, numpy_impl):
+    """One functor of kernels/elementwise.cu on the elementwise driver.
+
+    ``functor`` is the C++ functor name, or a function of (input dtype, output
+    dtype) giving it (e.g. a template instantiated per precision).
+    ``signatures`` lists the (input dtype, output dtype) pairs instantiated
+    (default: each float dtype to itself); ``params`` the C++ types of the
+    functor's constructor arguments, passed after the count at each launch.
+    ``numpy_impl(*values, **np_params)`` is the fallback, on values already in
+    the compute dtype. ``indexed`` ops see each element's logical C-order
+    index, so they only take the contiguous kernel for C-contiguous output.
+    """
+
+    def __init__(self, name, functor, arity, numpy_impl, *, signatures=None, params=(), indexed=False,
+                 family=FAMILY):
         self.name = name
-        self.functor = functor
+        self.family = family
         self.arity = arity
         self.numpy_impl = numpy_impl
+        self.indexed = indexed
+        self.signatures = signatures or [(dt, dt) for dt in R.FLOAT_CTYPES]
+        self.in_dtypes = tuple(dict.fromkeys(i for i, _ in self.signatures))
         self._pack = {}
         self._expr = {}
-        for dt, ctype in R.CTYPES.items():
-            contig = R.name_expression(f"ew{arity}", functor, ctype, ctype)
-            strided = R.name_expression(f"ew{arity}_strided", functor, ctype, ctype)
-            R.register(FAMILY, contig, name, dt.name)
-            R.register(FAMILY, strided, f"{name} (strided)", dt.name)
-            self._expr[dt] = (contig, strided)
-            self._pack[dt] = 16 // dt.itemsize
-        self._fast = {}  # (dtype, device) -> contiguous Function
+        for in_dt, out_dt in self.signatures:
+            fname = functor(in_dt, out_dt) if callable(functor) else functor
+            targs = (fname, R.CTYPES[out_dt], R.CTYPES[in_dt], *params)
+            contig = R.name_expression(f"ew{arity}", *targs)
+            strided = R.name_expression(f"ew{arity}_strided", *targs)
+            label = in_dt.name if in_dt == out_dt else f"{in_dt.name}->{out_dt.name}"
+            R.register(family, contig, name, label)
+            R.register(family, strided, f"{name} (strided)", label)
+            self._expr[(in_dt, out_dt)] = (contig, strided)
+            if in_dt == out_dt:
+                self._expr[in_dt] = self._expr[(in_dt, out_dt)]
+                self._pack[in_dt] = pack_width(in_dt, out_dt)
+        self._fast = {}  # (dtype, device) and dtype -> contiguous kernel entry, for same-dtype ops
 
     # ------------------------------------------------------------ hot path
-    def _fn(self, dtype, device, strided=False):
-        return R.get_function(FAMILY, self._expr[dtype][strided], device)
+    def _fn(self, key, device, strided=False):
+        """Kernel for ``key`` (an input dtype, or an (input, output) dtype pair)."""
+        return R.get_function(self.family, self._expr[key][strided], device)
 
     def _fast_entry(self, dt, dev):
         """(device, Function, pack width, grid cap, itemsize) of the contiguous kernel for
@@ -173,15 +203,18 @@ class ElementwiseOp:
         return self._general(args, out)
 
     # ------------------------------------------------------- general path
-    def _general(self, args, out):
+    def _general(self, args, out, out_dtype=None, params=(), np_params=None):
+        """Validate, then run the kernels or the NumPy fallback. ``out_dtype``
+        (default: the promoted input dtype) picks the signature; ``params``
+        go to the kernel, ``np_params`` to ``numpy_impl``."""
         if len(args) != self.arity:
             raise TypeError(f"cufuse.{self.name} takes {self.arity} operands, got {len(args)} positional arguments")
-        plan = A.plan_elementwise(self.name, args, out)
+        plan = A.plan_elementwise(self.name, args, out, accepted=self.in_dtypes, out_dtype=out_dtype)
         if plan.kind in A.GPU_KINDS:
-            return self._run_gpu(plan)
-        return self._run_fallback(plan)
+            return self._run_gpu(plan, params)
+        return self._run_fallback(plan, np_params or {})
 
-    def _run_fallback(self, plan):
+    def _run_fallback(self, plan, np_params):
         """NumPy: the same function, float16 computed in float32."""
         cdt = _compute_dtype(plan.dtype)
         torch_cpu = plan.kind == A.TORCH_CPU
@@ -193,27 +226,26 @@ class ElementwiseOp:
                 arr = x.numpy() if torch_cpu else x
                 vals.append(arr.astype(cdt, copy=False))
         with np.errstate(all="ignore"):  # overflow to inf is the answer, as on the GPU
-            res = np.asarray(self.numpy_impl(*vals), dtype=cdt)
+            res = np.asarray(self.numpy_impl(*vals, **np_params))
             if res.shape != plan.shape:  # all-scalar-but-one 0-d operands
                 res = np.array(np.broadcast_to(res, plan.shape))
-            res = res.astype(plan.dtype, copy=False)
+            res = res.astype(plan.out_dtype, copy=False)
         if plan.out is not None:
             target = plan.out.numpy() if torch_cpu else plan.out
             np.copyto(target, res)
             return plan.out
         return A.torch().from_numpy(res) if torch_cpu else res
 
-    def _run_gpu(self, plan):
+    def _run_gpu(self, plan, params):
         cp = R._cp
-        kind, dt, dev, shape, n = plan.kind, plan.dtype, plan.device, plan.shape, plan.size
+        kind, dt, odt, dev, shape = plan.kind, plan.dtype, plan.out_dtype, plan.device, plan.shape
         is_torch = kind == A.TORCH_CUDA
         keep = []  # temporaries that must outlive the launch call
         with cp.cuda.Device(dev):
             out = plan.out
             if out is None:
-                out = (A.torch().empty(shape, dtype=A.numpy_to_torch_dtype(dt), device=f"cuda:{dev}")
-                       if is_torch else cp.ndarray(shape, dt))
-            if n == 0:
+                out = _empty(shape, odt, kind, dev)
+            if plan.size == 0:
                 return out
             ins = []
             for x in plan.operands:
@@ -222,42 +254,39 @@ class ElementwiseOp:
                     keep.append(x)
                 ins.append(x)
             target = out
-            if self._needs_temporary(out, ins, kind, dt, shape):
-                target = (A.torch().empty(shape, dtype=out.dtype, device=out.device)
-                          if is_torch else cp.ndarray(shape, dt))
+            if self._needs_temporary(out, ins, kind, dt, odt, shape):
+                target = _empty(shape, odt, kind, dev)
             stream = R.external_stream(_torch_stream(dev), dev) if is_torch else None
-            self._launch(target, ins, plan.scalars, kind, dt, dev, shape, n, stream)
+            self._launch(target, ins, plan, params, stream)
             if target is not out:
-                if is_torch:
-                    out.copy_(target)
-                else:
-                    out[...] = target
+                _copy_into(out, target, kind)
             return out
 
     @staticmethod
-    def _needs_temporary(out, ins, kind, dt, shape):
+    def _needs_temporary(out, ins, kind, dt, odt, shape):
         """True when out shares memory with an input in any way other than
         element-for-element identity (which is safe in an elementwise kernel)."""
         ost = A.strides_of(out, kind)
         optr = A.pointer_of(out, kind)
-        lo, hi = A.extent(optr, shape, ost, dt.itemsize)
+        lo, hi = A.extent(optr, shape, ost, odt.itemsize)
         for x in ins:
             if x is None:
                 continue
             xst = A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape)
             xptr = A.pointer_of(x, kind)
             xlo, xhi = A.extent(xptr, shape, xst, dt.itemsize)
-            if xlo < hi and lo < xhi and not (xptr == optr and list(xst) == list(ost)):
+            if xlo < hi and lo < xhi and not (xptr == optr and list(xst) == list(ost) and dt == odt):
                 return True
         return False
 
-    def _launch(self, out, ins, scalars, kind, dt, dev, shape, n, stream):
+    def _launch(self, out, ins, plan, params, stream):
+        kind, dt, odt, dev, shape, n = plan.kind, plan.dtype, plan.out_dtype, plan.device, plan.shape, plan.size
         optr = A.pointer_of(out, kind)
         # The kernels' calling convention (kernels/elementwise.cuh): a scalar
         # travels as the bits of a double in its input's pointer slot, flagged
         # in the high bits of the count.
         ptrs = tuple(int(np.float64(s).view(np.int64)) if x is None else A.pointer_of(x, kind)
-                     for x, s in zip(ins, scalars))
+                     for x, s in zip(ins, plan.scalars))
         nm = n
         for k, x in enumerate(ins):
             if x is None:
@@ -266,24 +295,18 @@ class ElementwiseOp:
         strides = [list(ost)] + [A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape)
                                  for x in ins if x is not None]
         cshape, cstrides = A.collapse(shape, strides)
-        if len(cshape) == 1 and all(st[0] == 1 for st in cstrides):
-            fn = self._fn(dt, dev)  # contiguous after collapsing (no broadcast among arrays)
-            R.launch(fn, n // self._pack[dt] or 1, dev, (optr, *ptrs, nm), stream)
+        contiguous = len(cshape) == 1 and all(st[0] == 1 for st in cstrides)
+        if contiguous and (not self.indexed or A.is_c_contiguous(shape, ost)):
+            fn = self._fn((dt, odt), dev)  # one dense run (indexed ops: in C order)
+            R.launch(fn, n // pack_width(dt, odt) or 1, dev, (optr, *ptrs, nm, *params), stream)
             return
         if len(cshape) > _STRIDED_NDIM:
             # More dims than the strided kernel indexes: copy the operands to
-            # contiguous arrays of the result shape, compute, copy back.
-            is_torch = kind == A.TORCH_CUDA
-            dense = [None if x is None else
-                     (x.expand(shape).contiguous() if is_torch else R._cp.ascontiguousarray(R._cp.broadcast_to(x, shape)))
-                     for x in ins]
-            tmp = (A.torch().empty(shape, dtype=out.dtype, device=out.device) if is_torch
-                   else R._cp.ndarray(shape, dt))
-            self._launch(tmp, dense, scalars, kind, dt, dev, shape, n, stream)
-            if is_torch:
-                out.copy_(tmp)
-            else:
-                out[...] = tmp
+            # C-contiguous arrays of the result shape, compute, copy back.
+            dense = [None if x is None else _dense(x, shape, kind) for x in ins]
+            tmp = _empty(shape, odt, kind, dev)
+            self._launch(tmp, dense, plan, params, stream)
+            _copy_into(out, tmp, kind)
             return
         layout = np.zeros((), dtype=_LAYOUT)
         layout["ndim"] = len(cshape)
@@ -293,8 +316,28 @@ class ElementwiseOp:
         for k, x in enumerate(ins):
             if x is not None:
                 layout["stride"][k + 1, :len(cshape)] = next(it)
-        fn = self._fn(dt, dev, strided=True)
-        R.launch(fn, n, dev, (optr, *ptrs, nm, layout[()]), stream)
+        fn = self._fn((dt, odt), dev, strided=True)
+        R.launch(fn, n, dev, (optr, *ptrs, nm, layout[()], *params), stream)
+
+
+def _empty(shape, dtype, kind, dev):
+    if kind == A.TORCH_CUDA:
+        return A.torch().empty(shape, dtype=A.numpy_to_torch_dtype(dtype), device=f"cuda:{dev}")
+    return R._cp.ndarray(shape, dtype)
+
+
+def _dense(x, shape, kind):
+    """``x`` broadcast to ``shape`` as a C-contiguous copy."""
+    if kind == A.TORCH_CUDA:
+        return x.expand(shape).contiguous()
+    return R._cp.ascontiguousarray(R._cp.broadcast_to(x, shape))
+
+
+def _copy_into(out, src, kind):
+    if kind == A.TORCH_CUDA:
+        out.copy_(src)
+    else:
+        out[...] = src
 
 
 _get_device = R._cp.cuda.runtime.getDevice if R._cp is not None else None
@@ -354,4 +397,97 @@ mul_tanh = _mul_tanh.public("ab", "tanh(a * b), fused: one pass over memory.\n" 
 add_mul_exp = _add_mul_exp.public("xy", "exp((x + y) * 2), fused: one pass over memory.\n" + _COMMON)
 fma = _fma.public("qkv", "q * k + v, fused (a fused multiply-add): one pass over memory.\n" + _COMMON)
 
-OPS = {"add_relu": _add_relu, "mul_tanh": _mul_tanh, "add_mul_exp": _add_mul_exp, "fma": _fma}
+
+# ------------------------------------------------------------ GELU family
+_SQRT_2_OVER_PI = 0.79788456080286535588
+
+
+def _erf(v):
+    """erf on NumPy arrays: SciPy's when installed, else math.erf per element."""
+    try:
+        from scipy.special import erf
+    except ImportError:
+        import math
+        erf = np.frompyfunc(math.erf, 1, 1)
+    return np.asarray(erf(v), dtype=v.dtype)
+
+
+def gelu_numpy(v, approximate):
+    """PyTorch's GELU definitions on a NumPy array, in its dtype."""
+    half, one = v.dtype.type(0.5), v.dtype.type(1)
+    if approximate == "tanh":
+        c, k = v.dtype.type(_SQRT_2_OVER_PI), v.dtype.type(0.044715)
+        return half * v * (one + np.tanh(c * (v + k * v * v * v)))
+    return half * v * (one + _erf(v * v.dtype.type(0.70710678118654752440)))
+
+
+_APPROXIMATE = ("none", "tanh")
+
+
+def _check_approximate(name, approximate):
+    if approximate not in _APPROXIMATE:
+        raise ValueError(f"cufuse.{name}: approximate must be 'none' or 'tanh', got {approximate!r}")
+    return approximate == "tanh"
+
+
+def _dropout_numpy(x, *, approximate, seed, threshold, scale):
+    g = gelu_numpy(x, approximate)
+    keep = (_random.philox_words(seed, x.size) >= np.uint32(threshold)).reshape(x.shape)
+    return np.where(keep, g * x.dtype.type(scale), x.dtype.type(0))
+
+
+_bias_gelu_ops = {
+    False: ElementwiseOp("bias_gelu", "BiasGeluErf", 2, lambda x, b: gelu_numpy(x + b, "none")),
+    True: ElementwiseOp("bias_gelu", "BiasGeluTanh", 2, lambda x, b: gelu_numpy(x + b, "tanh")),
+}
+_bias_gelu = {t: op.public("xb", "") for t, op in _bias_gelu_ops.items()}
+_dropout_ops = {
+    t: ElementwiseOp("gelu_dropout", f"GeluDropout<{'true' if t else 'false'}>", 1, _dropout_numpy,
+                     params=("unsigned long long", "unsigned long long", "double"), indexed=True, family="dropout")
+    for t in (False, True)
+}
+
+
+def bias_gelu(x, bias, /, approximate="none", *, out=None):
+    """gelu(x + bias), fused: one pass over memory.
+
+    ``approximate``: "none" (0.5 v (1 + erf(v / sqrt 2))) or "tanh"
+    (0.5 v (1 + tanh(sqrt(2/pi) (v + 0.044715 v**3)))), PyTorch's definitions.
+    ``bias`` broadcasts (usually along the last axis).
+    """
+    return _bias_gelu[_check_approximate("bias_gelu", approximate)](x, bias, out=out)
+
+
+def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, out=None):
+    """dropout(gelu(x)), fused: one pass over memory.
+
+    Each element is kept with probability 1 - p and scaled by 1 / (1 - p);
+    dropped elements are exactly 0. ``training=False`` or ``p=0`` gives plain
+    GELU. The mask is a function of (seed, element index) only: element i (its
+    C-order position in ``x``) is kept iff word i % 4 of Philox4x32-10 at
+    counter i // 4 under the 64-bit key ``seed`` is >= floor(p * 2**32), the
+    same on the GPU and in the NumPy fallback. ``seed=None`` draws the next
+    seed from cufuse's generator (``cufuse.manual_seed`` makes it reproducible).
+    ``approximate`` as in ``bias_gelu``. Takes one array; ``out=`` as in the other ops.
+    """
+    tanh = _check_approximate("gelu_dropout", approximate)
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"cufuse.gelu_dropout: p must be a float in [0, 1), got {type(p).__name__}")
+    p = float(p)
+    if not 0.0 <= p < 1.0:  # NaN fails too
+        raise ValueError(f"cufuse.gelu_dropout: p must be in [0, 1), got {p}")
+    if not training or p == 0.0:
+        return _bias_gelu[tanh](x, 0.0, out=out)
+    seed = _random.next_seed() if seed is None else _random.check_seed(seed, "cufuse.gelu_dropout")
+    threshold = int(p * 4294967296.0)  # floor(p * 2**32): exact, p * 2**32 is a scaled double
+    scale = 1.0 / (1.0 - p)
+    return _dropout_ops[tanh]._general(
+        (x,), out, params=(np.uint64(seed), np.uint64(threshold), scale),
+        np_params={"approximate": approximate, "seed": seed, "threshold": threshold, "scale": scale})
+
+
+bias_gelu.__doc__ += _COMMON
+
+OPS = {"add_relu": _add_relu, "mul_tanh": _mul_tanh, "add_mul_exp": _add_mul_exp, "fma": _fma,
+       "bias_gelu": _bias_gelu_ops[False], "bias_gelu_tanh": _bias_gelu_ops[True],
+       "gelu_dropout": _dropout_ops[False], "gelu_dropout_tanh": _dropout_ops[True]}

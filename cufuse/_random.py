@@ -1,0 +1,66 @@
+"""Seeds for cufuse's random ops, and Philox4x32-10 in NumPy.
+
+The GPU kernels (kernels/common.cuh: philox4x32_10, philox_word) and the
+NumPy fallback compute the same words for the same (seed, element index), so
+a mask drawn on the GPU equals the fallback's, bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+_M0, _M1 = np.uint64(0xD2511F53), np.uint64(0xCD9E8D57)
+_W0, _W1 = 0x9E3779B9, 0xBB67AE85
+_LO = np.uint64(0xFFFFFFFF)
+_S32 = np.uint64(32)
+
+_lock = threading.Lock()
+_state = [int.from_bytes(os.urandom(8), "little")]
+
+
+def manual_seed(seed: int) -> None:
+    """Make the seeds that cufuse's random ops draw (``seed=None``) reproducible."""
+    _state[0] = check_seed(seed, "cufuse.manual_seed")
+
+
+def next_seed() -> int:
+    """The next seed of cufuse's generator (a 64-bit key; each call advances it)."""
+    with _lock:
+        s = _state[0]
+        _state[0] = (s + 1) & 0xFFFFFFFFFFFFFFFF
+    return s
+
+
+def check_seed(seed, who: str) -> int:
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)):
+        raise TypeError(f"{who}: seed must be an int in [0, 2**64), got {type(seed).__name__}")
+    seed = int(seed)
+    if not 0 <= seed < 2**64:
+        raise ValueError(f"{who}: seed must be in [0, 2**64), got {seed}")
+    return seed
+
+
+def philox4x32_10(counter, key):
+    """Philox4x32-10 on arrays of counters: ``counter`` is 4 uint32 arrays,
+    ``key`` 2 uint32 values; returns 4 uint32 arrays (Random123's rounds)."""
+    c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) for c in counter)
+    k0, k1 = int(key[0]), int(key[1])
+    for r in range(10):
+        if r:
+            k0, k1 = (k0 + _W0) & 0xFFFFFFFF, (k1 + _W1) & 0xFFFFFFFF
+        p0, p1 = _M0 * c0, _M1 * c2
+        hi0, lo0 = p0 >> _S32, p0 & _LO
+        hi1, lo1 = p1 >> _S32, p1 & _LO
+        c0, c1, c2, c3 = hi1 ^ c1 ^ np.uint64(k0), lo1, hi0 ^ c3 ^ np.uint64(k1), lo0
+    return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
+
+
+def philox_words(seed: int, n: int) -> np.ndarray:
+    """Word i % 4 of Philox4x32-10 at counter i // 4, key ``seed``, for i < n."""
+    groups = (n + 3) // 4
+    q = np.arange(groups, dtype=np.uint64)
+    words = philox4x32_10((q & _LO, q >> _S32, np.zeros_like(q), np.zeros_like(q)),
+                          (seed & 0xFFFFFFFF, seed >> 32))
+    return np.stack(words, axis=1).reshape(-1)[:n]

@@ -1,0 +1,197 @@
+"""int8 quantization and dequantization, per tensor or per channel.
+
+Functors ``Quantize``/``QuantizeCh``/``Dequantize``/``DequantizeCh`` in
+kernels/elementwise.cu, on the elementwise driver. Arithmetic is float32
+(float64 for float64 data), with a true division, so results equal NumPy's
+``np.clip(np.rint(x / scale + zero_point), -128, 127)`` in that precision bit
+for bit; NaN quantizes to 0, +inf to 127, -inf to -128.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import numpy as np
+
+from .. import _arrays as A
+from .. import _runtime as R
+from .elementwise import ElementwiseOp
+
+_F16, _F32, _F64, _I8 = (np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8))
+_FLOATS = (_F16, _F32, _F64)
+_CHANNEL_PARAMS = ("unsigned long long", "unsigned long long", "long long", "unsigned long long",
+                   "long long", "unsigned long long")
+
+
+def _real(dt):
+    """Arithmetic precision for data of dtype ``dt``: float64 stays, the rest is float32."""
+    return _F64 if dt == _F64 else _F32
+
+
+def _rname(dt):
+    return "double" if dt == _F64 else "float"
+
+
+def magic(d: int) -> int:
+    """Magic multiplier (low 32 bits) and shift (high 32 bits) for dividing
+    n < 2**31 by d < 2**31 with a multiply-high (kernels/common.cuh fast_div)."""
+    if not 1 <= d < 2**31:
+        return 0  # the kernel divides directly
+    shift = (d - 1).bit_length()
+    m = ((1 << 32) * ((1 << shift) - d)) // d + 1
+    return m | (shift << 32)
+
+
+def _quantize_np(x, scale, zero_point):
+    v = np.rint(x / scale + zero_point)
+    return np.where(np.isnan(v), 0, np.clip(v, -128, 127)).astype(np.int8)
+
+
+def _dequantize_np(q, scale, zero_point, real):
+    return (q.astype(real) - zero_point) * scale
+
+
+_quant = ElementwiseOp("quantize_int8", lambda i, o: f"Quantize<{_rname(i)}>", 1, _quantize_np,
+                       signatures=[(d, _I8) for d in _FLOATS], params=("double", "double"), family="quantize")
+_quant_ch = ElementwiseOp("quantize_int8", lambda i, o: f"QuantizeCh<{_rname(i)}>", 1, _quantize_np,
+                          signatures=[(d, _I8) for d in _FLOATS], params=_CHANNEL_PARAMS, indexed=True, family="quantize")
+_dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
+                         signatures=[(_I8, d) for d in _FLOATS], params=("double", "double"), family="quantize")
+_dequant_ch = ElementwiseOp("dequantize_int8", lambda i, o: f"DequantizeCh<{_rname(o)}>", 1, _dequantize_np,
+                            signatures=[(_I8, d) for d in _FLOATS], params=_CHANNEL_PARAMS, indexed=True, family="quantize")
+
+
+def _scalar_param(name, what, v, positive):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (Real, np.integer, np.floating)):
+        raise TypeError(f"cufuse.{name}: {what} must be a real scalar when axis is None, got "
+                        f"{type(v).__module__}.{type(v).__name__}; pass axis= for per-channel parameters")
+    f = float(v)
+    if not math.isfinite(f) or (positive and f <= 0):
+        need = "finite and > 0" if positive else "finite"
+        raise ValueError(f"cufuse.{name}: {what} must be {need}, got {v!r}")
+    return f
+
+
+def _channel_param(name, what, v, x, kind, axis, real, positive):
+    """A per-channel parameter as (array of ``real`` on x's device or host, keep-alive)."""
+    nch = x.shape[axis]
+    if not isinstance(v, (np.ndarray, A.CupyArray, list, tuple)) and not A.is_torch_tensor(v):
+        f = _scalar_param(name, what, v, positive)  # one value for every channel
+        return np.full(nch, f, dtype=real), None
+    vk = A.kind_of(v) if not isinstance(v, (list, tuple)) else A.NUMPY
+    arr = np.asarray(v, dtype=np.float64) if isinstance(v, (list, tuple)) else v  # a list of numbers
+    if vk not in (A.NUMPY, kind):
+        raise TypeError(f"cufuse.{name}: {what} is {A.describe(arr, vk)}; pass a NumPy array or the same "
+                        f"array kind as the data ({kind})")
+    dt = A.dtype_of(arr, vk)
+    if dt not in _FLOATS:
+        raise TypeError(f"cufuse.{name}: {what} has dtype {dt}; accepted dtypes are float16, float32, float64")
+    if tuple(arr.shape) != (nch,):
+        raise ValueError(f"cufuse.{name}: {what} has shape {tuple(arr.shape)}; axis {axis} of the data "
+                         f"has length {nch}, so ({nch},) is needed")
+    if vk == A.NUMPY:
+        arr = np.asarray(arr, dtype=real)
+        if positive and not np.all(arr > 0) or not np.all(np.isfinite(arr)):
+            need = "finite and > 0" if positive else "finite"
+            raise ValueError(f"cufuse.{name}: every {what} must be {need}")
+        return arr, None
+    if vk == A.CUPY:
+        return arr.astype(real, copy=False), None
+    return arr.to(A.numpy_to_torch_dtype(real)).contiguous(), None  # torch: same device as the data
+
+
+def _run(name, ops, x, scale, zero_point, axis, out, out_dtype, pos_zero_ok=True):
+    """Shared driver of quantize/dequantize: validates the parameters, picks
+    the per-tensor or per-channel op and launches it (or the fallback)."""
+    per_tensor, per_channel = ops
+    kind = A.kind_of(x) if not isinstance(x, (int, float)) else None
+    if kind is None:
+        raise TypeError(f"cufuse.{name}: the data must be an array (numpy.ndarray, cupy.ndarray or "
+                        f"torch.Tensor), got {type(x).__module__}.{type(x).__name__}")
+    in_dt = A.dtype_of(x, kind)
+    real = _real(out_dtype if in_dt == _I8 else in_dt)
+    if axis is None:
+        s = _scalar_param(name, "scale", scale, True)
+        z = _scalar_param(name, "zero_point", zero_point, False)
+        rt = real.type
+        return per_tensor._general((x,), out, out_dtype=out_dtype, params=(s, z),
+                                   np_params={"scale": rt(s), "zero_point": rt(z)}
+                                   | ({"real": real} if in_dt == _I8 else {}))
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"cufuse.{name}: axis must be an int or None, got {type(axis).__name__}")
+    ndim = len(x.shape)
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"cufuse.{name}: axis {axis} is out of range for data with {ndim} dimensions")
+    axis = int(axis) % ndim
+    sc, _ = _channel_param(name, "scale", scale, x, kind, axis, real, True)
+    zp, _ = _channel_param(name, "zero_point", zero_point, x, kind, axis, real, False)
+    bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
+    np_params = {"scale": np.asarray(sc).reshape(bshape) if isinstance(sc, np.ndarray) else None,
+                 "zero_point": np.asarray(zp).reshape(bshape) if isinstance(zp, np.ndarray) else None}
+    if in_dt == _I8:
+        np_params["real"] = real
+    params = ()
+    if kind in A.GPU_KINDS:
+        dev = A.device_of(x, kind)
+        with R._cp.cuda.Device(dev):
+            if kind == A.CUPY:
+                sc, zp = (R._cp.asarray(v, dtype=real) for v in (sc, zp))
+            else:
+                t = A.torch()
+                sc, zp = (v if t.is_tensor(v) else t.from_numpy(v).to(f"cuda:{dev}") for v in (sc, zp))
+                if sc.get_device() != dev or zp.get_device() != dev:
+                    raise ValueError(f"cufuse.{name}: scale and zero_point must be on the data's GPU ({dev})")
+        inner = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
+        nch = x.shape[axis]
+        params = (np.uint64(A.pointer_of(sc, kind)), np.uint64(A.pointer_of(zp, kind)),
+                  inner, np.uint64(magic(inner)), nch, np.uint64(magic(nch)))
+    elif kind == A.TORCH_CPU:
+        np_params = {k: (v.numpy() if A.is_torch_tensor(v) else v) for k, v in np_params.items()}
+    if kind not in A.GPU_KINDS:
+        for key, v in (("scale", sc), ("zero_point", zp)):
+            if np_params.get(key) is None:
+                arr = v.numpy() if A.is_torch_tensor(v) else np.asarray(v)
+                np_params[key] = arr.astype(real).reshape(bshape)
+    res = per_channel._general((x,), out, out_dtype=out_dtype, params=params, np_params=np_params)
+    del sc, zp  # kept alive until the launch was queued (stream-ordered allocators)
+    return res
+
+
+def quantize_int8(x, /, scale, zero_point=0.0, axis=None, *, out=None):
+    """int8 quantization: clamp(rint(x / scale + zero_point), -128, 127).
+
+    ``x``: a float16/float32/float64 array (NumPy, CuPy or torch). Rounding is
+    half to even and the division is a true division, computed in float32
+    (float64 for float64 data), so results equal NumPy's
+    ``np.clip(np.rint(x / scale + zero_point), -128, 127)`` bit for bit. NaN
+    maps to 0, +inf to 127, -inf to -128.
+
+    Per tensor (``axis=None``): ``scale`` and ``zero_point`` are scalars,
+    checked before launch (finite, scale > 0). Per channel (``axis=k``):
+    ``scale`` is a 1-D array of length ``x.shape[k]`` (NumPy, or x's own kind),
+    ``zero_point`` a scalar or such an array. Returns int8 of x's shape and
+    kind; ``out=`` (int8, x's shape and kind) receives it.
+    """
+    return _run("quantize_int8", (_quant, _quant_ch), x, scale, zero_point, axis, out, _I8)
+
+
+def dequantize_int8(q, /, scale, zero_point=0.0, axis=None, dtype=np.float32, *, out=None):
+    """int8 dequantization: (q - zero_point) * scale, in ``dtype``.
+
+    ``q``: an int8 array. Computed in float32 (float64 when ``dtype`` is
+    float64) and rounded once to ``dtype`` (float16, float32 or float64; a
+    torch dtype is accepted too). ``scale``/``zero_point``/``axis`` as in
+    ``quantize_int8``.
+    """
+    odt = A.torch_to_numpy_dtype(dtype) if A.torch() is not None and isinstance(dtype, A.torch().dtype) else dtype
+    try:
+        odt = np.dtype(odt)
+    except TypeError:
+        raise TypeError(f"cufuse.dequantize_int8: dtype must be float16, float32 or float64, got {dtype!r}") from None
+    if odt not in _FLOATS:
+        raise TypeError(f"cufuse.dequantize_int8: dtype must be float16, float32 or float64, got {odt}")
+    return _run("dequantize_int8", (_dequant, _dequant_ch), q, scale, zero_point, axis, out, odt)
+
+
+OPS = {"quantize_int8": _quant, "quantize_int8_channel": _quant_ch,
+       "dequantize_int8": _dequant, "dequantize_int8_channel": _dequant_ch}
