@@ -74,21 +74,28 @@ def test_load_source_inlines_local_includes_once():
 
 
 def test_registry_has_every_op_and_dtype():
+    """Every registered name expression names a kernel and a functor that its
+    family's source defines, with a ctype matching its dtype label; the
+    elementwise ops of the core issue exist for every float dtype."""
     reg = R.registry()
-    assert set(reg) == {"elementwise"}
-    entries = reg["elementwise"]
-    src = R.load_source("elementwise")
+    assert {"elementwise", "quantize", "dropout"} <= set(reg)
+    names = {"__half": "float16", "float": "float32", "double": "float64", "signed char": "int8"}
     labels = {}
-    for expr, (label, dtype) in entries.items():
-        m = re.fullmatch(r"(ew[123](?:_strided)?)<(\w+), (__half|float|double), \3>", expr)
-        assert m, expr
-        kernel, functor, ctype = m.groups()
-        assert f"void CUFUSE_EW_BOUNDS {kernel}(" in src and f"struct {functor}" in src
-        assert {"__half": "float16", "float": "float32", "double": "float64"}[ctype] == dtype
-        labels.setdefault(label, set()).add(dtype)
-    for name in ("add_relu", "mul_tanh", "add_mul_exp", "fma"):
+    for family, entries in reg.items():
+        src = R.load_source(family)
+        for expr, (label, dtype) in entries.items():
+            m = re.fullmatch(r"(ew[123](?:_strided)?)<(\w+)(?:<\w+>)?, ([\w ]+), ([\w ]+)(?:, [\w ]+)*>", expr)
+            assert m, expr
+            kernel, functor, out_ctype, in_ctype = m.groups()
+            assert f"void CUFUSE_EW_BOUNDS {kernel}(" in src and f"struct {functor}" in src, expr
+            expected = names[in_ctype] if in_ctype == out_ctype else f"{names[in_ctype]}->{names[out_ctype]}"
+            assert dtype == expected, expr
+            labels.setdefault(label, set()).add(dtype)
+    for name in ("add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout"):
         for label in (name, f"{name} (strided)"):
             assert labels.get(label) == {"float16", "float32", "float64"}, label
+    assert labels["quantize_int8"] == {"float16->int8", "float32->int8", "float64->int8"}
+    assert labels["dequantize_int8"] == {"int8->float16", "int8->float32", "int8->float64"}
 
 
 # --------------------------------------------------------------------- CLIs
