@@ -21,6 +21,7 @@ import cufuse
 BANDWIDTH: list[dict] = []   # one dict per bandwidth benchmark that ran
 LATENCY: list[dict] = []     # one dict per latency benchmark that ran
 SKIPPED: dict[str, str] = {}  # peer -> reason it was skipped
+TARGETS: list[dict] = []     # issue targets on bandwidth rows, judged in the summary (_target_lines)
 _BENCH: dict = {}            # the one GpuBench of the session, once created
 
 COPY_BYTES = 1 << 30         # 1 GiB source + 1 GiB destination for the copy reference
@@ -44,6 +45,7 @@ class GpuBench:
         self.device = cp.cuda.runtime.getDevice()
         self.bandwidth = BANDWIDTH   # the tests append their rows here
         self.latency = LATENCY
+        self.targets = TARGETS       # and their targets here (see _target_lines)
         self._inputs_key = None
         self._inputs = None
         self._scratch = None
@@ -276,6 +278,45 @@ def _us(x):
     return "-" if x is None else (f"{x:.1f}" if x < 1000 else f"{x:.0f}")
 
 
+def _target_lines() -> list[str]:
+    """The TARGETS table: each entry names a bandwidth row (op, dtype, n) and
+    its minimums (``min_pct`` of copy, ``min_vs_compile``/``min_vs_eager``:
+    peer µs / cufuse µs, None for no target), judged against the rows that ran."""
+    if not TARGETS:
+        return []
+    rows, tally = [], {"met": 0, "MISSED": 0, "not run": 0}
+
+    def judge(value, minimum, text, unit):
+        if value is None:
+            if minimum is None:
+                return "-"
+            tally["not run"] += 1
+            return f"{text}: not run"
+        shown = f"{value:.1f}%" if unit == "%" else f"{value:.2f}x"
+        if minimum is None:
+            return shown
+        ok = value >= minimum
+        tally["met" if ok else "MISSED"] += 1
+        return f"{text}: {shown} {'met' if ok else 'MISSED'}"
+
+    for t in TARGETS:
+        impls = {r["impl"]: r for r in BANDWIDTH if (r["op"], r["dtype"], r["n"]) == (t["op"], t["dtype"], t["n"])}
+        cf = impls.get("cufuse")
+        pct = cf["pct_of_copy"] if cf else None
+        ratio = {p: (impls[p]["gpu_us"] / cf["gpu_us"]) if cf and p in impls else None
+                 for p in ("torch.compile", "torch-eager")}
+        mp, mc, me = t.get("min_pct"), t.get("min_vs_compile"), t.get("min_vs_eager")
+        rows.append([t["op"], size_label(t["n"]), DT_SHORT.get(t["dtype"], t["dtype"]),
+                     judge(pct, mp, f">= {mp:g}%" if mp is not None else "", "%"),
+                     judge(ratio["torch.compile"], mc, f">= {mc:g}x" if mc is not None else "", "x"),
+                     judge(ratio["torch-eager"], me, f">= {me:g}x" if me is not None else "", "x")])
+    out = ["", "Targets of the issue (reported, not enforced). Ratios: peer µs / cufuse µs (>1 = cufuse faster);",
+           "a cell without a minimum is shown for information. "
+           + ", ".join(f"{v} {k}" for k, v in tally.items() if v) + "."]
+    out += _table(["op", "n", "dtype", "% copy", "vs torch.compile", "vs torch eager"], rows, "lllrrr")
+    return out
+
+
 def summary_lines(full=False) -> list[str]:
     out = []
     g = _BENCH.get("gpu")
@@ -324,6 +365,7 @@ def summary_lines(full=False) -> list[str]:
                     for r in BANDWIDTH]
             out += _table(["op", "n", "dtype", "impl", "GPU µs", "host µs", "GB/s", "% copy", "enqueue µs",
                            "backlog ok", "out dtype"], rows, "llllrrrrrll")
+    out += _target_lines()
     for lat in LATENCY:
         out.append("")
         out += [f"Launch latency, add_mul_exp, {size_label(lat['n'])} {lat['dtype']}. µs/call: host wall time of "
@@ -362,7 +404,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         (d / "cufuse-summary.json").write_text(json.dumps(
             {"info": _BENCH["gpu"].info() if "gpu" in _BENCH else {},
              "copy": _BENCH["gpu"]._copy if "gpu" in _BENCH else None,
-             "bandwidth": BANDWIDTH, "latency": LATENCY, "skipped": SKIPPED}, indent=1, default=str))
+             "bandwidth": BANDWIDTH, "latency": LATENCY, "targets": TARGETS, "skipped": SKIPPED}, indent=1, default=str))
         terminalreporter.write_line(f"(full table: {d / 'cufuse-summary.md'}; raw rows: {d / 'cufuse-summary.json'})")
     except OSError as e:
         terminalreporter.write_line(f"(could not write the full summary: {e})")

@@ -289,3 +289,14 @@ def extent(ptr, shape, strides, itemsize):
         else:
             hi += span
     return lo, hi + itemsize
+
+
+def fast_div_magic(d: int) -> int:
+    """Magic multiplier (low 32 bits) and shift (high 32 bits) with which the
+    kernels divide n < 2**31 by d < 2**31 as a multiply-high (kernels/common.cuh
+    fast_div); 0 for other divisors, which the kernels divide directly."""
+    if not 1 <= d < 2**31:
+        return 0
+    shift = (d - 1).bit_length()
+    m = ((1 << 32) * ((1 << shift) - d)) // d + 1
+    return m | (shift << 32)

@@ -103,18 +103,60 @@ __device__ __forceinline__ unsigned philox_word(unsigned long long seed, long lo
     return w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
 }
 
-// 16-byte-aligned pack of N storage elements, loaded and stored as one access.
-template <typename T, int N> struct alignas(sizeof(T) * N) Pack {
+// A pack of N storage elements, moved in 16-byte (or narrower) accesses; it
+// is aligned to its size, at most 16 bytes, which is all those accesses need.
+template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N : 16) Pack {
     T v[N];
 };
 
-// Pack loads and stores: one 16-byte (or narrower) access each. Streaming
-// cache hints (__ldcs/__stcs) were measured on an H200 and gained nothing.
-template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const Pack<T, N>* p) { return *p; }
-template <typename T, int N> __device__ __forceinline__ void store_pack(Pack<T, N>* p, const Pack<T, N>& v) { *p = v; }
+// Pack loads and stores. Packs of 1-byte elements go through 32-bit words
+// built with shifts, so the compiler never splits them into byte accesses.
+// (Streaming cache hints, __ldcs/__stcs, were measured on an H200 and gained nothing.)
+template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const Pack<T, N>* p) {
+    if constexpr (sizeof(T) == 1 && N % 4 == 0) {
+        const unsigned* w = reinterpret_cast<const unsigned*>(p);
+        unsigned u[N / 4];
+        if constexpr (N == 16) {
+            const uint4 r = *reinterpret_cast<const uint4*>(p);
+            u[0] = r.x; u[1] = r.y; u[2] = r.z; u[3] = r.w;
+        } else {
+#pragma unroll
+            for (int g = 0; g < N / 4; ++g) u[g] = w[g];
+        }
+        Pack<T, N> v;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const unsigned char b = static_cast<unsigned char>(u[j / 4] >> (8 * (j % 4)));
+            v.v[j] = *reinterpret_cast<const T*>(&b);
+        }
+        return v;
+    } else {
+        return *p;
+    }
+}
+template <typename T, int N> __device__ __forceinline__ void store_pack(Pack<T, N>* p, const Pack<T, N>& v) {
+    if constexpr (sizeof(T) == 1 && N % 4 == 0) {
+        unsigned u[N / 4];
+#pragma unroll
+        for (int g = 0; g < N / 4; ++g) {
+            u[g] = 0;
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+                u[g] |= static_cast<unsigned>(*reinterpret_cast<const unsigned char*>(&v.v[4 * g + j])) << (8 * j);
+        }
+        if constexpr (N == 16) {
+            *reinterpret_cast<uint4*>(p) = make_uint4(u[0], u[1], u[2], u[3]);
+        } else {
+#pragma unroll
+            for (int g = 0; g < N / 4; ++g) reinterpret_cast<unsigned*>(p)[g] = u[g];
+        }
+    } else {
+        *p = v;
+    }
+}
 
 template <typename T, int N> __device__ __forceinline__ bool is_aligned(const T* p) {
-    return (reinterpret_cast<unsigned long long>(p) % (sizeof(T) * N)) == 0;
+    return (reinterpret_cast<unsigned long long>(p) % alignof(Pack<T, N>)) == 0;
 }
 
 }  // namespace cufuse

@@ -8,10 +8,32 @@
 // values are scaled by 1 / (1 - p).
 template <bool Tanh> struct GeluDropout {
     static constexpr bool indexed = true;
+    static constexpr bool packed = true;  // one Philox call serves 4 consecutive elements
     unsigned long long seed, threshold;
     double scale;
-    template <typename C> __device__ __forceinline__ C operator()(long long i, C x) const {
+    template <typename C> __device__ __forceinline__ C keep(C x, unsigned w) const {
         const C g = Tanh ? cufuse::math::gelu_tanh(x) : cufuse::math::gelu_erf(x);
-        return cufuse::philox_word(seed, i) >= threshold ? g * static_cast<C>(scale) : C(0);
+        return w >= threshold ? g * static_cast<C>(scale) : C(0);
+    }
+    template <typename C> __device__ __forceinline__ C operator()(long long i, C x) const {
+        return keep(x, cufuse::philox_word(seed, i));
+    }
+    template <int V, typename C> __device__ __forceinline__ void pack(long long i0, const C (&x)[V], C (&y)[V]) const {
+        if constexpr (V % 4 == 0) {  // i0 is a multiple of V, so of 4: whole Philox blocks
+#pragma unroll
+            for (int g = 0; g < V / 4; ++g) {
+                const unsigned long long q = (static_cast<unsigned long long>(i0) >> 2) + g;
+                const uint4 r = cufuse::philox4x32_10(
+                    make_uint4(static_cast<unsigned>(q), static_cast<unsigned>(q >> 32), 0u, 0u),
+                    make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32)));
+                y[4 * g + 0] = keep(x[4 * g + 0], r.x);
+                y[4 * g + 1] = keep(x[4 * g + 1], r.y);
+                y[4 * g + 2] = keep(x[4 * g + 2], r.z);
+                y[4 * g + 3] = keep(x[4 * g + 3], r.w);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < V; ++j) y[j] = (*this)(i0 + j, x[j]);
+        }
     }
 };

@@ -29,11 +29,16 @@ constexpr int kScalarShift = 56;  // nm: count in bits 0..55, scalar flags above
 constexpr int kMaxDims = 8;      // after collapsing; more falls back to a copy
 constexpr int kMaxOperands = 4;  // the output plus up to three inputs
 
-// Strides in elements, dim 0 innermost; operand 0 is the output.
+// Strides in elements, dim 0 innermost; operand 0 is the output. `magic`
+// holds fast_div's multiplier for each dim's size; `vec` is set by the host
+// when dim 0 can be walked in packs (its size a multiple of the pack width,
+// the output and every input contiguous or broadcast along it, packs aligned).
 struct Layout {
     long long shape[kMaxDims];
     long long stride[kMaxOperands][kMaxDims];
+    unsigned long long magic[kMaxDims];
     int ndim;
+    int vec;
 };
 
 // ---- functor traits ---------------------------------------------------------
@@ -48,6 +53,13 @@ template <typename Op, typename Tin> struct op_compute<Op, Tin, void_t<typename 
 };
 template <typename Op, typename = void> struct op_indexed { static constexpr bool value = false; };
 template <typename Op> struct op_indexed<Op, void_t<decltype(Op::indexed)>> { static constexpr bool value = Op::indexed; };
+
+// A functor may also declare `static constexpr bool packed = true;` and
+//   template <int V, typename C> void pack(long long i0, const C (&x)[V], C (&y)[V]) const
+// to compute a whole pack of V consecutive elements at once (one input only),
+// e.g. to share one random draw among several elements.
+template <typename Op, typename = void> struct op_packed { static constexpr bool value = false; };
+template <typename Op> struct op_packed<Op, void_t<decltype(Op::packed)>> { static constexpr bool value = Op::packed; };
 
 template <typename Op, int NIN, typename C>
 __device__ __forceinline__ auto apply_op(const Op& op, long long i, const C (&x)[NIN]) {
@@ -74,12 +86,37 @@ __device__ __forceinline__ long long decode_operands(const Tin* const (&in)[NIN]
     return nm & ((1LL << kScalarShift) - 1);
 }
 
-// Elements per pack: 16-byte accesses on the wider side, and stores of at
-// least 4 bytes (narrow outputs such as int8 are written in packs).
+// Elements per pack: a 16-byte access on the narrower side (so an int8
+// side moves 16 bytes per access too, and the wider side several 16-byte
+// accesses); measured on an H200, narrow 4-byte int8 accesses held
+// quantize/dequantize to 59-78% of copy bandwidth.
 template <typename Tout, typename Tin> struct PackWidth {
-    static constexpr int wide = 16 / (sizeof(Tin) > sizeof(Tout) ? sizeof(Tin) : sizeof(Tout));
-    static constexpr int value = wide * sizeof(Tout) < 4 ? 4 / sizeof(Tout) : wide;
+    static constexpr int value = 16 / (sizeof(Tin) < sizeof(Tout) ? sizeof(Tin) : sizeof(Tout));
 };
+
+// One pack of V outputs from V elements of each input (already loaded).
+template <typename Op, int NIN, int V, typename C, typename Tout, typename Tin>
+__device__ __forceinline__ Pack<Tout, V> compute_pack(const Op& op, long long i0, const Pack<Tin, V> (&x)[NIN],
+                                                      const bool (&is_s)[NIN], const C (&sc)[NIN]) {
+    Pack<Tout, V> y;
+    if constexpr (op_packed<Op>::value && NIN == 1) {
+        C a[V], r[V];
+#pragma unroll
+        for (int j = 0; j < V; ++j) a[j] = is_s[0] ? sc[0] : to_compute<C>(x[0].v[j]);
+        op.template pack<V>(i0, a, r);
+#pragma unroll
+        for (int j = 0; j < V; ++j) y.v[j] = from_compute<Tout>(r[j]);
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            C v[NIN];
+#pragma unroll
+            for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(x[k].v[j]);
+            y.v[j] = from_compute<Tout>(apply_op<Op, NIN, C>(op, i0 + j, v));
+        }
+    }
+    return y;
+}
 
 template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm) {
@@ -106,14 +143,7 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
 #pragma unroll
             for (int k = 0; k < NIN; ++k)
                 if (!is_s[k]) x[k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k]) + p);
-            Pack<Tout, V> y;
-#pragma unroll
-            for (int j = 0; j < V; ++j) {
-                C v[NIN];
-#pragma unroll
-                for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(x[k].v[j]);
-                y.v[j] = from_compute<Tout>(apply_op<Op, NIN, C>(op, p * V + j, v));
-            }
+            const Pack<Tout, V> y = compute_pack<Op, NIN, V, C, Tout>(op, p * V, x, is_s, sc);
             store_pack(dst + p, y);
         }
         done = npack * V;
@@ -127,6 +157,23 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
     }
 }
 
+// Element offsets of logical index i for the output (off[0]) and each input.
+template <int NIN>
+__device__ __forceinline__ void strided_offsets(const Layout& L, long long i, long long (&off)[NIN + 1]) {
+#pragma unroll
+    for (int k = 0; k <= NIN; ++k) off[k] = 0;
+    long long rem = i;
+#pragma unroll
+    for (int d = 0; d < kMaxDims; ++d) {
+        if (d >= L.ndim) break;
+        const long long q = fast_div(rem, L.shape[d], L.magic[d]);
+        const long long c = rem - q * L.shape[d];
+        rem = q;
+#pragma unroll
+        for (int k = 0; k <= NIN; ++k) off[k] += c * L.stride[k][d];
+    }
+}
+
 template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm,
                                             const Layout& L) {
@@ -136,19 +183,34 @@ __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* 
     const long long n = decode_operands<NIN, C>(in, nm, is_s, sc);
     const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    if (L.vec) {
+        // Dim 0 in packs: one offset computation per pack; an input with
+        // stride 0 along dim 0 is one value broadcast over the pack.
+        constexpr int V = PackWidth<Tout, Tin>::value;
+        const long long npack = n / V;
+        for (long long p = tid; p < npack; p += nthreads) {
+            long long off[NIN + 1];
+            strided_offsets<NIN>(L, p * V, off);
+            Pack<Tin, V> x[NIN];
+#pragma unroll
+            for (int k = 0; k < NIN; ++k) {
+                if (is_s[k]) continue;
+                if (L.stride[k + 1][0] == 0) {
+                    const Tin b = in[k][off[k + 1]];
+#pragma unroll
+                    for (int j = 0; j < V; ++j) x[k].v[j] = b;
+                } else {
+                    x[k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k] + off[k + 1]));
+                }
+            }
+            store_pack(reinterpret_cast<Pack<Tout, V>*>(out + off[0]),
+                       compute_pack<Op, NIN, V, C, Tout>(op, p * V, x, is_s, sc));
+        }
+        return;
+    }
     for (long long i = tid; i < n; i += nthreads) {
         long long off[NIN + 1];
-#pragma unroll
-        for (int k = 0; k <= NIN; ++k) off[k] = 0;
-        long long rem = i;
-#pragma unroll
-        for (int d = 0; d < kMaxDims; ++d) {
-            if (d >= L.ndim) break;
-            const long long c = rem % L.shape[d];
-            rem /= L.shape[d];
-#pragma unroll
-            for (int k = 0; k <= NIN; ++k) off[k] += c * L.stride[k][d];
-        }
+        strided_offsets<NIN>(L, i, off);
         C v[NIN];
 #pragma unroll
         for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(in[k][off[k + 1]]);

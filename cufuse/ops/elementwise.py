@@ -22,9 +22,10 @@ FAMILY = "elementwise"  # kernels/elementwise.cu; ops may name another family th
 _STRIDED_NDIM = 8     # kernels/elementwise.cuh: kMaxDims
 _SCALAR_SHIFT = 56    # kernels/elementwise.cuh: kScalarShift
 _MAX_OPERANDS = 4     # kernels/elementwise.cuh: kMaxOperands
-_LAYOUT = np.dtype({"names": ["shape", "stride", "ndim"],
-                    "formats": [(np.int64, (_STRIDED_NDIM,)), (np.int64, (_MAX_OPERANDS, _STRIDED_NDIM)), np.int32]},
-                   align=True)
+_LAYOUT = np.dtype({"names": ["shape", "stride", "magic", "ndim", "vec"],
+                    "formats": [(np.int64, (_STRIDED_NDIM,)), (np.int64, (_MAX_OPERANDS, _STRIDED_NDIM)),
+                                (np.uint64, (_STRIDED_NDIM,)), np.int32, np.int32]},
+                   align=True)  # kernels/elementwise.cuh: struct Layout
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 
@@ -35,10 +36,9 @@ def _compute_dtype(dtype):
 
 
 def pack_width(in_dt, out_dt):
-    """Elements per pack (kernels/elementwise.cuh PackWidth): 16-byte accesses
-    on the wider side, stores of at least 4 bytes."""
-    wide = 16 // max(in_dt.itemsize, out_dt.itemsize)
-    return 4 // out_dt.itemsize if wide * out_dt.itemsize < 4 else wide
+    """Elements per pack (kernels/elementwise.cuh PackWidth): a 16-byte access
+    on the narrower side."""
+    return 16 // min(in_dt.itemsize, out_dt.itemsize)
 
 
 class ElementwiseOp:
@@ -309,15 +309,37 @@ class ElementwiseOp:
             _copy_into(out, tmp, kind)
             return
         layout = np.zeros((), dtype=_LAYOUT)
-        layout["ndim"] = len(cshape)
-        layout["shape"][:len(cshape)] = cshape
+        nd = len(cshape)
+        layout["ndim"] = nd
+        layout["shape"][:nd] = cshape
+        layout["magic"][:nd] = [A.fast_div_magic(d) for d in cshape]
         it = iter(cstrides)
-        layout["stride"][0, :len(cshape)] = next(it)
+        layout["stride"][0, :nd] = next(it)
+        vec_parts = [(optr, cstrides[0], odt.itemsize)]
         for k, x in enumerate(ins):
             if x is not None:
-                layout["stride"][k + 1, :len(cshape)] = next(it)
+                st = next(it)
+                layout["stride"][k + 1, :nd] = st
+                vec_parts.append((ptrs[k], st, dt.itemsize))
+        layout["vec"] = _packs_fit(cshape, vec_parts, pack_width(dt, odt))
         fn = self._fn((dt, odt), dev, strided=True)
         R.launch(fn, n, dev, (optr, *ptrs, nm, layout[()], *params), stream)
+
+
+def _packs_fit(cshape, parts, vec):
+    """Can the strided kernel walk dim 0 in packs of ``vec``? Its size must be
+    a multiple of ``vec``; the output and each input must be contiguous (or,
+    for inputs, broadcast) along it, with every pack start aligned as the
+    kernel's Pack type is (its size, at most 16 bytes)."""
+    if cshape[0] % vec:
+        return 0
+    for k, (ptr, st, itemsize) in enumerate(parts):
+        if st[0] == 0 and k > 0:
+            continue  # one value broadcast over each pack
+        align = min(vec * itemsize, 16)
+        if st[0] != 1 or ptr % align or any((s * itemsize) % align for s in st[1:]):
+            return 0
+    return 1
 
 
 def _empty(shape, dtype, kind, dev):

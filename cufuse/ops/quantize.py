@@ -32,16 +32,6 @@ def _rname(dt):
     return "double" if dt == _F64 else "float"
 
 
-def magic(d: int) -> int:
-    """Magic multiplier (low 32 bits) and shift (high 32 bits) for dividing
-    n < 2**31 by d < 2**31 with a multiply-high (kernels/common.cuh fast_div)."""
-    if not 1 <= d < 2**31:
-        return 0  # the kernel divides directly
-    shift = (d - 1).bit_length()
-    m = ((1 << 32) * ((1 << shift) - d)) // d + 1
-    return m | (shift << 32)
-
-
 def _quantize_np(x, scale, zero_point):
     v = np.rint(x / scale + zero_point)
     return np.where(np.isnan(v), 0, np.clip(v, -128, 127)).astype(np.int8)
@@ -144,7 +134,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype, pos_zero_ok=True
         inner = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
         nch = x.shape[axis]
         params = (np.uint64(A.pointer_of(sc, kind)), np.uint64(A.pointer_of(zp, kind)),
-                  inner, np.uint64(magic(inner)), nch, np.uint64(magic(nch)))
+                  inner, np.uint64(A.fast_div_magic(inner)), nch, np.uint64(A.fast_div_magic(nch)))
     elif kind == A.TORCH_CPU:
         np_params = {k: (v.numpy() if A.is_torch_tensor(v) else v) for k, v in np_params.items()}
     if kind not in A.GPU_KINDS:
