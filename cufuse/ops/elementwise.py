@@ -36,9 +36,8 @@ def _compute_dtype(dtype):
 
 
 def pack_width(in_dt, out_dt):
-    """Elements per pack (kernels/elementwise.cuh PackWidth): a 16-byte access
-    on the narrower side."""
-    return 16 // min(in_dt.itemsize, out_dt.itemsize)
+    """Elements per pack (kernels/elementwise.cuh PackWidth): one 16-byte store."""
+    return 16 // out_dt.itemsize
 
 
 class ElementwiseOp:
