@@ -34,25 +34,50 @@ template <typename R> struct Channels {
         const long long q = cufuse::fast_div(i, inner, inner_mg);
         return q - cufuse::fast_div(q, channels, channels_mg) * channels;
     }
+    // f(j, c) for the V consecutive elements from i0: the channel is divided
+    // out once per pack and then stepped (no division per element).
+    template <int V, typename F> __device__ __forceinline__ void for_pack(long long i0, F f) const {
+        const long long q = cufuse::fast_div(i0, inner, inner_mg);
+        long long r = i0 - q * inner;
+        long long c = q - cufuse::fast_div(q, channels, channels_mg) * channels;
+#pragma unroll
+        for (int j = 0; j < V; ++j) {
+            f(j, c);
+            if (++r == inner) {
+                r = 0;
+                if (++c == channels) c = 0;
+            }
+        }
+    }
 };
 
 template <typename R> struct QuantizeCh : Channels<R> {
     using compute = R;
     static constexpr bool indexed = true;
+    static constexpr bool packed = true;
     using Channels<R>::Channels;
     __device__ __forceinline__ signed char operator()(long long i, R x) const {
         const long long c = this->channel(i);
         return cufuse::math::quantize_int8(x, this->scale[c], this->zp[c]);
+    }
+    template <int V> __device__ __forceinline__ void pack(long long i0, const R (&x)[V], R (&y)[V]) const {
+        this->template for_pack<V>(i0, [&](int j, long long c) {
+            y[j] = static_cast<R>(cufuse::math::quantize_int8(x[j], this->scale[c], this->zp[c]));
+        });
     }
 };
 
 template <typename R> struct DequantizeCh : Channels<R> {
     using compute = R;
     static constexpr bool indexed = true;
+    static constexpr bool packed = true;
     using Channels<R>::Channels;
     __device__ __forceinline__ R operator()(long long i, R q) const {
         const long long c = this->channel(i);
         return (q - this->zp[c]) * this->scale[c];
+    }
+    template <int V> __device__ __forceinline__ void pack(long long i0, const R (&q)[V], R (&y)[V]) const {
+        this->template for_pack<V>(i0, [&](int j, long long c) { y[j] = (q[j] - this->zp[c]) * this->scale[c]; });
     }
 };
 
