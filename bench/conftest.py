@@ -219,6 +219,38 @@ class GpuBench:
         return self._copy
 
     @staticmethod
+    def rounds_for(n):
+        """(pytest-benchmark host rounds, CUDA-event repetitions) for ``n`` elements."""
+        if n <= 1_000_000:
+            return 100, 50
+        if n <= 20_000_000:
+            return 30, 30
+        return 20, 20
+
+    def measure(self, benchmark, *, op, dtype, n, impl, call, stream, nbytes, out_dtype, extra=None):
+        """Event timing + pytest-benchmark host timing of ``call`` (already
+        checked for correctness): one row for the summary, returned."""
+        copy = self.copy_bandwidth()
+        host_rounds, reps = self.rounds_for(n)
+        timing = self.gpu_time_us(call, stream, reps=reps)
+        gpu_us = timing["gpu_us"]
+
+        def target():
+            call()
+            self.sync()
+
+        benchmark.pedantic(target, rounds=host_rounds, warmup_rounds=3, iterations=1)
+        host_us = benchmark.stats.stats.median * 1e6 if benchmark.stats else None
+        gbps = nbytes / (gpu_us * 1e-6) / 1e9
+        row = {"op": op, "n": n, "dtype": dtype, "impl": impl, "bytes": nbytes, "gpu_us": gpu_us,
+               "GBps": gbps, "pct_of_copy": 100.0 * gbps / copy["GBps"], "copy_GBps": copy["GBps"],
+               "host_us": host_us, "enqueue_us": timing["enqueue_us"], "backlog_ok": timing["backlog_ok"],
+               "event_reps": reps, "out_dtype": out_dtype, "allocates": impl != "cufuse", **(extra or {})}
+        benchmark.extra_info.update(row)
+        self.bandwidth.append(row)
+        return row
+
+    @staticmethod
     def host_loop_us(fns: dict, sync, calls: int = 2000, rounds: int = 7) -> dict:
         """Host wall microseconds per call of each fn: ``calls`` calls between
         two synchronizes, divided; the variants are interleaved round by

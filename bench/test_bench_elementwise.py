@@ -132,15 +132,6 @@ def check_close(op, ins, res, dtype):
 
 
 # ----------------------------------------------------------------- bandwidth
-def rounds_for(n):
-    """(pytest-benchmark host rounds, CUDA-event repetitions)."""
-    if n <= 1_000_000:
-        return 100, 50
-    if n <= 20_000_000:
-        return 30, 30
-    return 20, 20
-
-
 CASES = [pytest.param(op, dt, n, impl, id=f"{op}-{dt}-{size_label(n)}-{impl}",
                       marks=[pytest.mark.slow] if n >= 20_000_000 else [])
          for op in OPS for dt in DTYPES for n in SIZES for impl in IMPLS]
@@ -150,7 +141,7 @@ CASES = [pytest.param(op, dt, n, impl, id=f"{op}-{dt}-{size_label(n)}-{impl}",
 def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
     arity, cf_op, cp_op, _, _ = OPS[op]
     benchmark.group = f"{op} {size_label(n)} {dtype}"
-    copy = gpu.copy_bandwidth()
+    gpu.copy_bandwidth()  # the reference, measured once before the first op
     ins = gpu.inputs(n, dtype)[:arity]
 
     stream = cp.cuda.get_current_stream()
@@ -187,26 +178,8 @@ def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
     nbytes = sum(x.nbytes for x in ins) + res.nbytes  # inputs read once + output written once
     out_dtype = str(res.dtype)
     del res
-
-    host_rounds, reps = rounds_for(n)
-    timing = gpu.gpu_time_us(call, stream, reps=reps)
-    gpu_us = timing["gpu_us"]
-
-    def target():
-        call()
-        gpu.sync()
-
-    benchmark.pedantic(target, rounds=host_rounds, warmup_rounds=3, iterations=1)
-    host_us = benchmark.stats.stats.median * 1e6 if benchmark.stats else None
-
-    gbps = nbytes / (gpu_us * 1e-6) / 1e9
-    row = {"op": op, "n": n, "dtype": dtype, "impl": impl, "bytes": nbytes, "gpu_us": gpu_us,
-           "GBps": gbps, "pct_of_copy": 100.0 * gbps / copy["GBps"], "copy_GBps": copy["GBps"],
-           "host_us": host_us, "enqueue_us": timing["enqueue_us"], "backlog_ok": timing["backlog_ok"],
-           "event_reps": reps, "out_dtype": out_dtype,
-           "allocates": impl != "cufuse"}
-    benchmark.extra_info.update(row)
-    gpu.bandwidth.append(row)
+    gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+                nbytes=nbytes, out_dtype=out_dtype)
 
 
 # ----------------------------------------------------------------- latency

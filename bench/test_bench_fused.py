@@ -63,11 +63,6 @@ def size_label(n):
     return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1_000}K"
 
 
-def rounds_for(n):
-    """(pytest-benchmark host rounds, CUDA-event repetitions), as in test_bench_elementwise."""
-    return (100, 50) if n <= 1_000_000 else (20, 20)
-
-
 def cases(variants, impls=IMPLS, dtypes=DTYPES):
     """50M first, so that torch.compile's first (static) compile is the 50M one
     (dynamic=False below anyway); inputs are regenerated only when (n, dtype) changes."""
@@ -231,28 +226,6 @@ def cp_dequant(q, s, z, dtype):
 
 
 # ------------------------------------------------------ the measurement
-def measure(benchmark, gpu, *, op, dtype, n, impl, call, stream, nbytes, out_dtype, extra=None):
-    """Event timing + pytest-benchmark host timing of ``call`` (already checked),
-    one row for the summary, and the issue's targets on the cufuse row at 50M."""
-    copy = gpu.copy_bandwidth()
-    host_rounds, reps = rounds_for(n)
-    timing = gpu.gpu_time_us(call, stream, reps=reps)
-    gpu_us = timing["gpu_us"]
-
-    def target():
-        call()
-        gpu.sync()
-
-    benchmark.pedantic(target, rounds=host_rounds, warmup_rounds=3, iterations=1)
-    host_us = benchmark.stats.stats.median * 1e6 if benchmark.stats else None
-    gbps = nbytes / (gpu_us * 1e-6) / 1e9
-    row = {"op": op, "n": n, "dtype": dtype, "impl": impl, "bytes": nbytes, "gpu_us": gpu_us,
-           "GBps": gbps, "pct_of_copy": 100.0 * gbps / copy["GBps"], "copy_GBps": copy["GBps"],
-           "host_us": host_us, "enqueue_us": timing["enqueue_us"], "backlog_ok": timing["backlog_ok"],
-           "event_reps": reps, "out_dtype": out_dtype, "allocates": impl != "cufuse", **(extra or {})}
-    benchmark.extra_info.update(row)
-    gpu.bandwidth.append(row)
-    return row
 
 
 def add_target(gpu, op, dtype, n, family, float_dtype):
@@ -321,7 +294,7 @@ def test_bias_gelu(benchmark, gpu, n, dtype, approximate, impl):
     del res
 
     nbytes = 2 * x.nbytes  # x read + out written (the 1024-element bias is not counted)
-    measure(benchmark, gpu, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+    gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
             nbytes=nbytes, out_dtype=dtype, extra={"elements": x.size, "shape": list(x.shape)})
     if impl == "cufuse":
         add_target(gpu, op, dtype, n, "bias_gelu", dtype)
@@ -402,7 +375,7 @@ def test_quantize(benchmark, gpu, n, dtype, mode, impl):
     del res
 
     nbytes = x.nbytes + x.size  # x read + int8 out written (per-channel parameters not counted)
-    measure(benchmark, gpu, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+    gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
             nbytes=nbytes, out_dtype="int8", extra={"elements": x.size, "shape": list(x.shape)})
     if impl == "cufuse":
         add_target(gpu, op, dtype, n, op if mode == "tensor" else "per_channel", dtype)
@@ -453,7 +426,7 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
     del res
 
     nbytes = q.size + q.size * np.dtype(dtype).itemsize  # int8 read + out written
-    measure(benchmark, gpu, op=op, dtype=label, n=n, impl=impl, call=call, stream=stream,
+    gpu.measure(benchmark, op=op, dtype=label, n=n, impl=impl, call=call, stream=stream,
             nbytes=nbytes, out_dtype=dtype, extra={"elements": q.size, "shape": list(q.shape)})
     if impl == "cufuse":
         add_target(gpu, op, label, n, op if mode == "tensor" else "per_channel", dtype)
@@ -495,7 +468,7 @@ def test_gelu_dropout(benchmark, gpu, n, dtype, variant, impl):
     del res
 
     nbytes = 2 * x.nbytes  # x read + out written
-    measure(benchmark, gpu, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+    gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
             nbytes=nbytes, out_dtype=dtype, extra={"elements": x.size, "shape": list(x.shape), "p": P_DROP,
                                                    "kept_fraction": kept})
     if impl == "cufuse":

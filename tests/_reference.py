@@ -55,8 +55,9 @@ def reference(op, inputs, result_dtype):
     return np.asarray(r, dtype=np.float64)
 
 
-def assert_close(got, ref, dtype):
-    """``got`` (NumPy, output dtype) against the float64 reference ``ref``."""
+def assert_close(got, ref, dtype, tol=None):
+    """``got`` (NumPy, output dtype) against the float64 reference ``ref``;
+    ``tol`` = (rtol, atol) overrides the dtype's entry in TOL."""
     dtype = np.dtype(dtype)
     assert isinstance(got, np.ndarray)
     assert got.dtype == dtype, f"result dtype {got.dtype}, expected {dtype}"
@@ -67,7 +68,7 @@ def assert_close(got, ref, dtype):
     np.testing.assert_array_equal(np.isnan(g), np.isnan(expected), err_msg="NaN positions differ")
     np.testing.assert_array_equal(np.isposinf(g), np.isposinf(expected), err_msg="+inf positions differ")
     np.testing.assert_array_equal(np.isneginf(g), np.isneginf(expected), err_msg="-inf positions differ")
-    rtol, atol = TOL[dtype]
+    rtol, atol = tol or TOL[dtype]
     np.testing.assert_allclose(g, expected, rtol=rtol, atol=atol, equal_nan=True)
 
 

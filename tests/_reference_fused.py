@@ -14,7 +14,7 @@ import math
 
 import numpy as np
 
-from _reference import TOL
+from _reference import TOL, assert_close
 
 F16, F32, F64 = (np.dtype(t) for t in (np.float16, np.float32, np.float64))
 I8 = np.dtype(np.int8)
@@ -55,21 +55,7 @@ def bias_gelu_ref(x, bias, approximate, result_dtype):
     return gelu64(widen_operand(x, result_dtype) + widen_operand(bias, result_dtype), approximate)
 
 
-def assert_close_tol(got, ref, dtype, tol=None):
-    """``got`` (NumPy array of ``dtype``) against the float64 ``ref``, which is
-    first rounded to ``dtype``; NaN / inf positions must agree."""
-    dtype = np.dtype(dtype)
-    assert isinstance(got, np.ndarray), type(got)
-    assert got.dtype == dtype, f"result dtype {got.dtype}, expected {dtype}"
-    assert got.shape == ref.shape, f"result shape {got.shape}, expected {ref.shape}"
-    with np.errstate(all="ignore"):
-        expected = ref.astype(dtype).astype(np.float64)
-    g = got.astype(np.float64)
-    np.testing.assert_array_equal(np.isnan(g), np.isnan(expected), err_msg="NaN positions differ")
-    np.testing.assert_array_equal(np.isposinf(g), np.isposinf(expected), err_msg="+inf positions differ")
-    np.testing.assert_array_equal(np.isneginf(g), np.isneginf(expected), err_msg="-inf positions differ")
-    rtol, atol = tol or TOL[dtype]
-    np.testing.assert_allclose(g, expected, rtol=rtol, atol=atol, equal_nan=True)
+assert_close_tol = assert_close  # one comparison for every op (tests/_reference.py)
 
 
 # ---------------------------------------------------------------- quantize

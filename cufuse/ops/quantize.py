@@ -63,11 +63,11 @@ def _scalar_param(name, what, v, positive):
 
 
 def _channel_param(name, what, v, x, kind, axis, real, positive):
-    """A per-channel parameter as (array of ``real`` on x's device or host, keep-alive)."""
+    """A per-channel parameter as a 1-D array of ``real``: NumPy, or the data's own kind."""
     nch = x.shape[axis]
     if not isinstance(v, (np.ndarray, A.CupyArray, list, tuple)) and not A.is_torch_tensor(v):
         f = _scalar_param(name, what, v, positive)  # one value for every channel
-        return np.full(nch, f, dtype=real), None
+        return np.full(nch, f, dtype=real)
     vk = A.kind_of(v) if not isinstance(v, (list, tuple)) else A.NUMPY
     arr = np.asarray(v, dtype=np.float64) if isinstance(v, (list, tuple)) else v  # a list of numbers
     if vk not in (A.NUMPY, kind):
@@ -84,17 +84,20 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
         if positive and not np.all(arr > 0) or not np.all(np.isfinite(arr)):
             need = "finite and > 0" if positive else "finite"
             raise ValueError(f"cufuse.{name}: every {what} must be {need}")
-        return arr, None
+        return arr
     if vk == A.CUPY:
-        return arr.astype(real, copy=False), None
-    return arr.to(A.numpy_to_torch_dtype(real)).contiguous(), None  # torch: same device as the data
+        return arr.astype(real, copy=False)
+    return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: same device as the data
 
 
-def _run(name, ops, x, scale, zero_point, axis, out, out_dtype, pos_zero_ok=True):
+def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     """Shared driver of quantize/dequantize: validates the parameters, picks
     the per-tensor or per-channel op and launches it (or the fallback)."""
     per_tensor, per_channel = ops
-    kind = A.kind_of(x) if not isinstance(x, (int, float)) else None
+    try:
+        kind = A.kind_of(x)
+    except TypeError:
+        kind = None
     if kind is None:
         raise TypeError(f"cufuse.{name}: the data must be an array (numpy.ndarray, cupy.ndarray or "
                         f"torch.Tensor), got {type(x).__module__}.{type(x).__name__}")
@@ -113,14 +116,9 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype, pos_zero_ok=True
     if not -ndim <= axis < ndim:
         raise ValueError(f"cufuse.{name}: axis {axis} is out of range for data with {ndim} dimensions")
     axis = int(axis) % ndim
-    sc, _ = _channel_param(name, "scale", scale, x, kind, axis, real, True)
-    zp, _ = _channel_param(name, "zero_point", zero_point, x, kind, axis, real, False)
-    bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
-    np_params = {"scale": np.asarray(sc).reshape(bshape) if isinstance(sc, np.ndarray) else None,
-                 "zero_point": np.asarray(zp).reshape(bshape) if isinstance(zp, np.ndarray) else None}
-    if in_dt == _I8:
-        np_params["real"] = real
-    params = ()
+    sc = _channel_param(name, "scale", scale, x, kind, axis, real, True)
+    zp = _channel_param(name, "zero_point", zero_point, x, kind, axis, real, False)
+    params, np_params = (), {}
     if kind in A.GPU_KINDS:
         dev = A.device_of(x, kind)
         with R._cp.cuda.Device(dev):
@@ -135,13 +133,12 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype, pos_zero_ok=True
         nch = x.shape[axis]
         params = (np.uint64(A.pointer_of(sc, kind)), np.uint64(A.pointer_of(zp, kind)),
                   inner, np.uint64(A.fast_div_magic(inner)), nch, np.uint64(A.fast_div_magic(nch)))
-    elif kind == A.TORCH_CPU:
-        np_params = {k: (v.numpy() if A.is_torch_tensor(v) else v) for k, v in np_params.items()}
-    if kind not in A.GPU_KINDS:
+    else:  # the fallback broadcasts the parameters along ``axis``
+        bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
         for key, v in (("scale", sc), ("zero_point", zp)):
-            if np_params.get(key) is None:
-                arr = v.numpy() if A.is_torch_tensor(v) else np.asarray(v)
-                np_params[key] = arr.astype(real).reshape(bshape)
+            np_params[key] = (v.numpy() if A.is_torch_tensor(v) else np.asarray(v)).astype(real).reshape(bshape)
+        if in_dt == _I8:
+            np_params["real"] = real
     res = per_channel._general((x,), out, out_dtype=out_dtype, params=params, np_params=np_params)
     del sc, zp  # kept alive until the launch was queued (stream-ordered allocators)
     return res
