@@ -125,6 +125,21 @@ def describe(x, kind=None) -> str:
     return f"{kind} ({dtype_of(x, kind)}, shape {tuple(x.shape)}{where})"
 
 
+def float_dtype_arg(name, dtype, what="dtype"):
+    """A float16/float32/float64 NumPy dtype from a NumPy or torch dtype spelling."""
+    t = torch()
+    if t is not None and isinstance(dtype, t.dtype):
+        d = torch_to_numpy_dtype(dtype)  # None for torch-only dtypes (bfloat16)
+    else:
+        try:
+            d = np.dtype(dtype) if dtype is not None else None
+        except TypeError:
+            d = None
+    if d is None or d not in FLOAT_DTYPES:  # (np.dtype == None is True for float64)
+        raise TypeError(f"cufuse.{name}: {what} must be float16, float32 or float64, got {dtype!r}")
+    return d
+
+
 def check_grad(x, name):
     t = torch()
     if x.requires_grad and t.is_grad_enabled():

@@ -37,8 +37,13 @@ def build(archs, out=sys.stdout) -> int:
     failures = 0
     for family, entries in sorted(R.registry().items()):
         source = R.load_source(family)
-        names = sorted(entries)
         for arch in archs:
+            names = sorted(e for e in entries if int(arch) >= R.min_arch(e))
+            skipped = len(entries) - len(names)
+            if skipped:
+                print(f"skip sm_{arch} {family}: {skipped} kernels need a newer architecture", file=out)
+            if not names:
+                continue
             t0 = time.perf_counter()
             try:
                 kind, mapping = _compile(source, options, arch, names)

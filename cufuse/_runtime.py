@@ -85,7 +85,7 @@ def load_source(family: str) -> str:
         text = text.replace("#pragma once", "")
         return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
-    return expand(f"{family}.cu")
+    return expand(f"{family.split(':')[0]}.cu")
 
 
 def cuda_include_dirs() -> list[str]:
@@ -114,6 +114,7 @@ def compile_options() -> tuple[str, ...]:
 # -------------------------------------------------------------------- registry
 # family -> {name expression: (label, dtype name)}; filled by the op modules.
 _REGISTRY: dict[str, dict[str, tuple[str, str]]] = {}
+_MIN_ARCH: dict[str, int] = {}
 
 
 def name_expression(kernel: str, *template_args: str) -> str:
@@ -122,9 +123,15 @@ def name_expression(kernel: str, *template_args: str) -> str:
     return f"{kernel}<{', '.join(template_args)}>"
 
 
-def register(family: str, expression: str, label: str, dtype: str) -> str:
+def register(family: str, expression: str, label: str, dtype: str, min_arch: int = 0) -> str:
+    """Add ``expression`` to ``family``: ``kernels/<file>.cu`` where family
+    is ``file`` or ``file:part``. Each family is one module, compiled on first
+    use, so parts split a large file into what a first call needs.
+    ``min_arch`` (e.g. 90): the lowest compute capability it compiles for."""
     with _lock:
         _REGISTRY.setdefault(family, {})[expression] = (label, dtype)
+        if min_arch:
+            _MIN_ARCH[expression] = min_arch
         # A module already built for this family lacks the new expression.
         for key in [k for k in _modules if k[0] == family]:
             del _modules[key]
@@ -135,11 +142,17 @@ def registry() -> dict[str, dict[str, tuple[str, str]]]:
     return {f: dict(e) for f, e in _REGISTRY.items()}
 
 
+def min_arch(expression: str) -> int:
+    """Lowest compute capability (e.g. 90) ``expression`` compiles for; 0: any."""
+    return _MIN_ARCH.get(expression, 0)
+
+
 # -------------------------------------------------------------------- modules
 _lock = threading.RLock()
 _modules: dict[tuple[str, int], object] = {}
 _functions: dict[tuple[str, int], object] = {}
 _sm_counts: dict[int, int] = {}
+_ccs: dict[int, int] = {}
 
 
 def _require_cuda():
@@ -175,6 +188,15 @@ def get_function(family: str, expression: str, device: int):
     return fn
 
 
+def compute_capability(device: int) -> int:
+    """e.g. 90 for an H100/H200."""
+    cc = _ccs.get(device)
+    if cc is None:
+        props = _cp.cuda.runtime.getDeviceProperties(device)
+        cc = _ccs[device] = props["major"] * 10 + props["minor"]
+    return cc
+
+
 def sm_count(device: int) -> int:
     n = _sm_counts.get(device)
     if n is None:
@@ -203,6 +225,14 @@ def launch(fn, work: int, device: int, args: tuple, stream=None) -> None:
         fn((blocks,), (BLOCK,), args)
     else:
         fn((blocks,), (BLOCK,), args, 0, stream)
+
+
+def launch_grid(fn, grid: tuple, block: tuple, args: tuple, stream=None) -> None:
+    """Launch ``fn`` with an explicit grid and block (row kernels size their own)."""
+    if stream is None:
+        fn(grid, block, args)
+    else:
+        fn(grid, block, args, 0, stream)
 
 
 # ------------------------------------------------------------------- streams

@@ -34,12 +34,25 @@ template <> __device__ __forceinline__ float scalar_to_compute<__half>(double s)
 namespace math {
 __device__ __forceinline__ float exp(float x) { return ::expf(x); }
 __device__ __forceinline__ double exp(double x) { return ::exp(x); }
+// exp through the hardware exp2 (2 ulp, subnormal results flushed to 0); exact exp for double.
+__device__ __forceinline__ float exp_fast(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x * 1.4426950408889634f));
+    return r;
+}
+__device__ __forceinline__ double exp_fast(double x) { return ::exp(x); }
 __device__ __forceinline__ float tanh(float x) { return ::tanhf(x); }
 __device__ __forceinline__ double tanh(double x) { return ::tanh(x); }
 __device__ __forceinline__ float fma(float a, float b, float c) { return ::fmaf(a, b, c); }
 __device__ __forceinline__ double fma(double a, double b, double c) { return ::fma(a, b, c); }
 __device__ __forceinline__ float erf(float x) { return ::erff(x); }
 __device__ __forceinline__ double erf(double x) { return ::erf(x); }
+__device__ __forceinline__ float log(float x) { return ::logf(x); }
+__device__ __forceinline__ double log(double x) { return ::log(x); }
+__device__ __forceinline__ float sqrt(float x) { return ::sqrtf(x); }
+__device__ __forceinline__ double sqrt(double x) { return ::sqrt(x); }
+__device__ __forceinline__ float abs(float x) { return ::fabsf(x); }
+__device__ __forceinline__ double abs(double x) { return ::fabs(x); }
 __device__ __forceinline__ float rint(float x) { return ::rintf(x); }  // half to even
 __device__ __forceinline__ double rint(double x) { return ::rint(x); }
 // relu that propagates NaN (x > 0 is false for NaN, so test the other way).
@@ -152,6 +165,24 @@ template <typename T, int N> __device__ __forceinline__ void store_pack(Pack<T, 
         }
     } else {
         *p = v;
+    }
+}
+
+template <typename T> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<__half> { static constexpr bool value = true; };
+
+// A pack converted to the compute type; float16 pairs convert two at a time.
+template <typename C, typename T, int N> __device__ __forceinline__ void unpack(const Pack<T, N>& p, C (&out)[N]) {
+    if constexpr (is_half<T>::value && N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 2) {
+            const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p.v[i]));
+            out[i] = f.x;
+            out[i + 1] = f.y;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < N; ++i) out[i] = to_compute<C>(p.v[i]);
     }
 }
 

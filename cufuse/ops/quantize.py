@@ -170,13 +170,7 @@ def dequantize_int8(q, /, scale, zero_point=0.0, axis=None, dtype=np.float32, *,
     torch dtype is accepted too). ``scale``/``zero_point``/``axis`` as in
     ``quantize_int8``.
     """
-    odt = A.torch_to_numpy_dtype(dtype) if A.torch() is not None and isinstance(dtype, A.torch().dtype) else dtype
-    try:
-        odt = np.dtype(odt)
-    except TypeError:
-        raise TypeError(f"cufuse.dequantize_int8: dtype must be float16, float32 or float64, got {dtype!r}") from None
-    if odt not in _FLOATS:
-        raise TypeError(f"cufuse.dequantize_int8: dtype must be float16, float32 or float64, got {odt}")
+    odt = A.float_dtype_arg("dequantize_int8", dtype)
     return _run("dequantize_int8", (_dequant, _dequant_ch), q, scale, zero_point, axis, out, odt)
 
 

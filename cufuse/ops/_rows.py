@@ -1,0 +1,106 @@
+"""What the row kernels (kernels/rows.cuh: reductions, norms, softmax) need
+from an array: validation of the data operand, a [rows][cols] view with a row
+stride, the stream to launch on, and the group size for a row length."""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import _arrays as A
+from .. import _runtime as R
+from .elementwise import _empty, _torch_stream
+
+FLOATS = A.FLOAT_DTYPES
+
+
+def data_arg(name, x):
+    """(kind, dtype, device) of the data operand; TypeError for anything but a
+    float16/32/64 array (or a tensor that requires grad)."""
+    try:
+        kind = A.kind_of(x)
+    except TypeError:
+        kind = None
+    if kind is None:
+        raise TypeError(f"cufuse.{name}: x must be an array (numpy.ndarray, cupy.ndarray or torch.Tensor), "
+                        f"got {type(x).__module__}.{type(x).__name__}")
+    dt = A.dtype_of(x, kind)
+    if dt not in FLOATS:
+        raise TypeError(f"cufuse.{name}: x is {A.describe(x, kind)}; accepted dtypes are {A.FLOAT_NAMES}")
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        A.check_grad(x, name)
+    return kind, dt, A.device_of(x, kind)
+
+
+def to_numpy(x, kind):
+    return x.numpy() if kind == A.TORCH_CPU else np.asarray(x)
+
+
+def from_numpy(res, kind, out):
+    """A fallback result in the caller's kind, or written into ``out``."""
+    if out is not None:
+        np.copyto(to_numpy(out, kind), res)
+        return out
+    if kind == A.TORCH_CPU:
+        res = np.asarray(res)
+        return A.torch().from_numpy(res if res.flags.c_contiguous else res.copy())  # 0-d stays 0-d
+    return res
+
+
+def contiguous(x, kind):
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        return x.contiguous()
+    return np.ascontiguousarray(x) if kind == A.NUMPY else R._cp.ascontiguousarray(x)
+
+
+def moveaxis(x, kind, src, dst):
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        return x.movedim(src, dst)
+    return (np if kind == A.NUMPY else R._cp).moveaxis(x, src, dst)
+
+
+def empty_like(x, kind):
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        return A.torch().empty_like(x, memory_format=A.torch().contiguous_format)
+    return (np if kind == A.NUMPY else R._cp).empty(tuple(x.shape), A.dtype_of(x, kind))
+
+
+def row_stride(x, kind, lead):
+    """Row stride (elements) when ``x`` is [rows][cols] with its first
+    ``lead`` dims as rows and each row's elements contiguous; None otherwise."""
+    shape, st = tuple(x.shape), A.strides_of(x, kind)
+    if A.pointer_of(x, kind) % A.dtype_of(x, kind).itemsize:
+        return None
+    if not A.is_c_contiguous(shape[lead:], st[lead:]):
+        return None
+    cols = int(np.prod(shape[lead:], dtype=np.int64))
+    ld, expect = None, None
+    for n, s in zip(reversed(shape[:lead]), reversed(st[:lead])):
+        if n == 1:
+            continue
+        if ld is None:
+            ld, expect = s, s * n
+        elif s != expect:
+            return None
+        else:
+            expect = s * n
+    if ld is None:
+        return cols
+    return ld if ld >= cols else None  # rows that overlap (a broadcast row) are copied
+
+
+def stream_for(kind, dev):
+    return R.external_stream(_torch_stream(dev), dev) if kind == A.TORCH_CUDA else None
+
+
+def empty(shape, dtype, kind, dev):
+    return _empty(shape, dtype, kind, dev)
+
+
+def pow2_at_least(n):
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def shares_memory(a, b, kind):
+    """True when the byte ranges of two GPU arrays overlap."""
+    lo1, hi1 = A.extent(A.pointer_of(a, kind), tuple(a.shape), A.strides_of(a, kind), A.dtype_of(a, kind).itemsize)
+    lo2, hi2 = A.extent(A.pointer_of(b, kind), tuple(b.shape), A.strides_of(b, kind), A.dtype_of(b, kind).itemsize)
+    return lo1 < hi2 and lo2 < hi1

@@ -1,0 +1,279 @@
+"""Row normalizations and softmax: layer_norm, layer_norm_relu, rms_norm,
+softmax, log_softmax (kernels/norm.cu on kernels/rows.cuh).
+
+Each row (the trailing ``normalized_shape`` dims, or the softmax axis) is
+handled by a group of threads that holds it in registers: read once, reduced
+(warp shuffle, shared memory, and on sm_90 a thread-block cluster's
+distributed shared memory for rows longer than one block holds), written
+once. Rows longer than that fall back to a kernel that re-reads the row.
+float16 is computed in float32, float32 in float32, float64 in float64.
+"""
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import numpy as np
+
+from .. import _arrays as A
+from .. import _runtime as R
+from . import _rows
+
+FAMILY = "norm"
+_NPS = (1, 2, 4, 8, 16)       # packs (16 bytes) per thread of norm_rows instantiations
+_CLUSTER_PLANS = ((8, 2), (8, 4), (8, 8), (16, 8))  # (packs per thread, blocks per row) of norm_rows_cluster
+_CLUSTERS = (2, 4, 8)         # blocks per row of norm_rows_cluster (sm_90); 8 is the portable maximum
+_STREAM_TPR = 512
+_ONE_GROUP_PACKS = 4096      # rows of up to this many 16-byte packs: one thread group (no cluster)
+
+
+class _RowOp:
+    """One op of kernels/norm.cu (functor ``functor``) for every float dtype."""
+
+    def __init__(self, name, functor):
+        self.name = name
+        self.functor = functor
+        self.exprs = {}
+        for dt, ct in R.FLOAT_CTYPES.items():
+            for np_ in _NPS:
+                self._register(dt, ("np", np_), R.name_expression("norm_rows", functor, ct, str(np_)))
+            for np_, cs in _CLUSTER_PLANS:
+                self._register(dt, ("cluster", np_, cs),
+                               R.name_expression("norm_rows_cluster", functor, ct, str(np_), str(cs)), 90)
+            self._register(dt, ("stream",), R.name_expression("norm_rows_stream", functor, ct))
+
+    def _register(self, dt, key, expr, min_arch=0):
+        family = f"{FAMILY}:{self.name}:{dt.name}:{'-'.join(map(str, key))}"
+        R.register(family, expr, self.name, dt.name, min_arch)
+        self.exprs[(dt, key)] = (family, expr)
+
+    def plan(self, dt, cols, aligned, dev):
+        """(kernel key, threads per row, blocks per row) for rows of ``cols``.
+        From a sweep on an H200 (bench/NOTES.md): rows up to 4096 packs take
+        one group of about a quarter as many threads; longer rows a cluster
+        of 256-thread blocks with 8 packs each (16 when 8 blocks need it);
+        beyond that, or without clusters, the streaming kernel."""
+        v = 16 // dt.itemsize
+        npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
+        if npack <= _ONE_GROUP_PACKS:
+            tpr = min(max(_rows.pow2_at_least(-(-npack // 4)), 32), 512)
+            return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
+        if R.compute_capability(dev) >= 90:
+            for cs in _CLUSTERS:
+                if -(-npack // cs) <= 256 * 8:
+                    return ("cluster", 8, cs), 256, cs
+            per = -(-npack // _CLUSTERS[-1])
+            if per <= 512 * 16:
+                return ("cluster", 16, _CLUSTERS[-1]), (256 if per <= 256 * 16 else 512), _CLUSTERS[-1]
+        elif npack <= 512 * 16:
+            return ("np", 16), 512, 1
+        return ("stream",), _STREAM_TPR, 1
+
+    def launch(self, y, x, w, b, rows, cols, ldy, ldx, eps, kind, dev, dt, plan=None):
+        aligned = A.pointer_of(x, kind) % 16 == 0 and (ldx * dt.itemsize) % 16 == 0
+        key, tpr, cs = plan or self.plan(dt, cols, aligned, dev)
+        fn = R.get_function(*self.exprs[(dt, key)], dev)
+        block = max(tpr, 128) if cs == 1 else tpr
+        groups = block // tpr
+        grid = -(-rows // groups) * cs
+        ptr = lambda a: 0 if a is None else A.pointer_of(a, kind)  # noqa: E731
+        R.launch_grid(fn, (grid,), (block,), (ptr(y), ptr(x), ptr(w), ptr(b), rows, cols, ldy, ldx,
+                                             np.int32(tpr), float(eps)), _rows.stream_for(kind, dev))
+
+
+_OPS = {name: _RowOp(name, functor) for name, functor in (
+    ("layer_norm", "LayerNorm<false>"), ("layer_norm_relu", "LayerNorm<true>"), ("rms_norm", "RmsNorm"),
+    ("softmax", "Softmax<false>"), ("log_softmax", "Softmax<true>"))}
+
+
+# --------------------------------------------------------------- validation
+def _normalized_shape(name, x, normalized_shape):
+    ns = (normalized_shape,) if isinstance(normalized_shape, (int, np.integer)) else normalized_shape
+    if isinstance(ns, (bool, np.bool_)) or not isinstance(ns, (tuple, list)) or \
+            not all(isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_)) for n in ns):
+        raise TypeError(f"cufuse.{name}: normalized_shape must be an int or a tuple of ints, got {normalized_shape!r}")
+    ns = tuple(int(n) for n in ns)
+    shape = tuple(x.shape)
+    if not ns or len(ns) > len(shape) or shape[len(shape) - len(ns):] != ns:
+        raise ValueError(f"cufuse.{name}: normalized_shape {ns} must be the trailing dims of x, whose shape is {shape}")
+    return ns
+
+
+def _eps(name, eps):
+    if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (Real, np.integer, np.floating)):
+        raise TypeError(f"cufuse.{name}: eps must be a real number, got {type(eps).__name__}")
+    e = float(eps)
+    if not math.isfinite(e) or e < 0:
+        raise ValueError(f"cufuse.{name}: eps must be finite and >= 0, got {eps!r}")
+    return e
+
+
+def _affine(name, what, a, ns, kind, dt, dev):
+    if a is None:
+        return None
+    try:
+        k = A.kind_of(a)
+    except TypeError:
+        k = None
+    if k is None:
+        raise TypeError(f"cufuse.{name}: {what} must be None or an array, got {type(a).__module__}.{type(a).__name__}")
+    if k != kind:
+        raise TypeError(f"cufuse.{name}: {what} is {A.describe(a, k)} but x is a {kind}; pass the same array kind")
+    if A.dtype_of(a, k) != dt:
+        raise TypeError(f"cufuse.{name}: {what} has dtype {A.dtype_of(a, k)}; it must have x's dtype ({dt})")
+    if tuple(a.shape) != ns:
+        raise ValueError(f"cufuse.{name}: {what} has shape {tuple(a.shape)}; normalized_shape is {ns}")
+    if kind in A.GPU_KINDS and A.device_of(a, k) != dev:
+        raise ValueError(f"cufuse.{name}: {what} is on GPU {A.device_of(a, k)} but x is on GPU {dev}")
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        A.check_grad(a, name)
+    return a
+
+
+# ---------------------------------------------------------- NumPy fallbacks
+def _np_layer_norm(x, ns, w, b, eps, relu):
+    axes = tuple(range(x.ndim - len(ns), x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    d = x - mean
+    var = (d * d).mean(axis=axes, keepdims=True)
+    y = d / np.sqrt(var + x.dtype.type(eps))
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return np.where(y < 0, x.dtype.type(0), y) if relu else y
+
+
+def _np_rms_norm(x, ns, w, eps):
+    axes = tuple(range(x.ndim - len(ns), x.ndim))
+    y = x / np.sqrt((x * x).mean(axis=axes, keepdims=True) + x.dtype.type(eps))
+    return y if w is None else y * w
+
+
+def _np_softmax(x, log):
+    m = x.max(axis=-1, keepdims=True)
+    d = x - m
+    e = np.exp(d)
+    s = e.sum(axis=-1, keepdims=True)
+    return d - np.log(s) if log else e / s
+
+
+# --------------------------------------------------------------- the driver
+def _run(op, x, lead, ns, w, b, eps, out, np_impl):
+    """Validate ``out``, then launch ``op`` over x viewed as [rows][cols]
+    (rows: the first ``lead`` dims) or run ``np_impl`` on NumPy values."""
+    kind, dt, dev = _rows.data_arg(op.name, x)
+    shape = tuple(x.shape)
+    if out is not None:
+        A.check_out(op.name, out, kind, dt, shape, dev)
+    if 0 in shape:
+        return out if out is not None else _rows.empty_like(x, kind)
+    if kind not in A.GPU_KINDS:
+        cdt = np.float32 if dt == np.float16 else dt
+        vals = [None if a is None else _rows.to_numpy(a, kind).astype(cdt) for a in (x, w, b)]
+        with np.errstate(all="ignore"):
+            res = np.asarray(np_impl(*vals), dtype=cdt).astype(dt)
+        return _rows.from_numpy(res, kind, out)
+    rows = int(np.prod(shape[:lead], dtype=np.int64))
+    cols = int(np.prod(shape[lead:], dtype=np.int64))
+    with R._cp.cuda.Device(dev):
+        y = out if out is not None else _rows.empty(shape, dt, kind, dev)
+        ldx = _rows.row_stride(x, kind, lead)
+        if ldx is None:
+            x = _rows.contiguous(x, kind)
+            ldx = cols
+        w, b = (None if a is None else _rows.contiguous(a, kind) for a in (w, b))
+        target = y
+        ldy = _rows.row_stride(y, kind, lead)
+        if ldy is None or (_rows.shares_memory(y, x, kind) and not (
+                A.pointer_of(y, kind) == A.pointer_of(x, kind) and ldy == ldx)):
+            target, ldy = _rows.empty(shape, dt, kind, dev), cols
+        op.launch(target, x, w, b, rows, cols, ldy, ldx, eps, kind, dev, dt)
+        if target is not y:
+            y[...] = target
+        return y
+
+
+def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, out=None):
+    """Layer normalization over the trailing ``normalized_shape`` dims, with
+    PyTorch's semantics: (x - mean) / sqrt(var + eps) * weight + bias, the
+    biased variance, ``weight``/``bias`` optional (shape ``normalized_shape``,
+    x's kind and dtype). The mean and variance come from the row held in
+    registers, in two passes (never E[x^2] - E[x]^2). Returns x's shape,
+    dtype and kind; ``out=`` receives it."""
+    return _layer_norm("layer_norm", x, normalized_shape, weight, bias, eps, out, False)
+
+
+def layer_norm_relu(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, out=None):
+    """relu(layer_norm(x, ...)), fused: one read of x, one write. Arguments as in ``layer_norm``."""
+    return _layer_norm("layer_norm_relu", x, normalized_shape, weight, bias, eps, out, True)
+
+
+def _layer_norm(name, x, normalized_shape, weight, bias, eps, out, relu):
+    kind, dt, dev = _rows.data_arg(name, x)
+    ns = _normalized_shape(name, x, normalized_shape)
+    w = _affine(name, "weight", weight, ns, kind, dt, dev)
+    b = _affine(name, "bias", bias, ns, kind, dt, dev)
+    e = _eps(name, eps)
+    return _run(_OPS[name], x, len(x.shape) - len(ns), ns, w, b, e, out,
+                lambda xv, wv, bv: _np_layer_norm(xv, ns, wv, bv, e, relu))
+
+
+def rms_norm(x, normalized_shape, weight=None, eps=1e-6, *, out=None):
+    """RMS normalization over the trailing ``normalized_shape`` dims, with
+    PyTorch's semantics: x / sqrt(mean(x^2) + eps) * weight (``weight``
+    optional). Returns x's shape, dtype and kind; ``out=`` receives it."""
+    kind, dt, dev = _rows.data_arg("rms_norm", x)
+    ns = _normalized_shape("rms_norm", x, normalized_shape)
+    w = _affine("rms_norm", "weight", weight, ns, kind, dt, dev)
+    e = _eps("rms_norm", eps)
+    return _run(_OPS["rms_norm"], x, len(x.shape) - len(ns), ns, w, None, e, out,
+                lambda xv, wv, bv: _np_rms_norm(xv, ns, wv, e))
+
+
+def softmax(x, axis=-1, *, out=None):
+    """exp(x - max) / sum(exp(x - max)) along ``axis``: stable for any
+    magnitude; a row of all -inf gives NaN, as in PyTorch. Returns x's shape,
+    dtype and kind; ``out=`` receives it."""
+    return _softmax("softmax", x, axis, out)
+
+
+def log_softmax(x, axis=-1, *, out=None):
+    """(x - max) - log(sum(exp(x - max))) along ``axis``; as ``softmax``."""
+    return _softmax("log_softmax", x, axis, out)
+
+
+def _softmax(name, x, axis, out):
+    kind, dt, dev = _rows.data_arg(name, x)
+    ndim = len(x.shape)
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"cufuse.{name}: axis must be an int, got {type(axis).__name__}")
+    if not -max(ndim, 1) <= axis < max(ndim, 1):
+        raise ValueError(f"cufuse.{name}: axis {axis} is out of range for x with {ndim} dimensions")
+    op = _OPS[name]
+    log = name == "log_softmax"
+    if ndim == 0:  # one element: a row of length 1
+        if out is not None:
+            A.check_out(name, out, kind, dt, (), dev)
+        res = _softmax(name, x.reshape(1), 0, None)
+        res = res.reshape(())
+        if out is None:
+            return res
+        out[...] = res
+        return out
+    axis = int(axis) % ndim
+    if axis == ndim - 1:
+        return _run(op, x, ndim - 1, None, None, None, 0.0, out, lambda xv, wv, bv: _np_softmax(xv, log))
+    # Another axis: move it last, compute (contiguous rows), move it back.
+    if out is not None:
+        A.check_out(name, out, kind, dt, tuple(x.shape), dev)
+    res = _run(op, _rows.moveaxis(x, kind, axis, -1), ndim - 1, None, None, None, 0.0, None,
+               lambda xv, wv, bv: _np_softmax(xv, log))
+    back = _rows.moveaxis(res, kind, -1, axis)
+    if out is None:
+        return _rows.contiguous(back, kind)
+    out[...] = back
+    return out
+
+
+OPS = _OPS

@@ -1,0 +1,245 @@
+// cufuse: row normalizations and softmax: layer_norm (+relu), rms_norm,
+// softmax, log_softmax, over the last `cols` elements of each row.
+//
+// Each op is written once against a RowView: `sum`/`max` of a function of
+// every element of the row, and `store` of a function of every element. The
+// view either holds the row in registers (NP packs per thread, loaded once;
+// the model is QuACK's norms: read once, write once, staged reductions) or,
+// for rows longer than a group's registers hold and no cluster can help,
+// streams the row from memory again in every pass (correct at any length,
+// slower). Statistics come from the held values in two passes (mean, then
+// the sum of squared deviations), never from E[x^2] - E[x]^2.
+#include "rows.cuh"
+
+namespace cufuse {
+
+template <typename T, int NP, int CS, bool Resident> struct RowView {
+    using C = compute_t<T>;
+    static constexpr int V = PackOf<T>::V;
+    using P = typename PackOf<T>::type;
+    // Held values are kept in the storage type (float16 takes half the
+    // registers) and converted at each use; float/double ones may be
+    // replaced by a pass (softmax keeps exp(x - max) for the store).
+    static constexpr bool kMutable = Resident && !is_half<T>::value;
+
+    const Group<CS>& g;
+    const T* x;           // the row
+    long long cols;
+    int head;             // elements of the window before the row
+    long long lo, hi;     // this block's packs of the window: [lo, hi)
+    P held[Resident ? NP : 1];
+
+    __device__ __forceinline__ RowView(const Group<CS>& g_, const T* x_, long long cols_, bool active)
+        : g(g_), x(x_), cols(cols_) {
+        head = row_head(x);
+        const long long npack = (head + cols + V - 1) / V;
+        const long long per = (npack + CS - 1) / CS;
+        lo = per * g.rank;
+        hi = lo + per < npack ? lo + per : npack;
+        if (!active) hi = lo;  // groups past the last row: no loads, no stores
+        if constexpr (Resident) {
+#pragma unroll
+            for (int j = 0; j < NP; ++j) {
+                const long long k = lo + g.lane + static_cast<long long>(j) * g.tpr;
+                if (k < hi) held[j] = pack(k);
+            }
+        }
+    }
+
+    __device__ __forceinline__ P pack(long long k) const { return *(reinterpret_cast<const P*>(x - head) + k); }
+
+    // f(value, element index) for each element of this thread's packs in the
+    // row; with kMutable, f may update the held value (C&).
+    template <typename F> __device__ __forceinline__ void each(F f) {
+        if constexpr (Resident) {
+#pragma unroll
+            for (int j = 0; j < NP; ++j) {
+                const long long k = lo + g.lane + static_cast<long long>(j) * g.tpr;
+                if (k < hi) {
+                    C t[V];
+                    unpack(held[j], t);
+                    visit(k, t, f);
+                    if constexpr (kMutable) {
+#pragma unroll
+                        for (int i = 0; i < V; ++i) held[j].v[i] = t[i];
+                    }
+                }
+            }
+        } else {
+            for (long long k = lo + g.lane; k < hi; k += g.tpr) {
+                C t[V];
+                unpack(pack(k), t);
+                visit(k, t, f);
+            }
+        }
+    }
+
+    template <typename F> __device__ __forceinline__ void visit(long long k, C (&t)[V], F& f) const {
+        const long long e0 = k * V - head;
+        if (e0 >= 0 && e0 + V <= cols) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) f(t[i], e0 + i);
+        } else {
+#pragma unroll
+            for (int i = 0; i < V; ++i)
+                if (e0 + i >= 0 && e0 + i < cols) f(t[i], e0 + i);
+        }
+    }
+
+    template <typename R, typename F> __device__ __forceinline__ C reduce(F f, R r, int slot) {
+        C acc = R::template identity<C>();
+        each([&](C& t, long long e) { acc = r(acc, f(t, e)); });
+        return g.reduce(acc, r, slot);
+    }
+
+    // V values of a per-column array `a` (weight, bias) for the pack at e0:
+    // one 16-byte load when the pack is whole and aligned in `a`, else per
+    // element; `dflt` everywhere when a is null.
+    __device__ __forceinline__ void columns(const T* a, long long e0, C (&o)[V], C dflt) const {
+        if (!a) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) o[i] = dflt;
+        } else if (e0 >= 0 && e0 + V <= cols && (reinterpret_cast<unsigned long long>(a + e0) & 15) == 0) {
+            unpack(*reinterpret_cast<const P*>(a + e0), o);
+        } else {
+#pragma unroll
+            for (int i = 0; i < V; ++i) o[i] = (e0 + i >= 0 && e0 + i < cols) ? to_compute<C>(a[e0 + i]) : dflt;
+        }
+    }
+
+    // y[e] = f(value, w[e], b[e]) for every element (w, b may be null: 1 and
+    // 0); full packs are stored whole when the output row has the input
+    // row's alignment.
+    template <typename F> __device__ __forceinline__ void store(T* y, F f, const T* w, const T* b) {
+        const int yhead = row_head(y);
+        auto one = [&](long long k, C (&t)[V]) {
+            const long long e0 = k * V - head;
+            C wv[V], bv[V];
+            columns(w, e0, wv, C(1));
+            columns(b, e0, bv, C(0));
+            if (yhead == head && e0 >= 0 && e0 + V <= cols) {
+                P p;
+#pragma unroll
+                for (int i = 0; i < V; ++i) p.v[i] = from_compute<T>(f(t[i], wv[i], bv[i]));
+                *(reinterpret_cast<P*>(y - head) + k) = p;
+            } else {
+#pragma unroll
+                for (int i = 0; i < V; ++i)
+                    if (e0 + i >= 0 && e0 + i < cols) y[e0 + i] = from_compute<T>(f(t[i], wv[i], bv[i]));
+            }
+        };
+        if constexpr (Resident) {
+#pragma unroll
+            for (int j = 0; j < NP; ++j) {
+                const long long k = lo + g.lane + static_cast<long long>(j) * g.tpr;
+                if (k < hi) {
+                    C t[V];
+                    unpack(held[j], t);
+                    one(k, t);
+                }
+            }
+        } else {
+            for (long long k = lo + g.lane; k < hi; k += g.tpr) {
+                C t[V];
+                unpack(pack(k), t);
+                one(k, t);
+            }
+        }
+    }
+};
+
+}  // namespace cufuse
+
+// ---- the ops (global namespace: short name expressions) ------------------------
+// Each is `template <RowView> void run(view, y, w, b, eps)`; `w`/`b` may be
+// null (no affine part).
+template <bool Relu> struct LayerNorm {
+    template <typename View, typename T>
+    __device__ __forceinline__ static void run(View& r, T* y, const T* w, const T* b, double eps) {
+        using C = typename View::C;
+        const C n = static_cast<C>(r.cols);
+        const C mean = r.reduce([](C t, long long) { return t; }, cufuse::SumOp{}, 0) / n;
+        const C var = r.reduce([&](C t, long long) { const C d = t - mean; return d * d; }, cufuse::SumOp{}, 1) / n;
+        const C rstd = C(1) / cufuse::math::sqrt(var + static_cast<C>(eps));
+        r.store(y, [&](C t, C wv, C bv) {
+            const C o = (t - mean) * rstd * wv + bv;
+            return Relu ? cufuse::math::relu(o) : o;
+        }, w, b);
+    }
+};
+
+struct RmsNorm {
+    template <typename View, typename T>
+    __device__ __forceinline__ static void run(View& r, T* y, const T* w, const T*, double eps) {
+        using C = typename View::C;
+        const C ms = r.reduce([](C t, long long) { return t * t; }, cufuse::SumOp{}, 0) / static_cast<C>(r.cols);
+        const C rstd = C(1) / cufuse::math::sqrt(ms + static_cast<C>(eps));
+        r.store(y, [&](C t, C wv, C) { return t * rstd * wv; }, w, static_cast<const T*>(nullptr));
+    }
+};
+
+template <bool Log> struct Softmax {
+    template <typename View, typename T>
+    __device__ __forceinline__ static void run(View& r, T* y, const T*, const T*, double) {
+        using C = typename View::C;
+        const C m = r.reduce([](C t, long long) { return t; }, cufuse::MaxOp{}, 0);
+        // A view with mutable held values keeps exp(t - m) for the store (softmax only).
+        constexpr bool keep = View::kMutable && !Log;
+        const C s = r.reduce([&](C& t, long long) {
+            const C p = cufuse::math::exp_fast(t - m);
+            if (keep) t = p;
+            return p;
+        }, cufuse::SumOp{}, 1);
+        if constexpr (Log) {
+            const C ls = cufuse::math::log(s);
+            r.store(y, [&](C t, C, C) { return (t - m) - ls; }, static_cast<const T*>(nullptr),
+                    static_cast<const T*>(nullptr));
+        } else {
+            const C inv = C(1) / s;
+            r.store(y, [&](C t, C, C) { return (keep ? t : cufuse::math::exp_fast(t - m)) * inv; },
+                    static_cast<const T*>(nullptr), static_cast<const T*>(nullptr));
+        }
+    }
+};
+
+namespace cufuse {
+
+template <typename Op, typename T, int NP, int CS, bool Resident>
+__device__ __forceinline__ void norm_rows_body(T* y, const T* x, const T* w, const T* b, long long rows,
+                                               long long cols, long long ldy, long long ldx, int tpr, double eps) {
+    const Group<CS> g(tpr);
+    const long long row = g.item();
+    const bool active = row < rows;
+    const long long r = active ? row : 0;
+    RowView<T, NP, CS, Resident> view(g, x + r * ldx, cols, active);
+    Op::run(view, y + r * ldy, w, b, eps);
+    if constexpr (CS > 1) cluster_sync();  // no block leaves while another reads its shared memory
+}
+
+}  // namespace cufuse
+
+// ---- kernel entry points --------------------------------------------------------
+// norm_rows: a group of `tpr` threads per row, the row in registers (NP packs
+// per thread). norm_rows_cluster: CS blocks of one cluster per row (sm_90).
+// norm_rows_stream: one block per row, any length, re-reading the row.
+template <typename Op, typename T, int NP>
+__global__ void __launch_bounds__(512) norm_rows(T* y, const T* x, const T* w, const T* b, long long rows,
+                                                 long long cols, long long ldy, long long ldx, int tpr, double eps) {
+    cufuse::norm_rows_body<Op, T, NP, 1, true>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
+}
+
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+template <typename Op, typename T, int NP, int CS>
+__global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(512)
+    norm_rows_cluster(T* y, const T* x, const T* w, const T* b, long long rows, long long cols, long long ldy,
+                      long long ldx, int tpr, double eps) {
+    cufuse::norm_rows_body<Op, T, NP, CS, true>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
+}
+#endif
+
+template <typename Op, typename T>
+__global__ void __launch_bounds__(512) norm_rows_stream(T* y, const T* x, const T* w, const T* b, long long rows,
+                                                        long long cols, long long ldy, long long ldx, int tpr,
+                                                        double eps) {
+    cufuse::norm_rows_body<Op, T, 1, 1, false>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
+}
