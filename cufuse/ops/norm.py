@@ -50,13 +50,13 @@ class _RowOp:
     def plan(self, dt, cols, aligned, dev):
         """(kernel key, threads per row, blocks per row) for rows of ``cols``.
         From a sweep on an H200 (bench/NOTES.md): rows up to 4096 packs take
-        one group with 4 packs per thread (8 from 1024 packs); longer rows a cluster
+        one group with 4 packs per thread (8 from 1024 packs, float32/64); longer rows a cluster
         of 256-thread blocks with 8 packs each (16 when 8 blocks need it);
         beyond that, or without clusters, the streaming kernel."""
         v = 16 // dt.itemsize
         npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
         if npack <= _ONE_GROUP_PACKS:
-            per_thread = 8 if npack >= 1024 else 4
+            per_thread = 8 if npack >= 1024 and dt.itemsize >= 4 else 4  # float16: 4 (sweep: 58% vs 49%)
             tpr = min(max(_rows.pow2_at_least(-(-npack // per_thread)), 32), 512)
             return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
         if R.compute_capability(dev) >= 90:
