@@ -125,6 +125,18 @@ def describe(x, kind=None) -> str:
     return f"{kind} ({dtype_of(x, kind)}, shape {tuple(x.shape)}{where})"
 
 
+def array_kind(name, x, what):
+    """The kind of ``x``, which must be an array (not a scalar or another object)."""
+    try:
+        kind = kind_of(x)
+    except TypeError:
+        kind = None
+    if kind is None:
+        raise TypeError(f"cufuse.{name}: {what} must be an array (numpy.ndarray, cupy.ndarray or "
+                        f"torch.Tensor), got {type(x).__module__}.{type(x).__name__}")
+    return kind
+
+
 def float_dtype_arg(name, dtype, what="dtype"):
     """A float16/float32/float64 NumPy dtype from a NumPy or torch dtype spelling."""
     t = torch()

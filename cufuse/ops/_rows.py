@@ -15,13 +15,7 @@ FLOATS = A.FLOAT_DTYPES
 def data_arg(name, x):
     """(kind, dtype, device) of the data operand; TypeError for anything but a
     float16/32/64 array (or a tensor that requires grad)."""
-    try:
-        kind = A.kind_of(x)
-    except TypeError:
-        kind = None
-    if kind is None:
-        raise TypeError(f"cufuse.{name}: x must be an array (numpy.ndarray, cupy.ndarray or torch.Tensor), "
-                        f"got {type(x).__module__}.{type(x).__name__}")
+    kind = A.array_kind(name, x, "x")
     dt = A.dtype_of(x, kind)
     if dt not in FLOATS:
         raise TypeError(f"cufuse.{name}: x is {A.describe(x, kind)}; accepted dtypes are {A.FLOAT_NAMES}")

@@ -112,12 +112,7 @@ def _eps(name, eps):
 def _affine(name, what, a, ns, kind, dt, dev):
     if a is None:
         return None
-    try:
-        k = A.kind_of(a)
-    except TypeError:
-        k = None
-    if k is None:
-        raise TypeError(f"cufuse.{name}: {what} must be None or an array, got {type(a).__module__}.{type(a).__name__}")
+    k = A.array_kind(name, a, f"{what} (when given)")
     if k != kind:
         raise TypeError(f"cufuse.{name}: {what} is {A.describe(a, k)} but x is a {kind}; pass the same array kind")
     if A.dtype_of(a, k) != dt:

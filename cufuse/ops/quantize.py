@@ -94,13 +94,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     """Shared driver of quantize/dequantize: validates the parameters, picks
     the per-tensor or per-channel op and launches it (or the fallback)."""
     per_tensor, per_channel = ops
-    try:
-        kind = A.kind_of(x)
-    except TypeError:
-        kind = None
-    if kind is None:
-        raise TypeError(f"cufuse.{name}: the data must be an array (numpy.ndarray, cupy.ndarray or "
-                        f"torch.Tensor), got {type(x).__module__}.{type(x).__name__}")
+    kind = A.array_kind(name, x, "the data")
     in_dt = A.dtype_of(x, kind)
     real = _real(out_dtype if in_dt == _I8 else in_dt)
     if axis is None:
