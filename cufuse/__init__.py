@@ -6,6 +6,9 @@
 from ._runtime import CUDA_AVAILABLE
 from ._interop import from_torch, to_torch
 from ._random import manual_seed
+from ._fuse import Fused, TraceError, fuse
+from ._fuse.functions import (abs, ceil, clip, cos, erf, exp, exp2, expm1, floor, gelu, log, log1p, maximum, minimum,
+                              relu, round, rsqrt, sigmoid, silu, sin, softplus, sqrt, tanh, where)
 from .ops import (add_mul_exp, add_relu, bias_gelu, dequantize_int8, fma, gelu_dropout, layer_norm, layer_norm_relu,
                   log_softmax, mean_abs, mul_tanh, quantize_int8, rms_norm, softmax, sum_squared)
 
@@ -14,4 +17,7 @@ __version__ = "0.1.0"
 __all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch",
            "add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout",
            "quantize_int8", "dequantize_int8", "manual_seed", "sum_squared", "mean_abs",
-           "layer_norm", "layer_norm_relu", "rms_norm", "softmax", "log_softmax"]
+           "layer_norm", "layer_norm_relu", "rms_norm", "softmax", "log_softmax",
+           "fuse", "Fused", "TraceError", "where", "abs", "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt",
+           "sin", "cos", "tanh", "sigmoid", "erf", "relu", "gelu", "silu", "softplus", "clip", "minimum", "maximum",
+           "round", "floor", "ceil"]

@@ -13,9 +13,12 @@ and queues the kernel on CuPy's current stream (or the stream it is given).
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -73,19 +76,21 @@ _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$', re.M)
 
 def load_source(family: str) -> str:
     """Source of ``kernels/<family>.cu`` with local includes inlined (each once)."""
+    return expand_includes(f'#include "{family.split(":")[0]}.cu"\n')
+
+
+def expand_includes(text: str) -> str:
+    """``text`` with its local ``#include "x.cuh"`` lines (from kernels/) inlined, each once."""
     root = kernel_dir()
     seen: set[str] = set()
 
     def expand(name: str) -> str:
-        path = root / name
         if name in seen:
             return ""
         seen.add(name)
-        text = path.read_text()
-        text = text.replace("#pragma once", "")
-        return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
+        return _INCLUDE.sub(lambda m: expand(m.group(1)), (root / name).read_text().replace("#pragma once", ""))
 
-    return expand(f"{family.split(':')[0]}.cu")
+    return _INCLUDE.sub(lambda m: expand(m.group(1)), text)
 
 
 def cuda_include_dirs() -> list[str]:
@@ -186,6 +191,59 @@ def get_function(family: str, expression: str, device: int):
                     fn = _module(family, device).get_function(expression).kernel
                 _functions[key] = fn
     return fn
+
+
+# ------------------------------------------------------- generated sources
+_log = logging.getLogger("cufuse")
+_generated: dict[tuple[str, int], object] = {}
+
+
+def generated_cache_dir() -> str:
+    """Where compiled generated kernels (cufuse.fuse) are kept across processes:
+    $CUFUSE_CACHE_DIR, else ~/.cache/cufuse (read at each compile)."""
+    return os.environ.get("CUFUSE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cufuse")
+
+
+def generated_module(source: str, device: int, what: str = "generated kernel"):
+    """(module, how) for generated CUDA ``source`` on ``device``; how is
+    "memory", "disk" or "compiled". A compile writes the cubin to
+    ``generated_cache_dir()``, keyed by the source with its headers inlined,
+    the options, the architecture and the NVRTC and CuPy versions, so a new
+    process loads it instead of compiling (CuPy's own disk cache is not used:
+    a hit there cannot be told from a compile)."""
+    key = (source, device)
+    mod = _generated.get(key)
+    if mod is not None:
+        return mod, "memory"
+    _require_cuda()
+    with _lock:
+        mod = _generated.get(key)
+        if mod is not None:
+            return mod, "memory"
+        t0 = time.perf_counter()
+        full = expand_includes(source)
+        arch = compute_capability(device)
+        options = compile_options() + ("-ftz=true",)  # as CuPy compiles the kernels/ families
+        digest = hashlib.sha256("\0".join(
+            [full, repr(options), str(arch), nvrtc_version(), _cp.__version__]).encode()).hexdigest()[:32]
+        path = os.path.join(generated_cache_dir(), f"{digest}.cubin")
+        how = "disk"
+        with _cp.cuda.Device(device):
+            if not os.path.isfile(path):
+                from cupy.cuda import compiler
+                binary, _ = compiler.compile_using_nvrtc(full, options=options, arch=str(arch), cache_in_memory=True)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                tmp = f"{path}.{os.getpid()}.tmp"
+                with open(tmp, "wb") as f:
+                    f.write(binary)
+                os.replace(tmp, path)  # atomic: a concurrent process sees all of it or nothing
+                how = "compiled"
+            mod = _cp.RawModule(path=path)
+            mod.get_function  # noqa: B018 - loaded lazily by CuPy; the first get_function loads it
+        _generated[key] = mod
+        _log.info("cufuse: %s %s in %.1f ms (%s)", what, "compiled" if how == "compiled" else "loaded from disk",
+                  (time.perf_counter() - t0) * 1e3, path)
+        return mod, how
 
 
 def compute_capability(device: int) -> int:

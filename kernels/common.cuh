@@ -14,6 +14,14 @@ template <typename T> struct compute_type { using type = T; };
 template <> struct compute_type<__half> { using type = float; };
 template <typename T> using compute_t = typename compute_type<T>::type;
 
+template <typename T> struct is_half { static constexpr bool value = false; };
+template <> struct is_half<__half> { static constexpr bool value = true; };
+template <typename T> struct is_float { static constexpr bool value = false; };
+template <> struct is_float<float> { static constexpr bool value = true; };
+template <> struct is_float<double> { static constexpr bool value = true; };
+template <typename A, typename B> struct same_type { static constexpr bool value = false; };
+template <typename A> struct same_type<A, A> { static constexpr bool value = true; };
+
 // Storage -> compute and compute -> storage conversions (round to nearest even).
 template <typename C, typename T> __device__ __forceinline__ C to_compute(T v) { return static_cast<C>(v); }
 template <> __device__ __forceinline__ float to_compute<float, __half>(__half v) { return __half2float(v); }
@@ -74,6 +82,111 @@ template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, 
     v = v < R(-128) ? R(-128) : (v > R(127) ? R(127) : v);
     return static_cast<signed char>(v);
 }
+// ---- more math, for generated (cufuse.fuse) code -----------------------------
+__device__ __forceinline__ float exp2(float x) { return ::exp2f(x); }
+__device__ __forceinline__ double exp2(double x) { return ::exp2(x); }
+__device__ __forceinline__ float log1p(float x) { return ::log1pf(x); }
+__device__ __forceinline__ double log1p(double x) { return ::log1p(x); }
+__device__ __forceinline__ float expm1(float x) { return ::expm1f(x); }
+__device__ __forceinline__ double expm1(double x) { return ::expm1(x); }
+__device__ __forceinline__ float sin(float x) { return ::sinf(x); }
+__device__ __forceinline__ double sin(double x) { return ::sin(x); }
+__device__ __forceinline__ float cos(float x) { return ::cosf(x); }
+__device__ __forceinline__ double cos(double x) { return ::cos(x); }
+__device__ __forceinline__ float floor(float x) { return ::floorf(x); }
+__device__ __forceinline__ double floor(double x) { return ::floor(x); }
+__device__ __forceinline__ float ceil(float x) { return ::ceilf(x); }
+__device__ __forceinline__ double ceil(double x) { return ::ceil(x); }
+__device__ __forceinline__ float fmod(float a, float b) { return ::fmodf(a, b); }
+__device__ __forceinline__ double fmod(double a, double b) { return ::fmod(a, b); }
+__device__ __forceinline__ float copysign(float a, float b) { return ::copysignf(a, b); }
+__device__ __forceinline__ double copysign(double a, double b) { return ::copysign(a, b); }
+__device__ __forceinline__ float pow(float a, float b) { return ::powf(a, b); }
+__device__ __forceinline__ double pow(double a, double b) { return ::pow(a, b); }
+template <typename I> __device__ __forceinline__ I abs(I x) { return x < I(0) ? I(-x) : x; }  // integers
+template <typename C> __device__ __forceinline__ C rsqrt(C x) { return C(1) / sqrt(x); }
+template <typename C> __device__ __forceinline__ C sigmoid(C x) { return C(1) / (C(1) + exp(-x)); }
+template <typename C> __device__ __forceinline__ C silu(C x) { return x / (C(1) + exp(-x)); }
+// log(1 + exp(x)) without overflow: max(x, 0) + log1p(exp(-|x|))
+template <typename C> __device__ __forceinline__ C softplus(C x) {
+    return (x > C(0) ? x : C(0)) + log1p(exp(-abs(x)));
+}
+// NaN-propagating minimum / maximum (NumPy's), for floats and integers.
+template <typename C> __device__ __forceinline__ C minimum(C a, C b) {
+    return (a != a) ? a : ((b != b) ? b : (b < a ? b : a));
+}
+template <typename C> __device__ __forceinline__ C maximum(C a, C b) {
+    return (a != a) ? a : ((b != b) ? b : (b > a ? b : a));
+}
+// Python's // and % (NumPy's floor_divide / remainder): the remainder takes
+// the divisor's sign; integer division by zero gives 0 (NumPy warns and gives 0).
+template <typename C> __device__ __forceinline__ C floordiv(C a, C b) {
+    if constexpr (is_float<C>::value) {
+        // NumPy's npy_divmod: exact for representable quotients.
+        if (b == C(0)) return a / b;
+        C mod = fmod(a, b);
+        C div = (a - mod) / b;
+        if (mod != C(0) && ((b < C(0)) != (mod < C(0)))) div -= C(1);
+        if (div != C(0)) {
+            C fl = floor(div);
+            if (div - fl > C(0.5)) fl += C(1);
+            return fl;
+        }
+        return copysign(C(0), a / b);
+    } else {
+        if (b == C(0)) return C(0);
+        C q = a / b;
+        if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1;
+        return q;
+    }
+}
+template <typename C> __device__ __forceinline__ C pymod(C a, C b) {
+    if constexpr (is_float<C>::value) {
+        if (b == C(0)) return fmod(a, b);  // NaN, as NumPy
+        C mod = fmod(a, b);
+        if (mod != C(0)) {
+            if ((b < C(0)) != (mod < C(0))) mod += b;
+        } else {
+            mod = copysign(C(0), b);
+        }
+        return mod;
+    } else {
+        if (b == C(0)) return C(0);
+        C r = a % b;
+        if (r != 0 && ((r < 0) != (b < 0))) r += b;
+        return r;
+    }
+}
+// a ** b: pow for floats; for integers repeated squaring (a negative exponent gives 0).
+template <typename C> __device__ __forceinline__ C power(C a, C b) {
+    if constexpr (is_float<C>::value) {
+        return pow(a, b);
+    } else {
+        if (b < 0) return C(0);
+        C r = 1;
+        while (b) {
+            if (b & 1) r = C(r * a);
+            a = C(a * a);
+            b >>= 1;
+        }
+        return r;
+    }
+}
+}  // namespace math
+
+// Conversion to the storage type T, returned in T's compute type (float16:
+// rounded to half, then widened): NumPy's astype, with float16 rounded once.
+template <typename T, typename S> __device__ __forceinline__ compute_t<T> cast_to(S x) {
+    if constexpr (is_half<T>::value) {
+        if constexpr (same_type<S, double>::value) return __half2float(__double2half(x));
+        else return __half2float(__float2half_rn(static_cast<float>(x)));
+    } else if constexpr (same_type<T, bool>::value) {
+        return x != S(0);
+    } else {
+        return static_cast<T>(x);
+    }
+}
+namespace math {
 }  // namespace math
 
 // n / d for a divisor fixed per launch: a multiply-high with a magic number
@@ -168,8 +281,6 @@ template <typename T, int N> __device__ __forceinline__ void store_pack(Pack<T, 
     }
 }
 
-template <typename T> struct is_half { static constexpr bool value = false; };
-template <> struct is_half<__half> { static constexpr bool value = true; };
 
 // A pack converted to the compute type; float16 pairs convert two at a time.
 template <typename C, typename T, int N> __device__ __forceinline__ void unpack(const Pack<T, N>& p, C (&out)[N]) {

@@ -33,13 +33,16 @@ constexpr int kMaxOperands = 4;  // the output plus up to three inputs
 // holds fast_div's multiplier for each dim's size; `vec` is set by the host
 // when dim 0 can be walked in packs (its size a multiple of the pack width,
 // the output and every input contiguous or broadcast along it, packs aligned).
-struct Layout {
+// N operands: the hand-written kernels use kMaxOperands; a generated
+// (cufuse.fuse) kernel uses its own operand count.
+template <int N> struct LayoutT {
     long long shape[kMaxDims];
-    long long stride[kMaxOperands][kMaxDims];
+    long long stride[N][kMaxDims];
     unsigned long long magic[kMaxDims];
     int ndim;
     int vec;
 };
+using Layout = LayoutT<kMaxOperands>;
 
 // ---- functor traits ---------------------------------------------------------
 // A functor may declare
@@ -160,8 +163,8 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
 }
 
 // Element offsets of logical index i for the output (off[0]) and each input.
-template <int NIN>
-__device__ __forceinline__ void strided_offsets(const Layout& L, long long i, long long (&off)[NIN + 1]) {
+template <int NIN, int M>
+__device__ __forceinline__ void strided_offsets(const LayoutT<M>& L, long long i, long long (&off)[NIN + 1]) {
 #pragma unroll
     for (int k = 0; k <= NIN; ++k) off[k] = 0;
     long long rem = i;
@@ -217,6 +220,187 @@ __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* 
 #pragma unroll
         for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(in[k][off[k + 1]]);
         out[off[0]] = from_compute<Tout>(apply_op<Op, NIN, C>(op, i, v));
+    }
+}
+
+// ---- the N-ary driver: generated functors (cufuse.fuse) ---------------------
+// cufuse/_fuse/codegen.py writes, per traced signature, a functor F with
+//   static constexpr int N;   array operands, outputs first, then inputs
+//   static constexpr int V;   elements per pack (one 16-byte store of the widest output)
+//   bool aligned(void* const* p) const;     every operand at its pack alignment
+//   template <int W> void apply(void* const* p, const long long (&off)[N], const bool (&bc)[N]) const;
+//       computes W consecutive elements: operand k's start at element off[k]
+//       of p[k], one value repeated over the W when bc[k]
+// and its scalars as members (kernel arguments). Operands may differ in type,
+// so F does the typed loads and stores (load_w/store_w); the traversal, the
+// same as run_contiguous/run_strided above, lives here.
+template <typename T, int W> __device__ __forceinline__ Pack<T, W> load_w(const void* base, long long off, bool bc) {
+    const T* p = static_cast<const T*>(base) + off;
+    Pack<T, W> x;
+    if (W == 1 || bc) {
+        const T v = *p;
+#pragma unroll
+        for (int j = 0; j < W; ++j) x.v[j] = v;
+    } else {
+        x = load_pack(reinterpret_cast<const Pack<T, W>*>(p));
+    }
+    return x;
+}
+template <typename T, int W> __device__ __forceinline__ void store_w(void* base, long long off, const Pack<T, W>& y) {
+    T* p = static_cast<T*>(base) + off;
+    if constexpr (W == 1) *p = y.v[0];
+    else store_pack(reinterpret_cast<Pack<T, W>*>(p), y);
+}
+
+template <typename F> __device__ __forceinline__ void run_fused(const F& f, void* const* p, long long n) {
+    constexpr int N = F::N, V = F::V;
+    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    long long off[N];
+    bool bc[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) bc[k] = false;
+    long long done = 0;
+    if (f.aligned(p)) {
+        const long long npack = n / V;
+        for (long long q = tid; q < npack; q += nthreads) {
+#pragma unroll
+            for (int k = 0; k < N; ++k) off[k] = q * V;
+            f.template apply<V>(p, off, bc);
+        }
+        done = npack * V;
+    }
+    for (long long i = done + tid; i < n; i += nthreads) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) off[k] = i;
+        f.template apply<1>(p, off, bc);
+    }
+}
+
+template <typename F>
+__device__ __forceinline__ void run_fused_strided(const F& f, void* const* p, long long n, const LayoutT<F::N>& L) {
+    constexpr int N = F::N, V = F::V;
+    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    long long off[N];
+    bool bc[N];
+    if (L.vec) {  // dim 0 in packs, as in run_strided
+#pragma unroll
+        for (int k = 0; k < N; ++k) bc[k] = L.stride[k][0] == 0;
+        for (long long q = tid; q < n / V; q += nthreads) {
+            strided_offsets<N - 1>(L, q * V, off);
+            f.template apply<V>(p, off, bc);
+        }
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < N; ++k) bc[k] = false;
+    for (long long i = tid; i < n; i += nthreads) {
+        strided_offsets<N - 1>(L, i, off);
+        f.template apply<1>(p, off, bc);
+    }
+}
+
+// Horizontal fusion: many independent contiguous operand sets in one launch.
+// `table` holds one row per set: N pointers, the element count, the first
+// block; one pack per thread, blocks of blockDim.x threads. Sets are sorted
+// by first block, and every set's pointers are pack-aligned (host-checked).
+template <typename F>
+__device__ __forceinline__ void run_fused_segments(const F& f, const long long* __restrict__ table, int nseg) {
+    constexpr int N = F::N, V = F::V, R = N + 2;
+    const long long b = blockIdx.x;
+    int lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) >> 1;
+        if (table[mid * R + N + 1] <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    const long long* row = table + static_cast<long long>(lo) * R;
+    void* p[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = reinterpret_cast<void*>(row[k]);
+    const long long n = row[N];
+    const long long q = (b - row[N + 1]) * blockDim.x + threadIdx.x;
+    long long off[N];
+    bool bc[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) bc[k] = false;
+    if ((q + 1) * V <= n) {
+#pragma unroll
+        for (int k = 0; k < N; ++k) off[k] = q * V;
+        f.template apply<V>(p, off, bc);
+    } else {
+        for (long long i = q * V; i < n; ++i) {
+#pragma unroll
+            for (int k = 0; k < N; ++k) off[k] = i;
+            f.template apply<1>(p, off, bc);
+        }
+    }
+}
+
+// A trailing reduction over the last axis. F also has
+//   struct Acc;  Acc init() const;  void combine(Acc&, const Acc&) const;
+//   Acc shfl(const Acc&, int lane_mask) const;          __shfl_xor_sync of each member
+//   template <int W> void accumulate(Acc&, void* const* p, const long long (&off)[N], const bool (&bc)[N]) const;
+//   void finish(void* const* p, const long long (&off)[N], const Acc&, long long cols) const;
+// L's dim 0 is the reduced axis (outputs have stride 0 there), dims 1.. the
+// rows. `tpr` threads (a power of two <= blockDim.x = 256) reduce one row:
+// warp shuffle, then shared memory across the row's warps.
+template <typename F>
+__device__ __forceinline__ void run_fused_rows(const F& f, void* const* p, long long rows, int tpr,
+                                               const LayoutT<F::N>& L) {
+    constexpr int N = F::N, V = F::V;
+    using Acc = typename F::Acc;
+    __shared__ Acc part[32];
+    const long long cols = L.shape[0];
+    const int lane = threadIdx.x & (tpr - 1);
+    const int rpb = blockDim.x / tpr;
+    const int width = tpr < 32 ? tpr : 32;
+    bool bc[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) bc[k] = L.stride[k][0] == 0;
+    for (long long r0 = static_cast<long long>(blockIdx.x) * rpb; r0 < rows; r0 += static_cast<long long>(gridDim.x) * rpb) {
+        const long long r = r0 + threadIdx.x / tpr;
+        const bool active = r < rows;
+        long long off[N];
+#pragma unroll
+        for (int k = 0; k < N; ++k) off[k] = 0;
+        long long rem = active ? r : 0;
+        for (int d = 1; d < L.ndim; ++d) {
+            const long long qd = fast_div(rem, L.shape[d], L.magic[d]);
+            const long long c = rem - qd * L.shape[d];
+            rem = qd;
+#pragma unroll
+            for (int k = 0; k < N; ++k) off[k] += c * L.stride[k][d];
+        }
+        Acc acc = f.init();
+        if (active) {
+            long long co[N];
+            if (L.vec) {
+                for (long long c = static_cast<long long>(lane) * V; c < cols; c += static_cast<long long>(tpr) * V) {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) co[k] = off[k] + c * L.stride[k][0];
+                    f.template accumulate<V>(acc, p, co, bc);
+                }
+            } else {
+                for (long long c = lane; c < cols; c += tpr) {
+#pragma unroll
+                    for (int k = 0; k < N; ++k) co[k] = off[k] + c * L.stride[k][0];
+                    f.template accumulate<1>(acc, p, co, bc);
+                }
+            }
+        }
+        for (int m = width >> 1; m > 0; m >>= 1) f.combine(acc, f.shfl(acc, m));
+        if (tpr > 32) {
+            const int warp = threadIdx.x >> 5;
+            if ((threadIdx.x & 31) == 0) part[warp] = acc;
+            __syncthreads();
+            if (lane == 0) {
+                for (int w = 1; w < tpr / 32; ++w) f.combine(acc, part[warp + w]);
+            }
+            __syncthreads();
+        }
+        if (lane == 0 && active) f.finish(p, off, acc, cols);
     }
 }
 

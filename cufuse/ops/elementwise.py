@@ -263,20 +263,7 @@ class ElementwiseOp:
 
     @staticmethod
     def _needs_temporary(out, ins, kind, dt, odt, shape):
-        """True when out shares memory with an input in any way other than
-        element-for-element identity (which is safe in an elementwise kernel)."""
-        ost = A.strides_of(out, kind)
-        optr = A.pointer_of(out, kind)
-        lo, hi = A.extent(optr, shape, ost, odt.itemsize)
-        for x in ins:
-            if x is None:
-                continue
-            xst = A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape)
-            xptr = A.pointer_of(x, kind)
-            xlo, xhi = A.extent(xptr, shape, xst, dt.itemsize)
-            if xlo < hi and lo < xhi and not (xptr == optr and list(xst) == list(ost) and dt == odt):
-                return True
-        return False
+        return needs_temporary(out, odt, ins, [dt] * len(ins), kind, shape)
 
     def _launch(self, out, ins, plan, params, stream):
         kind, dt, odt, dev, shape, n = plan.kind, plan.dtype, plan.out_dtype, plan.device, plan.shape, plan.size
@@ -323,6 +310,24 @@ class ElementwiseOp:
         layout["vec"] = _packs_fit(cshape, vec_parts, pack_width(dt, odt))
         fn = self._fn((dt, odt), dev, strided=True)
         R.launch(fn, n, dev, (optr, *ptrs, nm, layout[()], *params), stream)
+
+
+def needs_temporary(out, odt, ins, in_dtypes, kind, shape):
+    """True when ``out`` (dtype ``odt``, the result ``shape``) shares memory with
+    an input (``None`` entries are scalars) in any way other than
+    element-for-element identity, which is safe in an elementwise kernel."""
+    ost = A.strides_of(out, kind)
+    optr = A.pointer_of(out, kind)
+    lo, hi = A.extent(optr, shape, ost, odt.itemsize)
+    for x, dt in zip(ins, in_dtypes):
+        if x is None:
+            continue
+        xst = A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape)
+        xptr = A.pointer_of(x, kind)
+        xlo, xhi = A.extent(xptr, shape, xst, dt.itemsize)
+        if xlo < hi and lo < xhi and not (xptr == optr and list(xst) == list(ost) and dt == odt):
+            return True
+    return False
 
 
 def _packs_fit(cshape, parts, vec):

@@ -1,0 +1,588 @@
+"""``cufuse.fuse``: trace once per signature, generate one kernel, launch it.
+
+A signature is the kinds of the arguments: each array's dtype and number of
+dimensions, each scalar's type (Python float, Python int, bool, or a NumPy
+scalar's dtype). Layout (strides, broadcasting, offsets) and scalar values are
+not part of it: the generated functor runs on the driver's contiguous,
+strided and segmented (horizontal) paths, and scalars are kernel arguments.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+
+from .. import _arrays as A
+from .. import _runtime as R
+from ..ops import elementwise as E
+from . import codegen, graph as G
+from .numpy_eval import evaluate
+
+_log = logging.getLogger("cufuse")
+_LAYOUTS: dict = {}
+_TABLES: dict = {}       # horizontal launch tables on the device, by content
+_TABLES_MAX = 64
+_FAST_MAX = 256          # entries of a Fused's per-shape fast-path cache
+
+
+def _layout_dtype(n):
+    """numpy twin of kernels/elementwise.cuh LayoutT<n>."""
+    dt = _LAYOUTS.get(n)
+    if dt is None:
+        nd = E._STRIDED_NDIM
+        dt = _LAYOUTS[n] = np.dtype({"names": ["shape", "stride", "magic", "ndim", "vec"],
+                                     "formats": [(np.int64, (nd,)), (np.int64, (n, nd)), (np.uint64, (nd,)),
+                                                 np.int32, np.int32]}, align=True)
+    return dt
+
+
+def _layout(n, cshape, cstrides, vec):
+    L = np.zeros((), dtype=_layout_dtype(n))
+    nd = len(cshape)
+    L["ndim"] = nd
+    L["shape"][:nd] = cshape
+    L["magic"][:nd] = [A.fast_div_magic(d) for d in cshape]
+    for k, st in enumerate(cstrides):
+        L["stride"][k, :nd] = st
+    L["vec"] = vec
+    return L[()]
+
+
+class _Signature:
+    """One traced signature: its graph, and its kernels per device."""
+
+    def __init__(self, fused, spec):
+        self.graph = G.trace(fused.fn, spec)
+        self.in_dtypes = [d for _, d, _ in self.graph.inputs]
+        self.in_pos = [p for p, _, _ in self.graph.inputs]
+        self.out_dtypes = [o[3] for o in self.graph.outputs]
+        self.V = codegen.pack_width(self.graph, self.in_dtypes)
+        # per parameter: (argument position or -1, converter, constant value)
+        conv = {"double": float, "long long": int}
+        self.params = [(src[1], conv[ck], None) if src[0] == "arg" else (-1, conv[ck], conv[ck](src[1]))
+                       for src, ck in self.graph.params]
+        self._source = None
+        self._fns = {}
+        self.fused = fused
+
+    @property
+    def source(self):
+        if self._source is None:
+            self._source = codegen.source(self.graph, self.in_dtypes)
+        return self._source
+
+    def function(self, name, device):
+        fn = self._fns.get((name, device))
+        if fn is None:
+            mod, how = R.generated_module(self.source, device, what=f"cufuse.fuse({self.fused.__name__})")
+            st = self.fused.stats
+            if how == "compiled":
+                st["compiles"] += 1
+            elif how == "disk":
+                st["disk_loads"] += 1
+            with R._cp.cuda.Device(device):
+                fn = self._fns[(name, device)] = mod.get_function(name).kernel
+        return fn
+
+    def param_values(self, args):
+        return [conv(args[i]) if i >= 0 else c for i, conv, c in self.params]
+
+
+def _scalar_spec(x):
+    if isinstance(x, (bool, np.bool_)):
+        return ("scalar", np.dtype(np.bool_), False)
+    if isinstance(x, (np.integer, np.floating)):  # before float: numpy.float64 is a float
+        dt = np.dtype(type(x))
+        return ("scalar", dt, False) if dt in G.INPUT_DTYPES else None
+    if isinstance(x, int):
+        return ("scalar", np.dtype(np.int64), True)
+    if isinstance(x, float):
+        return ("scalar", np.dtype(np.float64), True)
+    return None
+
+
+class Fused:
+    """A function traced and compiled by ``cufuse.fuse``; see ``cufuse.fuse``."""
+
+    def __init__(self, fn, name=None):
+        if not callable(fn):
+            raise TypeError(f"cufuse.fuse: expected a function, got {type(fn).__module__}.{type(fn).__name__}")
+        self.fn = fn
+        try:
+            functools.update_wrapper(self, fn)
+        except AttributeError:  # pragma: no cover - exotic callables
+            pass
+        self.__name__ = name or getattr(fn, "__name__", "fused")
+        self.stats = {"traces": 0, "compiles": 0, "disk_loads": 0, "launches": 0}
+        self._sigs: dict = {}
+        self._fast: dict = {}
+        self._new_array = R._cp.ndarray if R._cp is not None else None
+        self._get_device = R._cp.cuda.runtime.getDevice if R._cp is not None else None
+
+    def __repr__(self):
+        return f"<cufuse.fuse of {getattr(self.fn, '__qualname__', self.fn)!r}>"
+
+    @property
+    def _name(self):
+        return f"fuse({self.__name__})"
+
+    # ------------------------------------------------------------ classify
+    def _classify(self, args):
+        """(kind, spec, arrays, device): the arguments' array kind, the signature,
+        [(position, array)], the GPU. Raises before anything runs."""
+        name = self._name
+        kind, first, spec, arrays = None, None, [], []
+        for i, x in enumerate(args):
+            s = _scalar_spec(x)
+            if s is not None:
+                spec.append(s)
+                continue
+            try:
+                k = A.kind_of(x)
+            except TypeError as e:
+                raise TypeError(f"cufuse.{name}: argument {i + 1}: {e}") from None
+            if k is None:  # a scalar kind_of accepts but we do not (e.g. np.float128)
+                raise TypeError(f"cufuse.{name}: argument {i + 1}: {type(x).__name__} scalars are not accepted; "
+                                "pass a Python or NumPy int, float or bool")
+            dt = A.dtype_of(x, k)
+            if not isinstance(dt, np.dtype) or dt not in G.INPUT_DTYPES:
+                raise TypeError(f"cufuse.{name}: argument {i + 1} is {A.describe(x, k)}; accepted dtypes are "
+                                f"{G.DTYPE_NAMES}")
+            if kind is None:
+                kind, first = k, i
+            elif k != kind:
+                raise TypeError(f"cufuse.{name}: mixed array kinds: argument {first + 1} is "
+                                f"{A.describe(args[first], kind)} and argument {i + 1} is {A.describe(x, k)}; "
+                                "convert one (cufuse.from_torch / cufuse.to_torch, cupy.asarray, .get())")
+            if k in (A.TORCH_CPU, A.TORCH_CUDA):
+                A.check_grad(x, name)
+            spec.append(("array", dt, x.ndim))
+            arrays.append((i, x))
+        if kind is None:
+            raise TypeError(f"cufuse.{name}: at least one argument must be an array (numpy.ndarray, "
+                            "cupy.ndarray or torch.Tensor); got only scalars")
+        device = None
+        if kind in A.GPU_KINDS:
+            device = A.device_of(arrays[0][1], kind)
+            for i, x in arrays[1:]:
+                if A.device_of(x, kind) != device:
+                    raise ValueError(f"cufuse.{name}: arguments on different GPUs: argument {arrays[0][0] + 1} "
+                                     f"on GPU {device}, argument {i + 1} on GPU {A.device_of(x, kind)}")
+        return kind, tuple(spec), arrays, device
+
+    def _signature(self, spec, nargs):
+        sig = self._sigs.get(spec)
+        if sig is None:
+            try:
+                import inspect
+                inspect.signature(self.fn).bind(*range(nargs))
+            except TypeError as e:
+                raise TypeError(f"cufuse.{self._name}: {e}") from None
+            except ValueError:  # builtins without a signature: let the call say
+                pass
+            sig = _Signature(self, spec)
+            self.stats["traces"] += 1
+            _log.debug("cufuse: traced %s for %s", self._name, spec)
+            self._sigs[spec] = sig
+        return sig
+
+    # -------------------------------------------------------------- calls
+    def source(self, *args):
+        """The generated CUDA source for these arguments' signature (no GPU needed)."""
+        _, spec, _, _ = self._classify(args)
+        return self._signature(spec, len(args)).source
+
+    def __call__(self, *args, out=None):
+        if out is None:
+            try:
+                key = tuple([(a.dtype, a.shape, a._c_contiguous, a.data.device_id) if type(a) is A.CupyArray
+                             else type(a) for a in args])
+                ent = self._fast.get(key)
+            except TypeError:  # an unhashable argument: the general path says what is wrong
+                ent = None
+            if ent is not None and ent[0] == self._get_device():
+                _, fn, odts, shape, n, grid, sig = ent
+                new = self._new_array
+                outs = [new(shape, dt) for dt in odts]
+                fn((grid,), (codegen.BLOCK,), (*outs, *[args[i] for i in sig.in_pos], n,
+                                               *[conv(args[i]) if i >= 0 else c for i, conv, c in sig.params]))
+                self.stats["launches"] += 1
+                return tuple(outs) if sig.graph.tuple_out else outs[0]
+        return self._call(args, out)
+
+    def _shapes(self, arrays, sig):
+        try:
+            shape = tuple(np.broadcast_shapes(*[tuple(x.shape) for _, x in arrays]))
+        except ValueError:
+            shapes = ", ".join(f"{tuple(x.shape)} (argument {i + 1})" for i, x in arrays)
+            raise ValueError(f"cufuse.{self._name}: argument shapes {shapes} do not broadcast together") from None
+        g = sig.graph
+        if not g.reduction:
+            return shape, [shape] * len(g.outputs)
+        outs = []
+        for _, kind, keep, _ in g.outputs:
+            if kind in ("max", "min") and shape[-1] == 0 and int(np.prod(shape[:-1], dtype=np.int64)):
+                raise ValueError(f"cufuse.{self._name}: {kind} over an empty last axis (size 0): a zero-size "
+                                 "reduction has no identity")
+            outs.append(shape[:-1] + ((1,) if keep else ()))
+        return shape, outs
+
+    def _outs(self, sig, out, kind, shapes, device):
+        g = sig.graph
+        nout = len(g.outputs)
+        if out is None:
+            return [None] * nout
+        if g.tuple_out:
+            if not isinstance(out, (tuple, list)) or len(out) != nout:
+                raise TypeError(f"cufuse.{self._name}: out must be a tuple of {nout} arrays (the function "
+                                f"returns {nout}); got {type(out).__name__}")
+            outs = list(out)
+        else:
+            if isinstance(out, (tuple, list)):
+                if len(out) != 1:
+                    raise TypeError(f"cufuse.{self._name}: out must be one array; got {len(out)}")
+                out = out[0]
+            outs = [out]
+        for o, shape, dt in zip(outs, shapes, sig.out_dtypes):
+            A.check_out(self._name, o, kind, dt, shape, device)
+        return outs
+
+    def _call(self, args, out):
+        kind, spec, arrays, device = self._classify(args)
+        sig = self._signature(spec, len(args))
+        shape, out_shapes = self._shapes(arrays, sig)
+        outs = self._outs(sig, out, kind, out_shapes, device)
+        params = sig.param_values(args)
+        if kind in A.GPU_KINDS:
+            res = self._run_gpu(sig, kind, device, arrays, params, shape, out_shapes, outs,
+                                cache_args=args if out is None and kind == A.CUPY else None)
+        else:
+            res = self._run_numpy(sig, kind, arrays, params, shape, outs)
+        return tuple(res) if sig.graph.tuple_out else res[0]
+
+    # ------------------------------------------------------------ fallback
+    def _run_numpy(self, sig, kind, arrays, params, shape, outs):
+        torch_cpu = kind == A.TORCH_CPU
+        vals = [x.numpy() if torch_cpu else x for _, x in arrays]
+        res = evaluate(sig.graph, vals, params, shape)
+        final = []
+        for r, o in zip(res, outs):
+            if o is not None:
+                np.copyto(o.numpy() if torch_cpu else o, r)
+                final.append(o)
+            else:
+                final.append(A.torch().from_numpy(r) if torch_cpu else r)
+        return final
+
+    # ----------------------------------------------------------------- GPU
+    def _run_gpu(self, sig, kind, dev, arrays, params, shape, out_shapes, outs, cache_args=None):
+        cp = R._cp
+        is_torch = kind == A.TORCH_CUDA
+        with cp.cuda.Device(dev):
+            final = [o if o is not None else E._empty(s, dt, kind, dev)
+                     for o, s, dt in zip(outs, out_shapes, sig.out_dtypes)]
+            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            if n == 0 or (sig.graph.reduction and not all(out_shapes_size(s) for s in out_shapes)):
+                return final
+            ins = [x for _, x in arrays]
+            targets = list(final)
+            if not sig.graph.reduction:
+                for k, o in enumerate(outs):
+                    if o is not None and E.needs_temporary(o, sig.out_dtypes[k], ins, sig.in_dtypes, kind, shape):
+                        targets[k] = E._empty(shape, sig.out_dtypes[k], kind, dev)
+            else:
+                for k, o in enumerate(outs):
+                    if o is not None and any(_overlaps(o, x, kind, dt) for x, dt in zip(ins, sig.in_dtypes)):
+                        targets[k] = E._empty(out_shapes[k], sig.out_dtypes[k], kind, dev)
+            stream = R.external_stream(E._torch_stream(dev), dev) if is_torch else None
+            if sig.graph.reduction:
+                self._launch_rows(sig, kind, dev, ins, targets, params, shape, stream)
+            else:
+                self._launch_elementwise(sig, kind, dev, ins, targets, params, shape, n, stream, cache_args)
+            for t, o in zip(targets, final):
+                if t is not o:
+                    E._copy_into(o, t, kind)
+            return final
+
+    def _launch_elementwise(self, sig, kind, dev, ins, targets, params, shape, n, stream, cache_args=None):
+        V = sig.V
+        ptrs = [A.pointer_of(t, kind) for t in targets] + [A.pointer_of(x, kind) for x in ins]
+        strides = ([list(A.strides_of(t, kind)) for t in targets]
+                   + [A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape) for x in ins])
+        cshape, cstrides = A.collapse(shape, strides)
+        if len(cshape) == 1 and all(st[0] == 1 for st in cstrides):
+            fn = sig.function("fused_contig", dev)
+            grid = R.grid_for(n // V or 1, dev) or 1
+            R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, n, *params), stream)
+            self.stats["launches"] += 1
+            if cache_args is not None and all(tuple(x.shape) == shape for x in ins):
+                # Same-shape C-contiguous CuPy arrays: the next call of this exact
+                # kind launches from __call__ without any of the checks above.
+                if len(self._fast) >= _FAST_MAX:
+                    self._fast.clear()
+                key = tuple([(a.dtype, a.shape, a._c_contiguous, a.data.device_id)
+                             if type(a) is A.CupyArray else type(a) for a in cache_args])
+                self._fast[key] = (dev, fn, sig.out_dtypes, shape, n, grid, sig)
+            return
+        if len(cshape) > E._STRIDED_NDIM:  # more dims than the kernel indexes: dense copies
+            dense = [E._dense(x, shape, kind) for x in ins]
+            tmp = [E._empty(shape, dt, kind, dev) for dt in sig.out_dtypes]
+            self._launch_elementwise(sig, kind, dev, dense, tmp, params, shape, n, stream)
+            for t, o in zip(tmp, targets):
+                E._copy_into(o, t, kind)
+            return
+        nout = len(targets)
+        parts = [(p, st, dt.itemsize) for p, st, dt in zip(ptrs, cstrides, sig.out_dtypes + sig.in_dtypes)]
+        vec = E._packs_fit(cshape, parts, V)
+        if vec and any(st[0] == 0 for st in cstrides[:nout]):
+            vec = 0
+        fn = sig.function("fused_strided", dev)
+        L = _layout(len(ptrs), cshape, cstrides, vec)
+        grid = R.grid_for(n // V if vec else n, dev) or 1
+        R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, n, L, *params), stream)
+        self.stats["launches"] += 1
+
+    def _launch_rows(self, sig, kind, dev, ins, targets, params, shape, stream):
+        g = sig.graph
+        cols = shape[-1]
+        lead = shape[:-1]
+        rows = int(np.prod(lead, dtype=np.int64)) if lead else 1
+        nlead = len(lead)
+        ptrs = [A.pointer_of(t, kind) for t in targets] + [A.pointer_of(x, kind) for x in ins]
+        out_st = [list(A.strides_of(t, kind))[:nlead] for t in targets]
+        in_st = [A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape) for x in ins]
+        col_st = [0] * len(targets) + [st[-1] if cols != 1 else 0 for st in in_st]
+        if lead:
+            cshape, cstr = A.collapse(lead, out_st + [st[:-1] for st in in_st])
+        else:
+            cshape, cstr = [1], [[0] for _ in ptrs]
+        if len(cshape) + 1 > E._STRIDED_NDIM:  # dense copies, then one row dim
+            dense = [E._dense(x, shape, kind) for x in ins]
+            tmp = [E._empty(t.shape, dt, kind, dev) for t, dt in zip(targets, sig.out_dtypes)]
+            self._launch_rows(sig, kind, dev, dense, tmp, params, shape, stream)
+            for t, o in zip(tmp, targets):
+                E._copy_into(o, t, kind)
+            return
+        V = sig.V
+        vec = int(cols % V == 0 and cols > 0)
+        if vec:
+            for p, st, cs, dt in zip(ptrs[len(targets):], cstr[len(targets):], col_st[len(targets):], sig.in_dtypes):
+                align = min(V * dt.itemsize, 16)
+                if cs == 0:
+                    continue
+                if cs != 1 or p % align or any((s * dt.itemsize) % align for s in st):
+                    vec = 0
+                    break
+        L = _layout(len(ptrs), [cols] + list(cshape), [[c] + list(s) for c, s in zip(col_st, cstr)], vec)
+        units = cols // V if vec else cols
+        tpr = 1
+        while tpr < 256 and tpr * 4 < units:
+            tpr *= 2
+        rpb = codegen.BLOCK // tpr
+        grid = min((rows + rpb - 1) // rpb, R.sm_count(dev) * 32) or 1
+        fn = sig.function("fused_rows", dev)
+        R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, rows, np.int32(tpr), L, *params), stream)
+        self.stats["launches"] += 1
+
+    # ---------------------------------------------------------- horizontal
+    def foreach(self, *args, out=None):
+        """Apply the function to lists of arrays in one launch (horizontal fusion).
+
+        Each argument is a list (or tuple) of arrays, all lists of one length
+        L, or a scalar shared by every item. Returns a list of L results:
+        item i is ``f(args0[i], args1[i], ...)`` (a tuple when the function
+        returns several arrays). Arrays of one item have one shape (no
+        broadcasting between them); items may differ in size, 0 included.
+        ``out``: a list of L arrays, or for several outputs a tuple of such
+        lists; they may be the inputs themselves (an in-place update). On the
+        GPU every C-contiguous, 16-byte-aligned item runs in ONE launch; any
+        other item runs as its own call.
+        """
+        name = self._name
+        list_pos = [p for p, a in enumerate(args) if isinstance(a, (list, tuple))]
+        if not list_pos:
+            raise TypeError(f"cufuse.{name}.foreach: at least one argument must be a list of arrays")
+        lens = sorted({len(args[p]) for p in list_pos})
+        if len(lens) > 1:
+            raise ValueError(f"cufuse.{name}.foreach: the lists have different lengths {lens}")
+        count = lens[0]
+        if count == 0:
+            return []
+
+        def item(i):
+            return tuple(a[i] if p in list_pos else a for p, a in enumerate(args))
+
+        kind, spec, _, device = self._classify(item(0))
+        for p, s in enumerate(spec):
+            if s[0] == "scalar" and p in list_pos:
+                raise TypeError(f"cufuse.{name}.foreach: argument {p + 1} is a list of scalars; a scalar is shared "
+                                "by every item: pass one scalar")
+            if s[0] == "array" and p not in list_pos:
+                raise TypeError(f"cufuse.{name}.foreach: argument {p + 1} is an array; pass arrays as lists, "
+                                "one per item")
+        # One signature for every item: arrays taken as 1-d.
+        sig = self._signature(tuple(("array", s[1], 1) if s[0] == "array" else s for s in spec), len(args))
+        if sig.graph.reduction:
+            raise ValueError(f"cufuse.{name}.foreach: reductions are not supported in foreach; call the "
+                             "function on each array")
+        out_lists = self._foreach_outs(out, count, len(sig.out_dtypes), sig.graph.tuple_out)
+
+        def item_out(i):
+            if out_lists is None:
+                return None
+            return tuple(ol[i] for ol in out_lists) if sig.graph.tuple_out else out_lists[0][i]
+
+        if kind not in A.GPU_KINDS:
+            return [self._call(item(i), item_out(i)) for i in range(count)]
+        fast, slow = self._foreach_plan(sig, kind, device, [args[p] for p in list_pos], out_lists, count,
+                                        sig.param_values(item(0)))
+        results = [None] * count
+        for i, outs in fast:
+            results[i] = tuple(outs) if sig.graph.tuple_out else outs[0]
+        for i in slow:  # full checks (and their errors), one launch each
+            results[i] = self._call(item(i), item_out(i))
+        return results
+
+    def _foreach_outs(self, out, count, nout, tuple_out):
+        if out is None:
+            return None
+        lists = tuple(out) if tuple_out else (out,)
+        if len(lists) != nout or any(not isinstance(ol, (list, tuple)) or len(ol) != count for ol in lists):
+            what = f"a tuple of {nout} lists of {count} arrays" if tuple_out else f"a list of {count} arrays"
+            raise ValueError(f"cufuse.{self._name}.foreach: out must be {what}")
+        return lists
+
+    def _foreach_plan(self, sig, kind, dev, lists, out_lists, count, params):
+        """Check every item with a few attribute reads; launch the items that
+        qualify (C-contiguous, aligned, one shape, outputs either an input
+        itself or apart from them) in one kernel. Returns ([(item, outputs)],
+        [items left for a call of their own])."""
+        V, dts, odts = sig.V, sig.in_dtypes, sig.out_dtypes
+        is_cupy = kind == A.CUPY
+        if not is_cupy:
+            dts_k = [A.numpy_to_torch_dtype(d) for d in dts]
+            odts_k = [A.numpy_to_torch_dtype(d) for d in odts]
+        else:
+            dts_k, odts_k = dts, odts
+        al_in = [min(V * d.itemsize, 16) for d in dts]
+        al_out = [min(V * d.itemsize, 16) for d in odts]
+        CupyArray = A.CupyArray
+        Tensor = A.torch().Tensor if not is_cupy else None
+
+        def ptr_of(a, dt, al, shape):
+            """a's pointer if a qualifies, else None."""
+            if is_cupy:
+                if type(a) is not CupyArray or a.dtype != dt or not a._c_contiguous or a.shape != shape:
+                    return None
+                d = a.data
+                p, ok = d.ptr, d.device_id == dev
+            else:
+                if (not isinstance(a, Tensor) or a.dtype != dt or a.requires_grad or not a.is_contiguous()
+                        or a.shape != shape or not a.is_cuda or a.get_device() != dev):
+                    return None
+                p, ok = a.data_ptr(), True
+            return p if ok and p % al == 0 else None
+
+        fast, slow, rows, pending = [], [], [], []
+        for i in range(count):
+            arrs = [lst[i] for lst in lists]
+            shape = arrs[0].shape if hasattr(arrs[0], "shape") else None
+            ptrs = [ptr_of(a, dt, al, shape) for a, dt, al in zip(arrs, dts_k, al_in)]
+            if shape is None or None in ptrs:
+                slow.append(i)
+                continue
+            n = arrs[0].size if is_cupy else arrs[0].numel()
+            if out_lists is not None:
+                outs = [ol[i] for ol in out_lists]
+                optrs = [ptr_of(o, dt, al, shape) for o, dt, al in zip(outs, odts_k, al_out)]
+                if None in optrs or not _apart(optrs, odts, ptrs, dts, n):
+                    slow.append(i)
+                    continue
+                fast.append((i, outs))
+                if n:
+                    rows.append(optrs + ptrs + [n])
+            else:
+                pending.append((i, tuple(shape), n, ptrs))
+        if pending:  # new outputs: one buffer per output, a view per item
+            for i, shape, n, ptrs in pending:
+                fast.append((i, []))
+            offsets, total = [], 0
+            for _, _, n, _ in pending:
+                offsets.append(total)
+                total += -(-n // 16) * 16  # every view starts 16-byte aligned
+            bufs = [E._empty((total,), dt, kind, dev) for dt in odts]
+            views = fast[len(fast) - len(pending):]
+            for (i, shape, n, ptrs), off, (_, outs) in zip(pending, offsets, views):
+                for b, dt in zip(bufs, odts):
+                    v = b[off:off + n].reshape(shape) if is_cupy else b[off:off + n].view(shape)
+                    outs.append(v)
+                if n:
+                    rows.append([A.pointer_of(v, kind) for v in outs] + ptrs + [n])
+        if rows:
+            self._launch_segments(sig, kind, dev, rows, params)
+        return fast, slow
+
+    def _launch_segments(self, sig, kind, dev, rows, params):
+        """One launch over every row (output pointers, input pointers, n): the
+        table gains each row's first block; blocks of BLOCK threads, a pack each."""
+        V, B = sig.V, codegen.BLOCK
+        first = 0
+        for r in rows:
+            packs = -(-r[-1] // V)
+            r.append(first)
+            first += -(-packs // B)
+        cp = R._cp
+        with cp.cuda.Device(dev):
+            stream = (R.external_stream(E._torch_stream(dev), dev) if kind == A.TORCH_CUDA
+                      else cp.cuda.get_current_stream())
+            flat = tuple(v for r in rows for v in r)
+            key = (flat, dev, stream.ptr)
+            table = _TABLES.get(key)
+            if table is None:
+                if len(_TABLES) >= _TABLES_MAX:
+                    _TABLES.clear()
+                with stream:  # the copy is ordered before the kernel on the same stream
+                    table = _TABLES[key] = cp.asarray(np.array(flat, dtype=np.int64))
+            fn = sig.function("fused_segments", dev)
+            R.launch_grid(fn, (first,), (B,), (table, np.int32(len(rows)), *params), stream)
+        self.stats["launches"] += 1
+
+
+def _apart(optrs, odts, iptrs, idts, n):
+    """Each output is an input itself (same pointer and dtype: element-for-element,
+    safe) or shares no byte with any input or other output."""
+    spans = [(p, p + n * d.itemsize) for p, d in zip(iptrs, idts)]
+    for k, (p, d) in enumerate(zip(optrs, odts)):
+        lo, hi = p, p + n * d.itemsize
+        for (ilo, ihi), ip, idt in zip(spans, iptrs, idts):
+            if ilo < hi and lo < ihi and not (ip == p and idt == d):
+                return False
+        for q, qd in zip(optrs[k + 1:], odts[k + 1:]):
+            if q < hi and lo < q + n * qd.itemsize:
+                return False
+    return True
+
+
+def out_shapes_size(s):
+    return int(np.prod(s, dtype=np.int64)) if s else 1
+
+
+def _overlaps(o, x, kind, dt):
+    lo, hi = A.extent(A.pointer_of(o, kind), tuple(o.shape), A.strides_of(o, kind), 1)
+    xlo, xhi = A.extent(A.pointer_of(x, kind), tuple(x.shape), A.strides_of(x, kind), dt.itemsize)
+    return xlo < hi and lo < xhi
+
+
+def fuse(fn=None):
+    """Trace ``fn`` once per argument signature and run it as one generated kernel.
+
+    ``fn`` takes arrays and scalars and returns an array or a tuple of arrays,
+    computed with Python operators, ``cufuse.where``/``exp``/... (or NumPy
+    ufuncs) and ``astype``; a trailing ``sum``/``mean``/``max``/``min`` over
+    the last axis may end it. Works as ``@cufuse.fuse`` or ``cufuse.fuse(fn)``
+    (lambdas included). See the README section "Fusing your own functions".
+    """
+    if fn is None:
+        return fuse
+    return Fused(fn)

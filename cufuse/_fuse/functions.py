@@ -1,0 +1,154 @@
+"""The functions ``cufuse.fuse`` traces: ``cufuse.exp``, ``cufuse.where``, ...
+
+Inside a fused function they add a node to the trace. Called on concrete
+arrays, each runs as a one-function fused kernel (cached per function, so a
+second call neither traces nor compiles).
+"""
+from __future__ import annotations
+
+from . import graph as G
+
+_SINGLE: dict = {}  # (name, fixed args) -> Fused of that one function
+
+
+def _is_traced(*vals):
+    return any(isinstance(v, G.Traced) for v in vals) or G.tracing() is not None
+
+
+def _concrete(key, fn, args):
+    from .api import Fused
+    f = _SINGLE.get(key)
+    if f is None:
+        f = _SINGLE[key] = Fused(fn, name=key[0])
+    return f(*args)
+
+
+def _unary(name, op=None, doc=""):
+    op = op or name
+
+    def f(x, /):
+        if _is_traced(x):
+            return G.unary(op, x)
+        return _concrete((name,), f, (x,))
+
+    f.__name__ = f.__qualname__ = name
+    f.__module__ = "cufuse"
+    f.__doc__ = doc or f"Elementwise {name}; traced inside cufuse.fuse, one fused kernel on arrays."
+    return f
+
+
+exp = _unary("exp")
+exp2 = _unary("exp2", doc="Elementwise 2 ** x.")
+log = _unary("log")
+log1p = _unary("log1p", doc="Elementwise log(1 + x), accurate near 0.")
+expm1 = _unary("expm1", doc="Elementwise exp(x) - 1, accurate near 0.")
+sqrt = _unary("sqrt")
+rsqrt = _unary("rsqrt", doc="Elementwise 1 / sqrt(x).")
+sin = _unary("sin")
+cos = _unary("cos")
+tanh = _unary("tanh")
+sigmoid = _unary("sigmoid", doc="Elementwise 1 / (1 + exp(-x)).")
+erf = _unary("erf", doc="Elementwise error function.")
+relu = _unary("relu", doc="Elementwise max(x, 0); NaN stays NaN.")
+silu = _unary("silu", doc="Elementwise x * sigmoid(x).")
+softplus = _unary("softplus", doc="Elementwise log(1 + exp(x)), computed as max(x, 0) + log1p(exp(-|x|)).")
+round = _unary("round", doc="Elementwise rounding to the nearest integer, half to even (numpy.round); "
+                            "integers are returned unchanged.")
+floor = _unary("floor", doc="Elementwise floor; integers are returned unchanged.")
+ceil = _unary("ceil", doc="Elementwise ceil; integers are returned unchanged.")
+abs = _unary("abs", doc="Elementwise absolute value.")
+
+
+def gelu(x, /, approximate="none"):
+    """GELU with PyTorch's definitions: approximate="none" (erf) or "tanh"."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"cufuse.gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    op = "gelu" if approximate == "none" else "gelu_tanh"
+    if _is_traced(x):
+        return G.unary(op, x)
+    return _concrete(("gelu", approximate), lambda v: gelu(v, approximate), (x,))
+
+
+def _binary(name):
+    def f(a, b, /):
+        if _is_traced(a, b):
+            return G.binary(name, a, b)
+        return _concrete((name,), f, (a, b))
+
+    f.__name__ = f.__qualname__ = name
+    f.__module__ = "cufuse"
+    f.__doc__ = f"Elementwise {name} (NaN-propagating, as NumPy's); traced inside cufuse.fuse."
+    return f
+
+
+minimum = _binary("minimum")
+maximum = _binary("maximum")
+
+
+def where(cond, a, b, /):
+    """``a`` where ``cond`` is true, else ``b`` (numpy.where with three arguments)."""
+    if _is_traced(cond, a, b):
+        return G.where(cond, a, b)
+    return _concrete(("where",), where, (cond, a, b))
+
+
+def clip(x, lo, hi, /):
+    """minimum(maximum(x, lo), hi), as numpy.clip."""
+    if _is_traced(x, lo, hi):
+        return minimum(maximum(x, lo), hi)
+    return _concrete(("clip",), clip, (x, lo, hi))
+
+
+def _np_reduction(kind):
+    def f(x, axis=None, dtype=None, out=None, keepdims=False, **kw):
+        if dtype is not None or out is not None or kw:
+            raise G.TraceError(f"cufuse.fuse: numpy.{kind} inside a fused function takes axis and keepdims only")
+        if axis is None:
+            raise G.TraceError(f"cufuse.fuse: numpy.{kind} needs axis=-1 inside a fused function (only a "
+                               "reduction over the last axis is supported)")
+        return G.reduce(kind, x, axis, keepdims, {})
+    return f
+
+
+def _np_clip(x, a_min=None, a_max=None, **kw):
+    if kw or a_min is None or a_max is None:
+        raise G.TraceError("cufuse.fuse: numpy.clip inside a fused function takes (x, lo, hi) only")
+    return clip(x, a_min, a_max)
+
+
+def _np_round(x, decimals=0, out=None):
+    if decimals != 0 or out is not None:
+        raise G.TraceError("cufuse.fuse: numpy.round inside a fused function takes no decimals or out")
+    return round(x)
+
+
+def _np_where(c, a=None, b=None):
+    if a is None or b is None:
+        raise G.TraceError("cufuse.fuse: numpy.where needs three arguments inside a fused function")
+    return where(c, a, b)
+
+
+# NumPy ufuncs a traced value answers to (Traced.__array_ufunc__)
+NUMPY_UFUNCS = {
+    "add": lambda a, b: a + b, "subtract": lambda a, b: a - b, "multiply": lambda a, b: a * b,
+    "true_divide": lambda a, b: a / b, "divide": lambda a, b: a / b, "floor_divide": lambda a, b: a // b,
+    "remainder": lambda a, b: a % b, "power": lambda a, b: a ** b, "negative": lambda a: -a,
+    "less": lambda a, b: G.binary("lt", a, b), "less_equal": lambda a, b: G.binary("le", a, b),
+    "greater": lambda a, b: G.binary("gt", a, b), "greater_equal": lambda a, b: G.binary("ge", a, b),
+    "equal": lambda a, b: G.binary("eq", a, b), "not_equal": lambda a, b: G.binary("ne", a, b),
+    "bitwise_and": lambda a, b: G.binary("and", a, b), "bitwise_or": lambda a, b: G.binary("or", a, b),
+    "bitwise_xor": lambda a, b: G.binary("xor", a, b), "invert": lambda a: G.unary("invert", a),
+    "absolute": abs, "fabs": abs, "exp": exp, "exp2": exp2, "log": log, "log1p": log1p, "expm1": expm1,
+    "sqrt": sqrt, "sin": sin, "cos": cos, "tanh": tanh, "rint": round, "floor": floor, "ceil": ceil,
+    "minimum": minimum, "maximum": maximum,
+}
+
+NUMPY_FUNCTIONS = {
+    "where": _np_where, "clip": _np_clip, "round": _np_round, "around": _np_round,
+    "sum": _np_reduction("sum"), "mean": _np_reduction("mean"), "max": _np_reduction("max"),
+    "min": _np_reduction("min"), "amax": _np_reduction("max"), "amin": _np_reduction("min"),
+}
+
+PUBLIC = ["where", "abs", "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tanh",
+          "sigmoid", "erf", "relu", "gelu", "silu", "softplus", "clip", "minimum", "maximum", "round",
+          "floor", "ceil"]

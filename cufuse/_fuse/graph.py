@@ -1,0 +1,436 @@
+"""Tracing: a Python function over symbolic arrays becomes a typed graph.
+
+``trace(fn, sig)`` calls ``fn`` once with a ``Traced`` value per argument.
+Every operation on a ``Traced`` appends a ``Node`` to the graph; NumPy's
+dtype rules (NEP 50: Python scalars are weak) are applied as it grows, and
+explicit ``cast`` nodes are inserted wherever an operand changes type, so
+that code generation and the NumPy evaluator read one fully typed program.
+
+Scalars, literals included, become parameters (kernel arguments), never
+constants in the source: a new value never recompiles.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class TraceError(TypeError):
+    """A construct that cufuse.fuse cannot trace (raised at trace time)."""
+
+
+# dtypes an array input may have, and every dtype a node may take
+INPUT_DTYPES = tuple(np.dtype(d) for d in (np.bool_, np.int8, np.uint8, np.int16, np.int32, np.int64,
+                                           np.float16, np.float32, np.float64))
+ASTYPE_DTYPES = INPUT_DTYPES
+NODE_DTYPES = INPUT_DTYPES + (np.dtype(np.uint64),)  # uint64: the sum of unsigned integers
+_F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+_BOOL, _I64, _U64 = np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.uint64)
+DTYPE_NAMES = ", ".join(d.name for d in INPUT_DTYPES)
+
+
+def is_float(dt):
+    return dt.kind == "f"
+
+
+def compute_dtype(dt):
+    """float16 is computed in float32, as in the hand-written kernels."""
+    return _F32 if dt == _F16 else dt
+
+
+def float_result(dt):
+    """dtype of a float function (exp, sin, ...) of ``dt``, as NumPy's ufuncs give."""
+    return dt if is_float(dt) else np.promote_types(dt, _F16)
+
+
+@dataclass(frozen=True)
+class Node:
+    op: str
+    args: tuple = ()
+    dtype: np.dtype = None
+    attr: object = None   # input/param index, cast target, reduction kind, ...
+
+
+@dataclass
+class Graph:
+    nodes: list = field(default_factory=list)
+    inputs: list = field(default_factory=list)   # per array input: (argument position, dtype, ndim)
+    params: list = field(default_factory=list)   # per scalar parameter: ("arg", position) or ("const", value), C kind
+    outputs: list = field(default_factory=list)  # per output: (node id, reduction or None, keepdims)
+    ndim: int = 0                                # of the broadcast (elementwise) shape
+    tuple_out: bool = False
+
+    def add(self, op, args=(), dtype=None, attr=None):
+        self.nodes.append(Node(op, tuple(args), dtype, attr))
+        return len(self.nodes) - 1
+
+    @property
+    def reduction(self):
+        return self.outputs[0][1] if self.outputs else None
+
+    def key(self):
+        """Structure of the graph (no parameter values): equal keys, equal kernels."""
+        return (tuple(self.nodes), tuple(self.inputs), tuple(p[1] for p in self.params),
+                tuple(self.outputs), self.ndim)
+
+
+# ---------------------------------------------------------------------- tracer
+_TRACING: list = []  # stack of graphs being traced (nested fuse calls trace inline)
+
+
+def tracing():
+    return _TRACING[-1] if _TRACING else None
+
+
+class Traced:
+    """A symbolic array (or scalar) inside ``cufuse.fuse``."""
+
+    __slots__ = ("graph", "node", "dtype", "weak", "ndim", "reduced")
+    __array_priority__ = 1000
+
+    def __init__(self, graph, node, dtype, weak=False, ndim=0, reduced=False):
+        self.graph, self.node, self.dtype, self.weak, self.ndim, self.reduced = (
+            graph, node, np.dtype(dtype), weak, ndim, reduced)
+
+    def __repr__(self):
+        kind = "scalar" if self.weak else f"{self.ndim}-d array"
+        return f"<cufuse traced {kind} of {self.dtype}>"
+
+    # --- what cannot be traced
+    def __bool__(self):
+        raise TraceError("cufuse.fuse: a traced value was used as a Python bool (an `if`/`while` on it, "
+                         "`and`/`or`/`not`, or a chained comparison such as a < x < b); the kernel cannot "
+                         "branch in Python: use cufuse.where(cond, a, b), `&`, `|` and `~` instead")
+
+    def __float__(self):
+        raise TraceError("cufuse.fuse: float() of a traced value is not traceable (its value is not known "
+                         "while tracing); keep it an array, or use .astype(numpy.float32)")
+
+    def __int__(self):
+        raise TraceError("cufuse.fuse: int() of a traced value is not traceable (its value is not known "
+                         "while tracing); use .astype(numpy.int32)")
+
+    __index__ = __int__
+
+    def __complex__(self):
+        raise TraceError("cufuse.fuse: complex() of a traced value is not traceable")
+
+    def __len__(self):
+        raise TraceError("cufuse.fuse: len() of a traced value is not traceable (shapes are not known "
+                         "while tracing)")
+
+    def __iter__(self):
+        raise TraceError("cufuse.fuse: iterating over a traced value is not traceable; write the "
+                         "computation elementwise")
+
+    def __getitem__(self, key):
+        raise TraceError("cufuse.fuse: indexing or slicing a traced value (x[...]) is not traceable; "
+                         "slice the arrays before calling the fused function")
+
+    def __setitem__(self, key, value):
+        raise TraceError("cufuse.fuse: index assignment (x[...] = v) to a traced value is not traceable; "
+                         "use cufuse.where")
+
+    @property
+    def shape(self):
+        raise TraceError("cufuse.fuse: .shape of a traced value is not known while tracing")
+
+    # --- arithmetic
+    def __add__(self, o): return binary("add", self, o)
+    def __radd__(self, o): return binary("add", o, self)
+    def __sub__(self, o): return binary("sub", self, o)
+    def __rsub__(self, o): return binary("sub", o, self)
+    def __mul__(self, o): return binary("mul", self, o)
+    def __rmul__(self, o): return binary("mul", o, self)
+    def __truediv__(self, o): return binary("truediv", self, o)
+    def __rtruediv__(self, o): return binary("truediv", o, self)
+    def __floordiv__(self, o): return binary("floordiv", self, o)
+    def __rfloordiv__(self, o): return binary("floordiv", o, self)
+    def __mod__(self, o): return binary("mod", self, o)
+    def __rmod__(self, o): return binary("mod", o, self)
+    def __pow__(self, o): return binary("pow", self, o)
+    def __rpow__(self, o): return binary("pow", o, self)
+    def __lt__(self, o): return binary("lt", self, o)
+    def __le__(self, o): return binary("le", self, o)
+    def __gt__(self, o): return binary("gt", self, o)
+    def __ge__(self, o): return binary("ge", self, o)
+    def __eq__(self, o): return binary("eq", self, o)  # noqa: D105
+    def __ne__(self, o): return binary("ne", self, o)
+    def __and__(self, o): return binary("and", self, o)
+    def __rand__(self, o): return binary("and", o, self)
+    def __or__(self, o): return binary("or", self, o)
+    def __ror__(self, o): return binary("or", o, self)
+    def __xor__(self, o): return binary("xor", self, o)
+    def __rxor__(self, o): return binary("xor", o, self)
+    def __neg__(self): return unary("neg", self)
+    def __pos__(self): return self
+    def __invert__(self): return unary("invert", self)
+    def __abs__(self): return unary("abs", self)
+    __hash__ = None
+
+    def astype(self, dtype, copy=True):
+        dt = _dtype_arg(dtype)
+        return cast(self, dt)
+
+    # --- the trailing reduction
+    def sum(self, axis=-1, keepdims=False, **kw): return reduce("sum", self, axis, keepdims, kw)
+    def mean(self, axis=-1, keepdims=False, **kw): return reduce("mean", self, axis, keepdims, kw)
+    def max(self, axis=-1, keepdims=False, **kw): return reduce("max", self, axis, keepdims, kw)
+    def min(self, axis=-1, keepdims=False, **kw): return reduce("min", self, axis, keepdims, kw)
+
+    # --- NumPy functions on traced values
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        from .functions import NUMPY_UFUNCS
+        fn = NUMPY_UFUNCS.get(ufunc.__name__)
+        if method != "__call__" or fn is None or kwargs:
+            what = ufunc.__name__ if method == "__call__" else f"{ufunc.__name__}.{method}"
+            extra = f" with keyword arguments {sorted(kwargs)}" if kwargs and fn is not None else ""
+            raise TraceError(f"cufuse.fuse: numpy.{what}{extra} is not supported inside a fused function; "
+                             f"supported NumPy ufuncs: {', '.join(sorted(NUMPY_UFUNCS))}")
+        return fn(*inputs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        from .functions import NUMPY_FUNCTIONS
+        fn = NUMPY_FUNCTIONS.get(func.__name__)
+        if fn is None:
+            raise TraceError(f"cufuse.fuse: numpy.{func.__name__} is not supported inside a fused function; "
+                             f"supported NumPy functions: {', '.join(sorted(NUMPY_FUNCTIONS))} and the ufuncs")
+        return fn(*args, **kwargs)
+
+    def __array__(self, *a, **k):
+        raise TraceError("cufuse.fuse: a traced value was converted to a NumPy array (numpy.asarray or a "
+                         "non-NumPy function); only cufuse's functions and NumPy ufuncs can be traced")
+
+
+def _dtype_arg(dtype):
+    try:
+        t = __import__("sys").modules.get("torch")
+        if t is not None and isinstance(dtype, t.dtype):
+            from .._arrays import torch_to_numpy_dtype
+            dt = torch_to_numpy_dtype(dtype)
+        else:
+            dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or dt not in ASTYPE_DTYPES:
+        raise TraceError(f"cufuse.fuse: astype({dtype!r}): the dtypes are {DTYPE_NAMES}")
+    return dt
+
+
+# ------------------------------------------------------------- building nodes
+def _graph_of(*vals):
+    for v in vals:
+        if isinstance(v, Traced):
+            return v.graph
+    return tracing()
+
+
+def lift(g, v):
+    """A Traced for ``v``: itself, or a new scalar parameter for a Python/NumPy scalar."""
+    if isinstance(v, Traced):
+        if v.graph is not g:
+            raise TraceError("cufuse.fuse: a traced value from another fused function's trace was used")
+        if v.reduced:
+            raise TraceError("cufuse.fuse: a value computed after the reduction: the reduction "
+                             "(sum/mean/max/min over the last axis) must be the last step of a fused function")
+        return v
+    if isinstance(v, (bool, np.bool_)):
+        return param(g, ("const", bool(v)), _BOOL, weak=False)
+    if isinstance(v, (np.integer, np.floating)):  # before float: numpy.float64 is a float
+        dt = np.dtype(type(v))
+        if dt not in INPUT_DTYPES:
+            raise TraceError(f"cufuse.fuse: a NumPy scalar of dtype {dt} is not supported; the dtypes are {DTYPE_NAMES}")
+        return param(g, ("const", v.item()), dt, weak=False)
+    if isinstance(v, int):
+        return param(g, ("const", v), _I64, weak=True)
+    if isinstance(v, float):
+        return param(g, ("const", v), _F64, weak=True)
+    what = f"{type(v).__module__}.{type(v).__name__}"
+    if hasattr(v, "shape"):
+        raise TraceError(f"cufuse.fuse: an array ({what}) captured from outside the fused function was used "
+                         "in it; pass it as an argument instead")
+    raise TraceError(f"cufuse.fuse: a value of type {what} cannot be used in a fused function "
+                     "(only traced arrays and Python/NumPy int, float and bool scalars)")
+
+
+def param(g, source, dtype, weak):
+    """A scalar kernel argument: ``source`` is ("arg", position) or ("const", value)."""
+    ckind = "double" if is_float(dtype) else "long long"
+    g.params.append((source, ckind))
+    node = g.add("param", (), dtype, len(g.params) - 1)
+    return Traced(g, node, dtype, weak=weak, ndim=0)
+
+
+def cast(v, dt):
+    dt = np.dtype(dt)
+    if v.dtype == dt:
+        return Traced(v.graph, v.node, dt, weak=False, ndim=v.ndim) if v.weak else v
+    return Traced(v.graph, v.graph.add("cast", (v.node,), dt, dt), dt, weak=False, ndim=v.ndim)
+
+
+def promote(*vals):
+    """NumPy 2 promotion (weak Python scalars) of traced values: the result dtype."""
+    strong = [v.dtype for v in vals if not v.weak]
+    weak = [v.dtype for v in vals if v.weak]
+    if not strong:  # Python scalars only: Python's own types
+        return _F64 if any(is_float(d) for d in weak) else _I64
+    dt = np.result_type(*strong)
+    for w in weak:
+        if is_float(w) and not is_float(dt):
+            dt = _F64
+        elif dt == _BOOL and w.kind in "iu":
+            dt = _I64
+    return dt
+
+
+def _result(g, op, args, dt, attr=None, weak=False):
+    ndim = max((a.ndim for a in args), default=0)
+    return Traced(g, g.add(op, [a.node for a in args], dt, attr), dt, weak=weak, ndim=ndim)
+
+
+_ARITH = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "minimum", "maximum"}
+_COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
+_BITWISE = {"and", "or", "xor"}
+_SYMBOL = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
+           "and": "&", "or": "|", "xor": "^", "neg": "unary -", "invert": "~"}
+
+
+def binary(op, a, b):
+    g = _graph_of(a, b)
+    a, b = lift(g, a), lift(g, b)
+    all_weak = a.weak and b.weak
+    dt = promote(a, b)
+    if op in _BITWISE:
+        if is_float(dt):
+            raise TraceError(f"cufuse.fuse: `{_SYMBOL[op]}` needs booleans or integers, got {a.dtype} and {b.dtype}")
+        return _result(g, op, [cast(a, dt), cast(b, dt)], dt, weak=all_weak)
+    if op in _COMPARE:
+        return _result(g, op, [cast(a, dt), cast(b, dt)], _BOOL)
+    if op == "truediv" and not is_float(dt):
+        dt = _F64
+    if dt == _BOOL and op in ("sub", "truediv", "floordiv", "mod", "pow"):
+        raise TraceError(f"cufuse.fuse: `{_SYMBOL.get(op, op)}` on booleans is not supported (as in NumPy); "
+                         "use astype first")
+    return _result(g, op, [cast(a, dt), cast(b, dt)], dt, weak=all_weak)
+
+
+# unary float functions: result is float_result(dtype)
+FLOAT_UNARY = ("exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid",
+               "erf", "gelu", "gelu_tanh", "silu", "softplus")
+# unary functions that keep the dtype
+SAME_UNARY = ("neg", "abs", "relu", "round", "floor", "ceil", "invert")
+
+
+def unary(op, a):
+    g = _graph_of(a)
+    a = lift(g, a)
+    if op in FLOAT_UNARY:
+        dt = _F64 if a.weak and not is_float(a.dtype) else float_result(a.dtype)
+        return _result(g, op, [cast(a, dt)], dt, weak=a.weak)
+    if op == "neg" and a.dtype == _BOOL:
+        raise TraceError("cufuse.fuse: unary - on booleans is not supported (as in NumPy); use ~ for logical not")
+    if op == "invert" and is_float(a.dtype):
+        raise TraceError(f"cufuse.fuse: `~` needs booleans or integers, got {a.dtype}")
+    if op in ("round", "floor", "ceil") and not is_float(a.dtype):
+        return a  # integers are already whole
+    if op == "abs" and a.dtype == _BOOL:
+        return a
+    return _result(g, op, [a], a.dtype, weak=a.weak)
+
+
+def where(c, a, b):
+    g = _graph_of(c, a, b)
+    c, a, b = lift(g, c), lift(g, a), lift(g, b)
+    dt = promote(a, b)
+    return _result(g, "where", [cast(c, _BOOL), cast(a, dt), cast(b, dt)], dt, weak=a.weak and b.weak and c.weak)
+
+
+_REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+def reduce(kind, v, axis, keepdims, extra):
+    if extra:
+        raise TraceError(f"cufuse.fuse: .{kind}() takes axis and keepdims only inside a fused function, "
+                         f"got {sorted(extra)}")
+    g = _graph_of(v)
+    v = lift(g, v)
+    if v.weak or v.ndim == 0:
+        raise TraceError(f"cufuse.fuse: .{kind}(axis=-1) needs an array of at least one dimension")
+    if axis not in (-1, v.ndim - 1) or isinstance(axis, bool):
+        raise TraceError(f"cufuse.fuse: only a reduction over the last axis is supported (axis=-1 or "
+                         f"axis={v.ndim - 1} here); got axis={axis!r}")
+    dt = v.dtype
+    if kind == "sum":
+        out = dt if is_float(dt) else (_U64 if dt.kind == "u" else _I64)
+    elif kind == "mean":
+        out = dt if is_float(dt) else _F64
+    else:
+        out = dt
+    r = Traced(g, v.node, out, ndim=v.ndim - (0 if keepdims else 1), reduced=True)
+    r.reduced = (kind, bool(keepdims))
+    return r
+
+
+def input_value(g, k, dtype, ndim):
+    return Traced(g, g.add("input", (), dtype, k), dtype, ndim=ndim)
+
+
+def trace(fn, spec):
+    """Trace ``fn``. ``spec``: per argument, ("array", dtype, ndim) or ("scalar", dtype, weak)."""
+    g = Graph()
+    args = []
+    for pos, s in enumerate(spec):
+        if s[0] == "array":
+            g.inputs.append((pos, s[1], s[2]))
+            args.append(input_value(g, len(g.inputs) - 1, s[1], s[2]))
+        else:
+            args.append(param(g, ("arg", pos), s[1], weak=s[2]))
+    g.ndim = max((s[2] for s in spec if s[0] == "array"), default=0)
+    _TRACING.append(g)
+    try:
+        res = fn(*args)
+    finally:
+        _TRACING.pop()
+    g.tuple_out = isinstance(res, (tuple, list))
+    outs = list(res) if g.tuple_out else [res]
+    if not outs:
+        raise TraceError("cufuse.fuse: the function returned an empty tuple; return at least one array")
+    for i, o in enumerate(outs):
+        name = f"output {i}" if g.tuple_out else "the result"
+        if not isinstance(o, Traced) or o.graph is not g:
+            raise TraceError(f"cufuse.fuse: {name} is a {type(o).__name__}, not a value computed from the "
+                             "arguments; return arrays computed from the inputs")
+        if not _depends_on_input(g, o.node):
+            raise TraceError(f"cufuse.fuse: {name} does not depend on any array argument (it is built from "
+                             "scalars only); a fused function's results are arrays")
+        if o.reduced:
+            kind, keep = o.reduced
+            g.outputs.append((cast(Traced(g, o.node, g.nodes[o.node].dtype, ndim=1), _accum_in(kind, o)).node,
+                              kind, keep, o.dtype))
+        else:
+            g.outputs.append((o.node, None, False, o.dtype))
+    kinds = {o[1] is not None for o in g.outputs}
+    if len(kinds) > 1:
+        raise TraceError("cufuse.fuse: some outputs are reductions and some are not; with a trailing "
+                         "reduction every output must be a reduction over the last axis")
+    return g
+
+
+def _accum_in(kind, o):
+    """dtype the reduced values are fed to the accumulator in (the result dtype)."""
+    return o.dtype
+
+
+def _depends_on_input(g, node):
+    stack, seen = [node], set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        nd = g.nodes[n]
+        if nd.op == "input":
+            return True
+        stack.extend(nd.args)
+    return False

@@ -1,0 +1,89 @@
+"""The traced graph run with NumPy: the fallback, same semantics as the kernel
+(float16 computed in float32, Python's // and %, integer division by 0 gives 0)."""
+from __future__ import annotations
+
+import numpy as np
+
+from . import graph as G
+
+
+def _erf(v):
+    from ..ops.elementwise import _erf as erf
+    return erf(v)
+
+
+def _gelu(v, approximate):
+    from ..ops.elementwise import gelu_numpy
+    return gelu_numpy(v, approximate)
+
+
+def _relu(a):
+    return np.where(a < 0, np.zeros((), a.dtype), a)
+
+
+def _power(a, b):
+    if a.dtype.kind == "f":
+        return np.power(a, b)
+    neg = b < 0
+    r = np.power(a, np.where(neg, np.zeros((), b.dtype), b))
+    return np.where(neg, np.zeros((), a.dtype), r)
+
+
+def _one(a):
+    return a.dtype.type(1)
+
+
+_FN = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "truediv": np.true_divide,
+    "floordiv": np.floor_divide, "mod": np.remainder, "pow": _power,
+    "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+    "ne": np.not_equal, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
+    "minimum": np.minimum, "maximum": np.maximum,
+    "neg": np.negative, "invert": np.invert, "abs": np.abs, "relu": _relu, "round": np.rint,
+    "floor": np.floor, "ceil": np.ceil, "exp": np.exp, "exp2": np.exp2, "log": np.log, "log1p": np.log1p,
+    "expm1": np.expm1, "sqrt": np.sqrt, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,
+    "rsqrt": lambda a: _one(a) / np.sqrt(a),
+    "sigmoid": lambda a: _one(a) / (_one(a) + np.exp(-a)),
+    "silu": lambda a: a / (_one(a) + np.exp(-a)),
+    "softplus": lambda a: np.maximum(a, np.zeros((), a.dtype)) + np.log1p(np.exp(-np.abs(a))),
+    "erf": _erf, "gelu": lambda a: _gelu(a, "none"), "gelu_tanh": lambda a: _gelu(a, "tanh"),
+    "where": np.where,
+}
+
+
+def evaluate(g, arrays, params, shape):
+    """Outputs of ``g`` (NumPy arrays of the result dtypes) for NumPy ``arrays``
+    (the array arguments) and ``params`` (scalar parameter values), with the
+    elementwise iteration space ``shape``."""
+    vals = {}
+    with np.errstate(all="ignore"):
+        for i, node in enumerate(g.nodes):
+            cdt = G.compute_dtype(node.dtype)
+            if node.op == "input":
+                v = np.asarray(arrays[node.attr]).astype(cdt, copy=False)
+            elif node.op == "param":
+                v = np.asarray(params[node.attr]).astype(node.dtype).astype(cdt)
+            elif node.op == "cast":
+                v = vals[node.args[0]].astype(node.attr).astype(cdt, copy=False)
+            else:
+                v = np.asarray(_FN[node.op](*[vals[j] for j in node.args]))
+                if v.dtype != cdt:
+                    v = v.astype(cdt)
+            vals[i] = v
+        outs = []
+        for node, kind, keep, odt in g.outputs:
+            v = np.broadcast_to(vals[node], shape)
+            if kind is None:
+                outs.append(np.array(v, dtype=odt))
+                continue
+            acc = G.compute_dtype(odt)
+            if kind in ("sum", "mean"):
+                r = v.sum(axis=-1, dtype=acc, keepdims=keep)
+                if kind == "mean":
+                    r = r / acc.type(shape[-1])  # 0 / 0 = NaN for an empty axis, as NumPy
+            else:
+                if shape[-1] == 0:
+                    raise ValueError(f"cufuse.fuse: {kind} over an empty last axis (zero-size reduction)")
+                r = (np.max if kind == "max" else np.min)(v, axis=-1, keepdims=keep)
+            outs.append(np.asarray(r).astype(odt))
+    return outs
