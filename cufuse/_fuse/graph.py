@@ -171,6 +171,10 @@ class Traced:
 
     def astype(self, dtype, copy=True):
         dt = _dtype_arg(dtype)
+        if dt == _F16 and self.dtype == _F16 and not self.weak:
+            # float16 values are held in float32 until stored: astype rounds them now
+            g = self.graph
+            return Traced(g, g.add("cast", (self.node,), dt, dt), dt, ndim=self.ndim)
         return cast(self, dt)
 
     # --- the trailing reduction
