@@ -130,9 +130,12 @@ def _np_where(c, a=None, b=None):
 
 # NumPy ufuncs a traced value answers to (Traced.__array_ufunc__)
 NUMPY_UFUNCS = {
-    "add": lambda a, b: a + b, "subtract": lambda a, b: a - b, "multiply": lambda a, b: a * b,
-    "true_divide": lambda a, b: a / b, "divide": lambda a, b: a / b, "floor_divide": lambda a, b: a // b,
-    "remainder": lambda a, b: a % b, "power": lambda a, b: a ** b, "negative": lambda a: -a,
+    # graph ops directly: `a * b` with a NumPy scalar on the left would come back here
+    "add": lambda a, b: G.binary("add", a, b), "subtract": lambda a, b: G.binary("sub", a, b),
+    "multiply": lambda a, b: G.binary("mul", a, b), "true_divide": lambda a, b: G.binary("truediv", a, b),
+    "divide": lambda a, b: G.binary("truediv", a, b), "floor_divide": lambda a, b: G.binary("floordiv", a, b),
+    "remainder": lambda a, b: G.binary("mod", a, b), "power": lambda a, b: G.binary("pow", a, b),
+    "negative": lambda a: G.unary("neg", a),
     "less": lambda a, b: G.binary("lt", a, b), "less_equal": lambda a, b: G.binary("le", a, b),
     "greater": lambda a, b: G.binary("gt", a, b), "greater_equal": lambda a, b: G.binary("ge", a, b),
     "equal": lambda a, b: G.binary("eq", a, b), "not_equal": lambda a, b: G.binary("ne", a, b),

@@ -1,0 +1,1231 @@
+"""cufuse.fuse, the tracing composition engine, against scratch/FUSE_API.md.
+
+Every value is checked against a float64 NumPy reference written independently
+of cufuse (tests/_reference_fuse.py), rounded to the result dtype, within the
+per-dtype tolerances stated once there (FUNC_TOL for one function / operator,
+TREE_TOL for random expression trees, RED_TOL for reductions, ADAM_TOL);
+integer and bool results are compared exactly. Inputs are seeded random data,
+never zeros, in domains where each function is well conditioned; ``out=``
+arrays are poisoned (NaN / a sentinel) before a call.
+
+Each test body runs on the backends numpy and torch_cpu (NumPy fallback) and
+cupy and torch_cuda (marked ``cuda``; skipped without a GPU). Views are made
+in the backend's own kind, so the kernels see non-contiguous, misaligned and
+broadcast (stride 0) memory.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Callable, NamedTuple
+
+import numpy as np
+import pytest
+
+import cufuse
+
+from _reference import BACKEND_PARAMS, Backend, check_kind
+from _reference_fuse import (ADAM_TOL, ALL_DTYPES, BOOL, CF, F16, F32, F64, FLOATS, FUNC_TOL, FUNCS, I8, I16, I32,
+                             I64, NPNS, RED_TOL, REF, SIGNED_SUM_TOL, TREE_TOL, U8, TreeCase, adam_reference,
+                             assert_close, assert_exact, backend_view, func_inputs, func_reference, poisoned, rand,
+                             rand_int)
+
+dtype_param = pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
+GPU_BACKEND_PARAMS = [p for p in BACKEND_PARAMS if p.id in ("cupy", "torch_cuda")]
+TORCH_BACKEND_PARAMS = [p for p in BACKEND_PARAMS if p.id in ("torch_cpu", "torch_cuda")]
+STATS_KEYS = {"traces", "compiles", "disk_loads", "launches"}
+NPCHK = SimpleNamespace(**vars(NPNS), where=np.where, round=np.round)   # NumPy's own dtype rules
+
+
+def labelled(label):
+    """Context manager: prefixes an AssertionError with ``label`` (a layout, a case)."""
+    class _L:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, typ, exc, tb):
+            if typ is not None and issubclass(typ, AssertionError):
+                raise AssertionError(f"[{label}] {exc}") from None
+            return False
+    return _L()
+
+
+def fixed_arity(fn, n):
+    """``fn(CF, *args)`` as a Python function of exactly ``n`` positional parameters."""
+    if n == 1:
+        return lambda a: fn(CF, a)
+    if n == 2:
+        return lambda a, b: fn(CF, a, b)
+    if n == 3:
+        return lambda a, b, c: fn(CF, a, b, c)
+    raise AssertionError(n)
+
+
+def stats(f):
+    s = dict(f.stats)
+    assert STATS_KEYS <= set(s), f"f.stats has keys {sorted(s)}"
+    return s
+
+
+# =============================================================================
+# 1. Random expression trees
+# =============================================================================
+N_TREES = 40  # per dtype
+
+
+@dtype_param
+@pytest.mark.parametrize("k", range(N_TREES))
+def test_random_tree(backend, dtype, k):
+    case = TreeCase(seed=1000 * FLOATS.index(dtype) + k, dtype=dtype)
+    vals, layouts = case.np_args()
+    args = [v if lay is None else backend_view(backend, v, lay) for v, lay in zip(vals, layouts)]
+    refs = case.reference(vals)
+    shape = np.broadcast_shapes(*[v.shape for v in vals if isinstance(v, np.ndarray)])
+    for r in refs:                      # the generator's guarantees (domain safety, every array used)
+        assert r.shape == shape and np.isfinite(r).all(), case.text
+
+    f = cufuse.fuse(case.traced())
+    res = f(*args)
+    if len(refs) > 1:
+        assert isinstance(res, tuple) and len(res) == len(refs), type(res)
+    else:
+        res = (res,)
+    like = next(a for a in args if not isinstance(a, float))
+    for r, got in zip(refs, res):
+        with labelled(case.text):
+            check_kind(backend, got, shape, dtype, like=like)
+            assert_close(backend.to_numpy(got), r, dtype, TREE_TOL[dtype], err_msg=case.text)
+
+
+# =============================================================================
+# 2. Each function alone: every float dtype, sizes and layouts
+# =============================================================================
+SIZE_SHAPES = [(0,), (1,), (3,), (5,), (7,), (9,), (15,), (17,), (31,), (33,), (), (3, 0), (4097,), (5, 7)]
+VIEW_SHAPE = (9, 33)
+BROADCAST_SHAPES = {2: [[(9, 33), (33,)], [(9, 1), (1, 33)], [(9, 33), ()]],
+                    3: [[(9, 33), (33,), (9, 1)], [(33,), (9, 1), ()], [(1, 33), (9, 33), (9, 33)]]}
+FUNC_IDS = [f.name for f in FUNCS]
+func_param = pytest.mark.parametrize("func", FUNCS, ids=FUNC_IDS)
+
+
+def fused_func(func):
+    return cufuse.fuse(fixed_arity(func.call, func.arity))
+
+
+def check_func(backend, call, func, dtype, args, label):
+    """``call(*args)`` (backend arrays) against the float64 reference of ``func``."""
+    with labelled(label):
+        np_in = [backend.to_numpy(a) for a in args]
+        shape = np.broadcast_shapes(*[a.shape for a in np_in])
+        res = call(*args)
+        check_kind(backend, res, shape, dtype, like=args[-1])
+        assert_close(backend.to_numpy(res), func_reference(func, np_in), dtype, FUNC_TOL[dtype], err_msg=label)
+
+
+def func_layout_cases(backend, func, dtype):
+    """(label, backend args) for every size and layout of ``func``'s operands."""
+    n = func.arity
+    for shape in SIZE_SHAPES:
+        np_in = func_inputs(func, dtype, [shape] * n, seed=len(shape) * 100 + sum(shape))
+        yield f"contiguous {shape}", [backend.asarray(a) for a in np_in]
+    layouts = ["T", "S", "O", "B"] + (["N"] if backend.negative_strides else [])
+    for lay in layouts:
+        np_in = func_inputs(func, dtype, [VIEW_SHAPE] * n, seed=500 + ord(lay))
+        yield f"all operands {lay}", [backend_view(backend, a, lay) for a in np_in]
+        if n > 1:
+            yield f"first operand {lay}", [backend_view(backend, np_in[0], lay)] + \
+                [backend.asarray(a) for a in np_in[1:]]
+    for shapes in BROADCAST_SHAPES.get(n, []):
+        np_in = func_inputs(func, dtype, shapes, seed=700)
+        yield f"broadcast {shapes}", [backend.asarray(a) for a in np_in]
+    yield "0-d", [backend.asarray(a) for a in func_inputs(func, dtype, [()] * n, seed=800)]
+
+
+@func_param
+@dtype_param
+def test_function(backend, func, dtype):
+    """cufuse.fuse(lambda x: cufuse.<func>(x)) on sizes 0, 1, odd sizes, 0-d,
+    transposed / strided / offset / broadcast / negative-step views."""
+    f = fused_func(func)
+    for label, args in func_layout_cases(backend, func, dtype):
+        check_func(backend, f, func, dtype, args, label)
+
+
+@func_param
+def test_function_direct(backend, func):
+    """cufuse.<func>(x) on concrete arrays, outside any trace (spec: 'one fused kernel')."""
+    for dtype in FLOATS:
+        for lay in ["C", "T"]:
+            np_in = func_inputs(func, dtype, [VIEW_SHAPE] * func.arity, seed=900 + FLOATS.index(dtype))
+            args = [backend_view(backend, a, lay) for a in np_in]
+            check_func(backend, lambda *a: func.call(CF, *a), func, dtype, args, f"direct {dtype.name} {lay}")
+
+
+def test_gelu_approximations_differ():
+    """The two gelu definitions are distinguishable on these inputs (so each test above can fail)."""
+    x = np.linspace(-3, 3, 100)                 # (no exact 0)
+    d = np.abs(REF.gelu(x) - REF.gelu(x, approximate="tanh")).max()
+    assert d > 1e-4
+    f = cufuse.fuse(lambda x: (cufuse.gelu(x), cufuse.gelu(x, approximate="tanh")))
+    a, b = f(x)
+    np.testing.assert_allclose(a, REF.gelu(x), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(b, REF.gelu(x, approximate="tanh"), rtol=1e-12, atol=1e-12)
+
+
+# ------------------------------------------------------------------ operators
+class Op(NamedTuple):
+    fn: Callable       # fn(a, b) on traced values and float64 NumPy alike
+    arity: int
+    domain: str        # how to draw the operands
+
+
+FLOAT_OPERATORS = {
+    "add": Op(lambda a, b: a + b, 2, "normal"),
+    "sub": Op(lambda a, b: a - b, 2, "normal"),
+    "mul": Op(lambda a, b: a * b, 2, "normal"),
+    "truediv": Op(lambda a, b: a / b, 2, "divisor"),
+    "floordiv": Op(lambda a, b: a // b, 2, "quotient"),
+    "mod": Op(lambda a, b: a % b, 2, "quotient"),
+    "pow": Op(lambda a, b: a ** b, 2, "pow"),
+    "neg": Op(lambda a: -a, 1, "normal"),
+    "pyabs": Op(lambda a: abs(a), 1, "normal"),
+    "pow_int": Op(lambda a: a ** 3, 1, "normal"),
+    "rsub_scalar": Op(lambda a: 1.5 - a, 1, "normal"),
+    "rtruediv_scalar": Op(lambda a: 3 / a, 1, "divisor_only"),
+    "rpow_scalar": Op(lambda a: 2.0 ** a, 1, "normal"),
+    "mod_scalar_neg": Op(lambda a: a % -0.75, 1, "normal"),
+    "floordiv_scalar": Op(lambda a: a // 0.25, 1, "normal"),
+}
+
+
+def operator_inputs(op, dtype, seed):
+    """Operands (7, 33) and (33,) (broadcast); divisors away from 0; a // b, a % b
+    with quotients at least 0.1 away from an integer (so rounding cannot flip floor)."""
+    rng = np.random.default_rng(seed)
+    shapes = [(7, 33), (33,)][:op.arity]
+    if op.domain == "normal":
+        vals = [rng.uniform(-2.5, 2.5, s) for s in shapes]
+    elif op.domain == "divisor_only":
+        vals = [rng.uniform(0.5, 2.5, shapes[0]) * rng.choice([-1, 1], shapes[0])]
+    elif op.domain == "divisor":
+        vals = [rng.uniform(-2.5, 2.5, shapes[0]), rng.uniform(0.5, 2.5, shapes[1]) * rng.choice([-1, 1], shapes[1])]
+    elif op.domain == "pow":
+        vals = [rng.uniform(0.5, 2.5, shapes[0]), rng.uniform(-2.0, 2.0, shapes[1])]
+    else:  # quotient
+        b = (rng.uniform(0.5, 2.0, shapes[1]) * rng.choice([-1, 1], shapes[1])).astype(dtype).astype(np.float64)
+        q = rng.integers(-10, 10, shapes[0]) + rng.uniform(0.1, 0.9, shapes[0])
+        vals = [q * b, b]
+    res = []
+    for v in vals:
+        v = np.asarray(v).astype(dtype)
+        v[v == 0] = 0.5
+        res.append(v)
+    return res
+
+
+@dtype_param
+def test_float_operators(backend, dtype):
+    """+ - * / // % ** unary - abs() and reflected scalar forms; operands (7, 33) with (33,)."""
+    def check(name):
+        op = FLOAT_OPERATORS[name]
+        np_in = operator_inputs(op, dtype, seed=sum(map(ord, name)))
+        args = [backend.asarray(a) for a in np_in]
+        res = cufuse.fuse(op.fn)(*args)
+        shape = np.broadcast_shapes(*[a.shape for a in np_in])
+        check_kind(backend, res, shape, dtype, like=args[0])
+        with np.errstate(all="ignore"):
+            ref = np.asarray(op.fn(*[a.astype(np.float64) for a in np_in]), dtype=np.float64)
+        assert_close(backend.to_numpy(res), ref, dtype, FUNC_TOL[dtype], err_msg=name)
+    check_cases(list(FLOAT_OPERATORS), check)
+
+
+# ------------------------------------------------------------- special values
+@dtype_param
+def test_nan_propagation(backend, dtype):
+    """relu(NaN) is NaN; minimum / maximum propagate NaN from either side (like NumPy)."""
+    x = rand((5, 33), dtype, 31)
+    y = rand((5, 33), dtype, 32)
+    x[0, ::3] = np.nan
+    y[1, ::4] = np.nan
+    y[2, 5] = np.nan
+    x[2, 5] = np.nan
+    f = cufuse.fuse(lambda x, y: (cufuse.relu(x), cufuse.minimum(x, y), cufuse.maximum(x, y),
+                                  cufuse.maximum(y, 0.0), cufuse.minimum(0.0, x)))
+    res = f(backend.asarray(x), backend.asarray(y))
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    refs = [np.maximum(x64, 0.0), np.minimum(x64, y64), np.maximum(x64, y64), np.maximum(y64, 0.0),
+            np.minimum(0.0, x64)]
+    assert isinstance(res, tuple) and len(res) == len(refs)
+    for i, (got, ref) in enumerate(zip(res, refs)):
+        assert np.isnan(ref).any()
+        assert_close(backend.to_numpy(got), ref, dtype, FUNC_TOL[dtype], err_msg=f"output {i}")
+
+
+def test_float16_computed_in_float32(backend):
+    """float16 values are computed in float32 and rounded only when stored (or by astype(float16))."""
+    rng = np.random.default_rng(41)
+    x = (rng.integers(-1000, 1000, (7, 33)) / 256).astype(F16)   # exact in float16; x + 1024 exact in float32
+    x[x == 0] = 0.5
+    xa = backend.asarray(x)
+    x64 = x.astype(np.float64)
+
+    f = cufuse.fuse(lambda x: (x + 1024.0) - 1024.0)                 # float16 intermediates would round to 0.5
+    assert_exact(backend.to_numpy(f(xa)), x, F16, "float16 intermediate rounded")
+
+    g = cufuse.fuse(lambda x: (x + 1024.0).astype(np.float16) - 1024.0)  # astype(float16) rounds (half to even)
+    assert_exact(backend.to_numpy(g(xa)), (x64 + 1024.0).astype(F16).astype(np.float64) - 1024.0, F16,
+                 "astype(float16) did not round")
+
+    big = rand((7, 33), F16, 42, lo=20.0, hi=60.0)
+    h = cufuse.fuse(lambda x: (x * 4096.0) * (1.0 / 4096.0))          # x*4096 > 65504: overflows in float16
+    assert_exact(backend.to_numpy(h(backend.asarray(big))), big, F16, "float16 intermediate overflowed")
+
+    e = cufuse.fuse(lambda x: cufuse.exp(x))                          # overflow when stored: inf
+    over = np.array([12.0, 11.5, -3.0, 10.0], dtype=F16)
+    assert_close(backend.to_numpy(e(backend.asarray(over))), np.exp(over.astype(np.float64)), F16, FUNC_TOL[F16])
+
+
+# =============================================================================
+# 3 and 4. Integer / bool dtypes, promotion rules (result dtypes and values)
+# =============================================================================
+ARRAY_SHAPES = [(7, 33), (33,), (7, 1)]
+
+
+class PCase(NamedTuple):
+    id: str
+    fn: Callable        # fn(F, *args): F is CF (traced), NPCHK (NumPy's dtype) or REF (reference)
+    args: list          # per argument: a dtype (an array) or ("py", v) / ("np", v) (a scalar)
+    expected: np.dtype  # the result dtype
+
+
+def P(id, fn, args, expected):
+    return PCase(id, fn, args, np.dtype(expected))
+
+
+def py(v):
+    return ("py", v)
+
+
+def nps(v):
+    return ("np", v)
+
+
+PROMOTION_GROUPS = {
+    # weak Python scalars (NEP 50)
+    "weak_python_scalars": [
+        P("f32*2.0", lambda F, x: x * 2.0, [F32], F32),
+        P("f16*2.0", lambda F, x: x * 2.0, [F16], F16),
+        P("f16+2", lambda F, x: x + 2, [F16], F16),
+        P("2.0-f16", lambda F, x: 2.0 - x, [F16], F16),
+        P("i32*2.5", lambda F, x: x * 2.5, [I32], F64),
+        P("i32+2", lambda F, x: x + 2, [I32], I32),
+        P("i8+2", lambda F, x: x + 2, [I8], I8),
+        P("u8*3", lambda F, x: x * 3, [U8], U8),
+        P("bool*2.0", lambda F, c: c * 2.0, [BOOL], F64),
+        P("bool+1", lambda F, c: c + 1, [BOOL], I64),
+        P("i32*arg_float", lambda F, x, s: x * s, [I32, py(2.5)], F64),
+        P("i32+arg_int", lambda F, x, s: x + s, [I32, py(3)], I32),
+        P("f16*arg_float", lambda F, x, s: x * s, [F16, py(0.75)], F16),
+        P("arg_int-f16", lambda F, x, s: s - x, [F16, py(3)], F16),
+    ],
+    # strong NumPy scalars
+    "strong_numpy_scalars": [
+        P("f32*arg_np.float64", lambda F, x, s: x * s, [F32, nps(np.float64(0.75))], F64),
+        P("f16*arg_np.float32", lambda F, x, s: x * s, [F16, nps(np.float32(0.75))], F32),
+        P("f32*arg_np.float16", lambda F, x, s: x * s, [F32, nps(np.float16(0.75))], F32),
+        P("f16*arg_np.float16", lambda F, x, s: x * s, [F16, nps(np.float16(0.75))], F16),
+        P("i8*arg_np.int32", lambda F, x, s: x * s, [I8, nps(np.int32(3))], I32),
+        P("f16*arg_np.int64", lambda F, x, s: x * s, [F16, nps(np.int64(3))], F64),
+        P("f16*arg_np.int8", lambda F, x, s: x * s, [F16, nps(np.int8(3))], F16),
+        P("np.float64_literal*f32", lambda F, x: np.float64(0.75) * x, [F32], F64),
+        P("np.float32_literal*f16", lambda F, x: x * np.float32(0.75), [F16], F32),
+    ],
+    # array with array
+    "array_with_array": [
+        P("f16+f32", lambda F, x, y: x + y, [F16, F32], F32),
+        P("f32+f64", lambda F, x, y: x + y, [F32, F64], F64),
+        P("i16+f16", lambda F, x, y: x + y, [I16, F16], F32),
+        P("i32+f32", lambda F, x, y: x + y, [I32, F32], F64),
+        P("i64*f16", lambda F, x, y: x * y, [I64, F16], F64),
+        P("u8+i8", lambda F, x, y: x + y, [U8, I8], I16),
+        P("i16+i32", lambda F, x, y: x + y, [I16, I32], I32),
+        P("bool+f16", lambda F, c, x: c + x, [BOOL, F16], F16),
+    ],
+    # integer arithmetic
+    "integer_arithmetic": [
+        P("i32+i32", lambda F, x, y: x + y, [I32, I32], I32),
+        P("i32-i32", lambda F, x, y: x - y, [I32, I32], I32),
+        P("i32*i32", lambda F, x, y: x * y, [I32, I32], I32),
+        P("i64*i64+1", lambda F, x, y: x * y + 1, [I64, I64], I64),
+        P("-i16", lambda F, x: -x, [I16], I16),
+        P("abs(i32)", lambda F, x: F.abs(x), [I32], I32),
+        P("pyabs(i8)", lambda F, x: abs(x), [I8], I8),
+        P("i32**2", lambda F, x: x ** 2, [I32], I32),
+        P("i32/i32", lambda F, x, y: x / y, [I32, I32], F64),
+        P("i8/i8", lambda F, x, y: x / y, [I8, I8], F64),
+        P("u8/2", lambda F, x: x / 2, [U8], F64),
+        P("f16/f16", lambda F, x, y: x / y, [F16, F16], F16),
+        P("i32//i32", lambda F, x, y: x // y, [I32, I32], I32),
+        P("i32%i32", lambda F, x, y: x % y, [I32, I32], I32),
+        P("i8//i8", lambda F, x, y: x // y, [I8, I8], I8),
+        P("i64%i64", lambda F, x, y: x % y, [I64, I64], I64),
+        P("u8//u8", lambda F, x, y: x // y, [U8, U8], U8),
+        P("i32//3", lambda F, x: x // 3, [I32], I32),
+        P("i32%-3", lambda F, x: x % -3, [I32], I32),
+        P("i16//-2", lambda F, x: x // -2, [I16], I16),
+        P("7%i32", lambda F, x: 7 % x, [I32], I32),
+        P("i32//2.5", lambda F, x: x // 2.5, [I32], F64),
+        P("i32%2.0", lambda F, x: x % 2.0, [I32], F64),
+    ],
+    # float functions of integers / bools (NumPy ufunc loops)
+    "float_functions_of_ints": [
+        P("exp(i8)", lambda F, x: F.exp(x), [I8], F16),
+        P("exp(u8)", lambda F, x: F.exp(x), [U8], F16),
+        P("exp(bool)", lambda F, x: F.exp(x), [BOOL], F16),
+        P("exp(i16)", lambda F, x: F.exp(x), [I16], F32),
+        P("exp(i32)", lambda F, x: F.exp(x), [I32], F64),
+        P("exp(i64)", lambda F, x: F.exp(x), [I64], F64),
+        P("exp2(i8)", lambda F, x: F.exp2(x), [I8], F16),
+        P("sqrt(u8)", lambda F, x: F.sqrt(x), [U8], F16),
+        P("rsqrt(u8)", lambda F, x: F.rsqrt(x), [U8], F16),
+        P("log1p(u8)", lambda F, x: F.log1p(x), [U8], F16),
+        P("expm1(i8)", lambda F, x: F.expm1(x), [I8], F16),
+        P("sin(i32)", lambda F, x: F.sin(x), [I32], F64),
+        P("cos(i16)", lambda F, x: F.cos(x), [I16], F32),
+        P("tanh(i16)", lambda F, x: F.tanh(x), [I16], F32),
+        P("sigmoid(i8)", lambda F, x: F.sigmoid(x), [I8], F16),
+        P("erf(i16)", lambda F, x: F.erf(x), [I16], F32),
+        P("gelu(i32)", lambda F, x: F.gelu(x), [I32], F64),
+        P("softplus(i8)", lambda F, x: F.softplus(x), [I8], F16),
+        P("silu(bool)", lambda F, x: F.silu(x), [BOOL], F16),
+    ],
+    # floor / ceil / round of integers: unchanged
+    "round_of_ints": [
+        P("floor(i32)", lambda F, x: F.floor(x), [I32], I32),
+        P("ceil(i8)", lambda F, x: F.ceil(x), [I8], I8),
+        P("round(i16)", lambda F, x: F.round(x), [I16], I16),
+        P("floor(u8)", lambda F, x: F.floor(x), [U8], U8),
+    ],
+    # comparisons -> bool
+    "comparisons": [
+        P("i32<2.5", lambda F, x: x < 2.5, [I32], BOOL),
+        P("i32==i32", lambda F, x, y: x == y, [I32, I32], BOOL),
+        P("i32!=i32", lambda F, x, y: x != y, [I32, I32], BOOL),
+        P("f16>=f32", lambda F, x, y: x >= y, [F16, F32], BOOL),
+        P("2<u8", lambda F, x: 2 < x, [U8], BOOL),
+        P("f64<=arg", lambda F, x, s: x <= s, [F64, py(0.5)], BOOL),
+    ],
+    # bool logic and integer bitwise
+    "bool_logic_and_bitwise": [
+        P("bool&bool", lambda F, a, b: a & b, [BOOL, BOOL], BOOL),
+        P("bool|bool", lambda F, a, b: a | b, [BOOL, BOOL], BOOL),
+        P("~bool", lambda F, a: ~a, [BOOL], BOOL),
+        P("(f32>0)&~bool", lambda F, x, c: (x > 0) & ~c, [F32, BOOL], BOOL),
+        P("(i32>y)|(i32<-2)", lambda F, x, y: (x > y) | (x < -2), [I32, I32], BOOL),
+        P("i32&i32", lambda F, x, y: x & y, [I32, I32], I32),
+        P("u8|u8", lambda F, x, y: x | y, [U8, U8], U8),
+        P("~i16", lambda F, x: ~x, [I16], I16),
+        P("~u8", lambda F, x: ~x, [U8], U8),
+        P("i64&3", lambda F, x: x & 3, [I64], I64),
+    ],
+    # where with a bool condition
+    "where_minimum_maximum": [
+        P("where(c,i32,i32)", lambda F, c, x, y: F.where(c, x, y), [BOOL, I32, I32], I32),
+        P("where(c,f16,2)", lambda F, c, x: F.where(c, x, 2), [BOOL, F16], F16),
+        P("where(c,i32,2.5)", lambda F, c, x: F.where(c, x, 2.5), [BOOL, I32], F64),
+        P("where(c,f16,f32)", lambda F, c, x, y: F.where(c, x, y), [BOOL, F16, F32], F32),
+        P("where(x>y,x,y)", lambda F, x, y: F.where(x > y, x, y), [F32, F32], F32),
+        P("minimum(i32,2.5)", lambda F, x: F.minimum(x, 2.5), [I32], F64),
+        P("maximum(f16,0)", lambda F, x: F.maximum(x, 0), [F16], F16),
+        P("maximum(i32,i32)", lambda F, x, y: F.maximum(x, y), [I32, I32], I32),
+        P("minimum(u8,i8)", lambda F, x, y: F.minimum(x, y), [U8, I8], I16),
+    ],
+    # astype inside a computation
+    "astype_in_computation": [
+        P("astype(i32)+1->f16", lambda F, x: (x.astype(np.int32) + 1).astype(np.float16), [F32], F16),
+        P("(x>y).astype(f32)*x", lambda F, x, y: (x > y).astype(np.float32) * x, [F32, F32], F32),
+        P("i8.astype(f64)/3", lambda F, x: x.astype(np.float64) / 3, [I8], F64),
+    ],
+    # reductions of integers / bools
+    "int_bool_reductions": [
+        P("sum(bool)", lambda F, c: c.sum(axis=-1), [BOOL], I64),
+        P("sum(x>y)", lambda F, x, y: (x > y).sum(axis=-1), [F32, F32], I64),
+        P("sum(i32)", lambda F, x: x.sum(axis=-1), [I32], I64),
+        P("sum(i8)", lambda F, x: x.sum(axis=-1), [I8], I64),
+        P("mean(bool)", lambda F, c: c.mean(axis=-1), [BOOL], F64),
+        P("mean(i32)", lambda F, x: x.mean(axis=-1), [I32], F64),
+        P("max(i16)", lambda F, x: x.max(axis=-1), [I16], I16),
+        P("min(u8)", lambda F, x: x.min(axis=-1, keepdims=True), [U8], U8),
+    ],
+}
+
+
+def _pcase_args(case, seed):
+    """NumPy values of the arguments: small nonzero ints (ties between operands
+    are frequent), floats in [-2.5, 2.5), random bools; scalars as given."""
+    vals, k = [], 0
+    for spec in case.args:
+        if isinstance(spec, tuple):
+            vals.append(spec[1])
+            continue
+        shape = ARRAY_SHAPES[k]
+        k += 1
+        if spec.kind == "f":
+            vals.append(rand(shape, spec, seed + k))
+        else:
+            vals.append(rand_int(shape, spec, seed + k, lo=-6, hi=7))
+    return vals
+
+
+def _pcase_reference(case, vals):
+    """float64 reference for float results (arrays widened to float64); NumPy's
+    own integer / bool semantics on the original arrays otherwise."""
+    if case.expected.kind == "f":
+        vals = [v.astype(np.float64) if isinstance(v, np.ndarray) else v for v in vals]
+    with np.errstate(all="ignore"):
+        return np.asarray(case.fn(REF, *vals))
+
+
+def check_cases(cases, check):
+    """Run ``check(case)`` for every case; report every failing case, not only the first."""
+    failures = []
+    for case in cases:
+        try:
+            check(case)
+        except Exception as e:  # noqa: BLE001 - each failure is reported below with its case
+            failures.append(f"{getattr(case, 'id', case)}: {type(e).__name__}: {str(e).strip()[:600]}")
+    if failures:
+        pytest.fail(f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures), pytrace=False)
+
+
+def check_pcase(backend, case):
+    vals = _pcase_args(case, seed=sum(map(ord, case.id)))
+    # The table agrees with NumPy 2 itself wherever NumPy has the function.
+    try:
+        with np.errstate(all="ignore"):
+            numpy_dtype = np.asarray(case.fn(NPCHK, *vals)).dtype
+    except AttributeError:      # a cufuse-only function (sigmoid, erf, rsqrt, gelu ...)
+        numpy_dtype = None
+    if numpy_dtype is not None:
+        assert numpy_dtype == case.expected, f"table says {case.expected}, NumPy says {numpy_dtype}"
+
+    args = [v if isinstance(v, (int, float, np.generic)) else backend.asarray(v) for v in vals]
+    f = cufuse.fuse(fixed_arity(case.fn, len(args)))
+    res = f(*args)
+    ref = _pcase_reference(case, vals)
+    like = next(a for a in args if not isinstance(a, (int, float, np.generic)))
+    check_kind(backend, res, ref.shape, case.expected, like=like)
+    got = backend.to_numpy(res)
+    if case.expected.kind == "f":
+        assert_close(got, ref, case.expected, FUNC_TOL[case.expected], err_msg=case.id)
+    else:
+        assert_exact(got, ref, case.expected, case.id)
+
+
+@pytest.mark.parametrize("group", list(PROMOTION_GROUPS))
+def test_dtype_rules(backend, group):
+    """Result dtype (NumPy 2 / NEP 50 rules of the spec) and values of each case in the group."""
+    check_cases(PROMOTION_GROUPS[group], lambda case: check_pcase(backend, case))
+
+
+def _astype_fn(dst):
+    return lambda x: x.astype(dst)
+
+
+@pytest.mark.parametrize("src", ALL_DTYPES, ids=lambda d: d.name)
+def test_astype(backend, src):
+    """x.astype(dst) for every supported pair (values in range of both dtypes;
+    float -> int truncates toward zero; nonzero -> True)."""
+    rng = np.random.default_rng(60 + ALL_DTYPES.index(src))
+    for dst in ALL_DTYPES:
+        if src == BOOL:
+            x = rng.random(41) < 0.5
+        else:
+            lo = 0 if (src.kind == "u" or dst.kind == "u") else -100
+            if src.kind == "f":
+                x = rng.uniform(lo, 100, 41).astype(src)
+                x[::7] = 0.0            # exact zeros: astype(bool) must give False there
+                x[1::7] = -0.0 if lo < 0 else 0.25
+            else:
+                x = rng.integers(lo, 101, 41).astype(src)
+                x[::7] = 0
+        f = cufuse.fuse(_astype_fn(dst))
+        res = f(backend.asarray(x))
+        with labelled(f"{src.name} -> {dst.name}"):
+            check_kind(backend, res, x.shape, dst)
+            got = backend.to_numpy(res)
+            if dst.kind == "f":
+                assert_close(got, x.astype(np.float64), dst, FUNC_TOL[dst])
+            else:
+                assert_exact(got, x.astype(dst), dst)
+
+
+@pytest.mark.parametrize("dtype", [I8, U8, I16, I32, I64], ids=lambda d: d.name)
+def test_int_floordiv_mod(backend, dtype):
+    """// and % of integers: floor division, % takes the divisor's sign (NumPy / Python);
+    by 0 both give 0."""
+    rng = np.random.default_rng(70)
+    lo = 0 if dtype.kind == "u" else -50
+    a = rng.integers(lo, 51, (9, 31)).astype(dtype)
+    b = rng.integers(-7 if lo else 1, 8, (9, 31)).astype(dtype)
+    b[b == 0] = 3
+    b[0, ::5] = 0                               # division by zero -> 0
+    a[a == 0] = 5
+    f = cufuse.fuse(lambda a, b: (a // b, a % b))
+    q, r = f(backend.asarray(a), backend.asarray(b))
+    with np.errstate(all="ignore"):
+        ref_q, ref_r = np.floor_divide(a, b), np.remainder(a, b)
+    assert (ref_q[0, ::5] == 0).all() and (ref_r[0, ::5] == 0).all()
+    assert_exact(backend.to_numpy(q), ref_q, dtype, "a // b")
+    assert_exact(backend.to_numpy(r), ref_r, dtype, "a % b")
+    # against Python's own integers where the divisor is nonzero
+    qq, rr = backend.to_numpy(q), backend.to_numpy(r)
+    for (i, j) in [(1, 0), (2, 3), (4, 7), (8, 30)]:
+        assert int(qq[i, j]) == int(a[i, j]) // int(b[i, j])
+        assert int(rr[i, j]) == int(a[i, j]) % int(b[i, j])
+
+
+@dtype_param
+def test_float_floordiv_mod_signs(backend, dtype):
+    """Float // and % with every sign combination, against Python's float semantics."""
+    a = np.array([5.5, -5.5, 5.5, -5.5, 0.75, -0.75, 7.0, -7.0], dtype=dtype)
+    b = np.array([2.0, 2.0, -2.0, -2.0, 0.5, 0.5, -1.5, 1.5], dtype=dtype)
+    f = cufuse.fuse(lambda a, b: (a // b, a % b))
+    q, r = f(backend.asarray(a), backend.asarray(b))
+    ref_q = np.array([float(x) // float(y) for x, y in zip(a, b)])
+    ref_r = np.array([float(x) % float(y) for x, y in zip(a, b)])
+    assert_exact(backend.to_numpy(q), ref_q, dtype, "a // b")
+    assert_close(backend.to_numpy(r), ref_r, dtype, FUNC_TOL[dtype], err_msg="a % b")
+    assert (np.sign(backend.to_numpy(r)[ref_r != 0]) == np.sign(b[ref_r != 0])).all()
+
+
+@pytest.mark.parametrize("dtype", [F16, F32, F64, I32, U8, I64], ids=lambda d: d.name)
+def test_comparisons(backend, dtype):
+    """< <= > >= == != give bool, with frequent ties; also against a Python scalar."""
+    rng = np.random.default_rng(80)
+    lo = 0 if dtype.kind == "u" else -4
+    x = (rng.integers(lo, 5, (7, 33)) / (2 if dtype.kind == "f" else 1)).astype(dtype)
+    y = (rng.integers(lo, 5, (33,)) / (2 if dtype.kind == "f" else 1)).astype(dtype)
+    f = cufuse.fuse(lambda x, y: (x < y, x <= y, x > y, x >= y, x == y, x != y, x < 2, 1 >= x))
+    res = f(backend.asarray(x), backend.asarray(y))
+    refs = [x < y, x <= y, x > y, x >= y, x == y, x != y, x < 2, 1 >= x]
+    assert isinstance(res, tuple) and len(res) == len(refs)
+    assert (x == y).any() and (x != y).any()
+    for i, (got, ref) in enumerate(zip(res, refs)):
+        check_kind(backend, got, ref.shape, BOOL)
+        assert_exact(backend.to_numpy(got), ref, BOOL, f"comparison {i}")
+
+
+# =============================================================================
+# 5. Several outputs, out=
+# =============================================================================
+def _two_inputs(backend, dtype, seed):
+    x = rand((7, 33), dtype, seed)
+    y = rand((33,), dtype, seed + 1)
+    return x, y, backend.asarray(x), backend.asarray(y)
+
+
+def _three_outputs_ref(x, y):
+    x, y = x.astype(np.float64), y.astype(np.float64)
+    return [x + y, x * y, np.exp(x * 0.5) - y]
+
+
+def _three_outputs(x, y):
+    return x + y, x * y, cufuse.exp(x * 0.5) - y
+
+
+@dtype_param
+def test_several_outputs(backend, dtype):
+    x, y, xa, ya = _two_inputs(backend, dtype, 90)
+    res = cufuse.fuse(_three_outputs)(xa, ya)
+    assert isinstance(res, tuple) and len(res) == 3
+    for i, (got, ref) in enumerate(zip(res, _three_outputs_ref(x, y))):
+        check_kind(backend, got, (7, 33), dtype, like=xa)
+        assert_close(backend.to_numpy(got), ref, dtype, FUNC_TOL[dtype], err_msg=f"output {i}")
+
+
+def _check_returned(backend, res, out):
+    """What f returns with out= (if anything) holds the same values as out."""
+    if res is None:
+        return
+    for r, o in zip(res if isinstance(res, tuple) else (res,), out if isinstance(out, tuple) else (out,)):
+        np.testing.assert_array_equal(backend.to_numpy(r), backend.to_numpy(o))
+
+
+@dtype_param
+def test_out_one_output(backend, dtype):
+    x, y, xa, ya = _two_inputs(backend, dtype, 91)
+    f = cufuse.fuse(lambda x, y: cufuse.tanh(x) * y + 0.5)
+    out = poisoned(backend, (7, 33), dtype)
+    res = f(xa, ya, out=out)
+    ref = np.tanh(x.astype(np.float64)) * y.astype(np.float64) + 0.5
+    assert_close(backend.to_numpy(out), ref, dtype, FUNC_TOL[dtype])
+    _check_returned(backend, res, out)
+    # a non-contiguous out (every other column of a poisoned buffer)
+    buf = poisoned(backend, (7, 66), dtype)
+    view = buf[:, ::2]
+    f(xa, ya, out=view)
+    got = backend.to_numpy(buf)
+    assert_close(got[:, ::2], ref, dtype, FUNC_TOL[dtype])
+    assert np.isnan(got[:, 1::2]).all(), "out= wrote outside its view"
+
+
+@dtype_param
+def test_out_several_outputs(backend, dtype):
+    x, y, xa, ya = _two_inputs(backend, dtype, 92)
+    f = cufuse.fuse(_three_outputs)
+    outs = tuple(poisoned(backend, (7, 33), dtype) for _ in range(3))
+    res = f(xa, ya, out=outs)
+    for i, (o, ref) in enumerate(zip(outs, _three_outputs_ref(x, y))):
+        assert_close(backend.to_numpy(o), ref, dtype, FUNC_TOL[dtype], err_msg=f"out[{i}]")
+    _check_returned(backend, res, outs)
+
+
+@dtype_param
+def test_out_aliases_input(backend, dtype):
+    """In place: out is an input (one output), and two outputs written over both inputs."""
+    x = rand((7, 33), dtype, 93)
+    y = rand((7, 33), dtype, 94)
+    xa, ya = backend.asarray(x), backend.asarray(y)
+    f = cufuse.fuse(lambda x, y: x * 2.0 + cufuse.sin(y))
+    f(xa, ya, out=xa)
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    assert_close(backend.to_numpy(xa), x64 * 2.0 + np.sin(y64), dtype, FUNC_TOL[dtype], err_msg="out=x")
+
+    p = rand((7, 33), dtype, 95)
+    g = rand((7, 33), dtype, 96)
+    pa, ga = backend.asarray(p), backend.asarray(g)
+    step = cufuse.fuse(lambda p, g: (p - 0.5 * g, g * 0.25 + p))   # each output reads both inputs
+    step(pa, ga, out=(pa, ga))
+    p64, g64 = p.astype(np.float64), g.astype(np.float64)
+    assert_close(backend.to_numpy(pa), p64 - 0.5 * g64, dtype, FUNC_TOL[dtype], err_msg="out[0] = p")
+    assert_close(backend.to_numpy(ga), g64 * 0.25 + p64, dtype, FUNC_TOL[dtype], err_msg="out[1] = g")
+
+
+def test_out_errors(backend):
+    x, y, xa, ya = _two_inputs(backend, F32, 97)
+    f = cufuse.fuse(lambda x, y: x + y)
+    with pytest.raises((TypeError, ValueError)):
+        f(xa, ya, out=poisoned(backend, (7, 32), F32))         # wrong shape
+    with pytest.raises((TypeError, ValueError)):
+        f(xa, ya, out=poisoned(backend, (7, 33), F64))         # wrong dtype
+    other = np.full((7, 33), np.nan, np.float32) if backend.name != "numpy" else None
+    if other is not None:
+        with pytest.raises((TypeError, ValueError)):
+            f(xa, ya, out=other)                                   # wrong kind
+    g = cufuse.fuse(lambda x, y: (x + y, x - y))
+    with pytest.raises((TypeError, ValueError)):
+        g(xa, ya, out=(poisoned(backend, (7, 33), F32),))      # one out for two outputs
+
+
+# =============================================================================
+# 6. Trailing reductions
+# =============================================================================
+RED_SHAPES = [(0, 5), (1, 1), (3, 1), (5, 7), (4, 1000), (2, 3, 4097), (33,)]
+RED_OPS = ["sum", "mean", "max", "min"]
+
+
+def _squared_distance_reduction(op, keepdims):
+    return lambda x, y: getattr((x - y) ** 2, op)(axis=-1, keepdims=keepdims)
+
+
+def _red_ref(op, v, keepdims):
+    return getattr(np, op)(v, axis=-1, keepdims=keepdims)
+
+
+@pytest.mark.parametrize("shape", RED_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@dtype_param
+def test_reduction(backend, dtype, shape):
+    """((x - y) ** 2).<op>(axis=-1, keepdims) with y broadcast along the rows;
+    float16 accumulates in float32 (a float16 accumulator of 1000 terms ~2 is far off)."""
+    x = rand(shape, dtype, 110)
+    y = rand(shape[-1:], dtype, 111)
+    xa, ya = backend.asarray(x), backend.asarray(y)
+    sq = (x.astype(np.float64) - y.astype(np.float64)) ** 2
+    for op in RED_OPS:
+        for keepdims in (False, True):
+            f = cufuse.fuse(_squared_distance_reduction(op, keepdims))
+            ref = _red_ref(op, sq, keepdims)
+            with labelled(f"{op} keepdims={keepdims}"):
+                res = f(xa, ya)
+                check_kind(backend, res, ref.shape, dtype, like=xa)
+                assert_close(backend.to_numpy(res), ref, dtype, RED_TOL[dtype])
+
+
+def test_reduction_spellings_and_layouts(backend):
+    """np.sum / np.mean / np.max / np.min(axis=-1), axis=ndim-1, broadcast and transposed inputs."""
+    x = rand((4, 1), F32, 120)
+    y = rand((1000,), F32, 121)
+    z = rand((5, 7), F32, 122)
+    xa, ya = backend.asarray(x), backend.asarray(y)
+    za = backend_view(backend, z, "T")            # transposed: the reduced axis is strided
+    x64, y64, z64 = (a.astype(np.float64) for a in (x, y, z))
+    cases = [
+        ("np.sum", cufuse.fuse(lambda x, y: np.sum((x - y) ** 2, axis=-1)), (xa, ya), np.sum((x64 - y64) ** 2, -1)),
+        ("np.mean", cufuse.fuse(lambda x, y: np.mean(abs(x * y), axis=-1)), (xa, ya), np.mean(abs(x64 * y64), -1)),
+        ("np.max", cufuse.fuse(lambda x, y: np.max(x * y, axis=-1)), (xa, ya), np.max(x64 * y64, -1)),
+        ("np.min", cufuse.fuse(lambda x, y: np.min(x - y, axis=-1, keepdims=True)), (xa, ya),
+         np.min(x64 - y64, -1, keepdims=True)),
+        ("axis=1", cufuse.fuse(lambda z: (z * z).sum(axis=1)), (za,), (z64 * z64).sum(1)),
+        ("transposed", cufuse.fuse(lambda z: cufuse.exp(z).max(axis=-1)), (za,), np.exp(z64).max(-1)),
+    ]
+    for name, f, args, ref in cases:
+        with labelled(name):
+            res = f(*args)
+            check_kind(backend, res, ref.shape, F32, like=args[0])
+            assert_close(backend.to_numpy(res), ref, F32, RED_TOL[F32])
+
+
+def test_reduction_several_outputs(backend):
+    x = rand((6, 257), F32, 130)
+    xa = backend.asarray(x)
+    f = cufuse.fuse(lambda x: (x.sum(axis=-1), x.max(axis=-1), (x * x).mean(axis=-1), x.min(axis=-1)))
+    res = f(xa)
+    x64 = x.astype(np.float64)
+    refs = [x64.sum(-1), x64.max(-1), (x64 * x64).mean(-1), x64.min(-1)]
+    assert isinstance(res, tuple) and len(res) == 4
+    for i, (got, ref) in enumerate(zip(res, refs)):
+        check_kind(backend, got, (6,), F32, like=xa)
+        assert_close(backend.to_numpy(got), ref, F32, SIGNED_SUM_TOL[F32], err_msg=f"output {i}")
+    outs = tuple(poisoned(backend, (6,), F32) for _ in range(4))       # out= for reductions
+    f(xa, out=outs)
+    for i, (o, ref) in enumerate(zip(outs, refs)):
+        assert_close(backend.to_numpy(o), ref, F32, SIGNED_SUM_TOL[F32], err_msg=f"out[{i}]")
+
+
+def _method_reduction(op):
+    return lambda x: getattr(x * 1.0, op)(axis=-1)
+
+
+@dtype_param
+def test_reduction_nan(backend, dtype):
+    """NaN in a row makes that row's max / min NaN (and its sum NaN)."""
+    x = rand((4, 33), dtype, 140)
+    x[1, 7] = np.nan
+    x[3, 0] = np.nan
+    xa = backend.asarray(x)
+    x64 = x.astype(np.float64)
+    for op in ["max", "min", "sum"]:
+        f = cufuse.fuse(_method_reduction(op))
+        ref = getattr(np, op)(x64, axis=-1)
+        assert np.isnan(ref).tolist() == [False, True, False, True]
+        with labelled(op):
+            assert_close(backend.to_numpy(f(xa)), ref, dtype, SIGNED_SUM_TOL[dtype] if op == "sum" else FUNC_TOL[dtype])
+
+
+def test_reduction_errors(backend):
+    x = rand((5, 7), F32, 150)
+    x3 = rand((2, 3, 4), F32, 151)
+    xa, x3a = backend.asarray(x), backend.asarray(x3)
+    for fn, args in [(lambda x: x.sum(axis=0), (xa,)), (lambda x: (x * 2).max(axis=0), (xa,)),
+                     (lambda x: np.mean(x, axis=1), (x3a,))]:
+        with pytest.raises(cufuse.TraceError) as ei:
+            cufuse.fuse(fn)(*args)
+        assert "axis" in str(ei.value).lower()
+    for fn in [lambda x: x.sum(axis=-1) * 2.0, lambda x: cufuse.exp(x.max(axis=-1)),
+               lambda x: x.sum(axis=-1, keepdims=True) + x]:
+        with pytest.raises(cufuse.TraceError) as ei:
+            cufuse.fuse(fn)(xa)
+        assert "reduction" in str(ei.value).lower()
+    with pytest.raises((TypeError, ValueError)):   # several outputs: all reductions or none
+        cufuse.fuse(lambda x: (x.sum(axis=-1), x * 2.0))(xa)
+
+
+# =============================================================================
+# 7. Horizontal fusion: f.foreach
+# =============================================================================
+FOREACH_SIZES = [0, 1, 5, 100, 4097, 100000]
+
+
+def _foreach_lists(backend, dtype, shapes, seed, n_lists):
+    nps = [[rand(s, dtype, seed + 10 * k + i) for i, s in enumerate(shapes)] for k in range(n_lists)]
+    return nps, [[backend.asarray(a) for a in lst] for lst in nps]
+
+
+def _foreach_shapes(extra=()):
+    return [(n,) for n in FOREACH_SIZES] + list(extra)
+
+
+@dtype_param
+def test_foreach(backend, dtype):
+    """One result per item (sizes 0 .. 100000 and a 2-D item), a shared scalar,
+    lists or tuples; the same Fused also works item by item."""
+    shapes = _foreach_shapes([(3, 7)])
+    (xs, ys), (xa, ya) = _foreach_lists(backend, dtype, shapes, 160, 2)
+    f = cufuse.fuse(lambda x, y, a: x * a + cufuse.tanh(y))
+    res = f.foreach(xa, tuple(ya), 0.5)
+    assert isinstance(res, list) and len(res) == len(shapes)
+    for i, (got, x, y) in enumerate(zip(res, xs, ys)):
+        with labelled(f"item {i} {x.shape}"):
+            check_kind(backend, got, x.shape, dtype, like=xa[i])
+            ref = x.astype(np.float64) * 0.5 + np.tanh(y.astype(np.float64))
+            assert_close(backend.to_numpy(got), ref, dtype, FUNC_TOL[dtype])
+    # a new scalar value, and one item alone
+    res2 = f.foreach(xa, ya, -1.25)
+    ref = xs[4].astype(np.float64) * -1.25 + np.tanh(ys[4].astype(np.float64))
+    assert_close(backend.to_numpy(res2[4]), ref, dtype, FUNC_TOL[dtype])
+    assert_close(backend.to_numpy(f(xa[3], ya[3], 2.0)),
+                 xs[3].astype(np.float64) * 2.0 + np.tanh(ys[3].astype(np.float64)), dtype, FUNC_TOL[dtype])
+
+
+def test_foreach_mixed_layouts(backend):
+    """Non-contiguous and offset items among contiguous ones (run separately, same results)."""
+    rng = np.random.default_rng(170)
+    vals = [rng.uniform(-2, 2, s).astype(F32) for s in [(9, 33), (4097,), (9, 33), (100,), (0,)]]
+    lays = ["T", "C", "S", "O", "C"]
+    xa = [backend_view(backend, v, lay) for v, lay in zip(vals, lays)]
+    ya = [backend.asarray(v[::-1].copy() if v.ndim == 1 else v * 0.5) for v in vals]
+    f = cufuse.fuse(lambda x, y: cufuse.sigmoid(x) * y)
+    res = f.foreach(xa, ya)
+    for i, (got, x, y) in enumerate(zip(res, xa, ya)):
+        with labelled(f"item {i} {lays[i]}"):
+            x64, y64 = backend.to_numpy(x).astype(np.float64), backend.to_numpy(y).astype(np.float64)
+            assert_close(backend.to_numpy(got), REF.sigmoid(x64) * y64, F32, FUNC_TOL[F32])
+
+
+def test_foreach_several_outputs_and_out(backend):
+    shapes = _foreach_shapes()
+    (xs, ys), (xa, ya) = _foreach_lists(backend, F32, shapes, 180, 2)
+    f = cufuse.fuse(lambda x, y: (x + y, x * y))
+    res = f.foreach(xa, ya)
+    assert len(res) == len(shapes)
+    for i, (item, x, y) in enumerate(zip(res, xs, ys)):
+        assert isinstance(item, tuple) and len(item) == 2
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        assert_close(backend.to_numpy(item[0]), x64 + y64, F32, FUNC_TOL[F32], err_msg=f"item {i}[0]")
+        assert_close(backend.to_numpy(item[1]), x64 * y64, F32, FUNC_TOL[F32], err_msg=f"item {i}[1]")
+    # out=: a tuple of lists (one list per output), poisoned
+    outs = ([poisoned(backend, s, F32) for s in shapes], [poisoned(backend, s, F32) for s in shapes])
+    f.foreach(xa, ya, out=outs)
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        x64, y64 = x.astype(np.float64), y.astype(np.float64)
+        assert_close(backend.to_numpy(outs[0][i]), x64 + y64, F32, FUNC_TOL[F32], err_msg=f"out[0][{i}]")
+        assert_close(backend.to_numpy(outs[1][i]), x64 * y64, F32, FUNC_TOL[F32], err_msg=f"out[1][{i}]")
+    # out=: one list for a one-output function
+    g = cufuse.fuse(lambda x, y: cufuse.maximum(x, y) - 1.0)
+    out = [poisoned(backend, s, F32) for s in shapes]
+    g.foreach(xa, ya, out=out)
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        ref = np.maximum(x.astype(np.float64), y.astype(np.float64)) - 1.0
+        assert_close(backend.to_numpy(out[i]), ref, F32, FUNC_TOL[F32], err_msg=f"out[{i}]")
+
+
+def test_foreach_in_place(backend):
+    """out= the inputs themselves: an SGD step over a list of parameters."""
+    shapes = _foreach_shapes([(64, 33)])
+    (ps, gs), (pa, ga) = _foreach_lists(backend, F32, shapes, 190, 2)
+    sgd = cufuse.fuse(lambda p, g, lr: p - lr * g)
+    sgd.foreach(pa, ga, 0.1, out=pa)
+    for i, (p, g) in enumerate(zip(ps, gs)):
+        assert_close(backend.to_numpy(pa[i]), p.astype(np.float64) - 0.1 * g.astype(np.float64), F32,
+                     FUNC_TOL[F32], err_msg=f"item {i}")
+
+
+def test_foreach_adam(backend):
+    """The spec's Adam example, in place, 3 steps, against a float64 Adam."""
+    @cufuse.fuse
+    def adam(p, g, m, v, lr, b1, b2, eps, bc1, bc2):
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        p = p - lr * (m / bc1) / (cufuse.sqrt(v / bc2) + eps)
+        return p, m, v
+
+    shapes = _foreach_shapes([(16, 33)])
+    rng = np.random.default_rng(200)
+    params = [rng.standard_normal(s).astype(F32) for s in shapes]
+    ms = [(rng.standard_normal(s) * 0.1).astype(F32) for s in shapes]
+    vs = [(rng.uniform(0.0, 0.01, s)).astype(F32) for s in shapes]
+    pa, ma, va = ([backend.asarray(a) for a in lst] for lst in (params, ms, vs))
+    ref = [[a.astype(np.float64) for a in lst] for lst in (params, ms, vs)]
+    lr, b1, b2, eps = 1e-3, 0.9, 0.999, 1e-8
+    for t in range(1, 4):
+        grads = [rng.standard_normal(s).astype(F32) for s in shapes]
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        adam.foreach(pa, [backend.asarray(g) for g in grads], ma, va, lr, b1, b2, eps, bc1, bc2, out=(pa, ma, va))
+        for i in range(len(shapes)):
+            p, m, v = adam_reference(ref[0][i], grads[i], ref[1][i], ref[2][i], lr, b1, b2, eps, bc1, bc2)
+            ref[0][i], ref[1][i], ref[2][i] = p, m, v
+    for i in range(len(shapes)):
+        for name, arr, r in zip("pmv", (pa, ma, va), ref):
+            assert_close(backend.to_numpy(arr[i]), r[i], F32, ADAM_TOL, err_msg=f"{name}[{i}] {shapes[i]}")
+    assert params[5].size and not np.allclose(backend.to_numpy(pa[5]), params[5])   # it moved
+
+
+def test_foreach_errors(backend):
+    (xs, ys), (xa, ya) = _foreach_lists(backend, F32, [(5,), (7,), (9,)], 210, 2)
+    f = cufuse.fuse(lambda x, y: x + y)
+    with pytest.raises((TypeError, ValueError)):
+        f.foreach(xa, ya[:2])                                   # list lengths differ
+    with pytest.raises((TypeError, ValueError)):
+        f.foreach(xa, [ya[1], ya[0], ya[2]])                    # shapes differ within an item
+    with pytest.raises((TypeError, ValueError)):
+        f.foreach(xa, ya, out=[poisoned(backend, (5,), F32)])   # out list of the wrong length
+    with pytest.raises((TypeError, ValueError)):               # reductions are not supported in foreach
+        cufuse.fuse(lambda x: x.sum(axis=-1)).foreach(xa)
+
+
+@pytest.mark.parametrize("name", [p.id for p in GPU_BACKEND_PARAMS], ids=str)
+@pytest.mark.cuda
+def test_foreach_one_launch(name):
+    """On the GPU, a foreach over contiguous items is ONE kernel launch."""
+    backend = Backend(name)
+    shapes = [(n,) for n in [1, 5, 100, 4097, 100000]] + [(64, 33)]
+    (xs, ys), (xa, ya) = _foreach_lists(backend, F32, shapes, 220, 2)
+    f = cufuse.fuse(lambda x, y, a: x * a + y)
+    for _ in range(2):                              # the first call traces and compiles
+        before = stats(f)["launches"]
+        res = f.foreach(xa, ya, 1.5)
+        backend.synchronize()
+        assert stats(f)["launches"] - before == 1
+    for i, (got, x, y) in enumerate(zip(res, xs, ys)):
+        assert_close(backend.to_numpy(got), x.astype(np.float64) * 1.5 + y, F32, FUNC_TOL[F32], err_msg=f"item {i}")
+
+
+# =============================================================================
+# 8. Signatures: scalar values never retrace / recompile
+# =============================================================================
+def test_scalars_never_retrace(backend):
+    x = rand((7, 33), F32, 230)
+    xa = backend.asarray(x)
+    x64 = x.astype(np.float64)
+    f = cufuse.fuse(lambda x, s: x * s + 1.0)
+    assert stats(f)["traces"] == 0
+    r1 = f(xa, 2.0)
+    s1 = stats(f)
+    assert s1["traces"] == 1
+    r2 = f(xa, 3.0)
+    r3 = f(xa, -0.5)
+    s2 = stats(f)
+    assert s2["traces"] == s1["traces"], "a new scalar value traced again"
+    if backend.gpu:
+        assert s2["compiles"] == s1["compiles"], "a new scalar value compiled again"
+    else:
+        assert s2["compiles"] == 0 and s2["launches"] == 0
+    for r, s in [(r1, 2.0), (r2, 3.0), (r3, -0.5)]:
+        assert_close(backend.to_numpy(r), x64 * s + 1.0, F32, FUNC_TOL[F32], err_msg=f"s={s}")
+
+    # a new dtype traces again; a new scalar kind (python int) is a new signature too
+    x16 = rand((7, 33), F16, 231)
+    r4 = f(backend.asarray(x16), 2.0)
+    assert stats(f)["traces"] == s2["traces"] + 1
+    assert_close(backend.to_numpy(r4), x16.astype(np.float64) * 2.0 + 1.0, F16, FUNC_TOL[F16])
+    r5 = f(xa, 2)
+    s5 = stats(f)
+    assert s5["traces"] == s2["traces"] + 2
+    r6 = f(xa, 5)
+    s6 = stats(f)
+    assert s6["traces"] == s5["traces"]
+    if backend.gpu:
+        assert s6["compiles"] == s5["compiles"]
+    assert_close(backend.to_numpy(r5), x64 * 2 + 1.0, F32, FUNC_TOL[F32])
+    assert_close(backend.to_numpy(r6), x64 * 5 + 1.0, F32, FUNC_TOL[F32])
+    r7 = f(xa, np.float32(1.5))                       # a NumPy scalar is another kind again
+    assert stats(f)["traces"] == s6["traces"] + 1
+    check_kind(backend, r7, (7, 33), F32)
+    assert_close(backend.to_numpy(r7), x64 * 1.5 + 1.0, F32, FUNC_TOL[F32])
+
+
+def test_same_signature_traces_once(backend):
+    f = cufuse.fuse(lambda x, y: cufuse.exp(x) - y)
+    for seed in range(3):
+        x, y, xa, ya = _two_inputs(backend, F32, 240 + 2 * seed)
+        res = f(xa, ya)
+        assert_close(backend.to_numpy(res), np.exp(x.astype(np.float64)) - y, F32, FUNC_TOL[F32])
+    assert stats(f)["traces"] == 1
+
+
+@pytest.mark.parametrize("name", [p.id for p in GPU_BACKEND_PARAMS], ids=str)
+@pytest.mark.cuda
+def test_gpu_scalars_never_recompile(name):
+    backend = Backend(name)
+    x = rand((100, 33), F32, 250)
+    xa = backend.asarray(x)
+    f = cufuse.fuse(lambda x, s, t: cufuse.tanh(x * s) + t)
+    f(xa, 0.5, 1.0)
+    backend.synchronize()
+    s1 = stats(f)
+    assert s1["compiles"] + s1["disk_loads"] >= 1
+    for s, t in [(0.25, -1.0), (2.0, 3.0), (1e-3, 0.0)]:
+        before = stats(f)["launches"]
+        res = f(xa, s, t)
+        backend.synchronize()
+        assert stats(f)["launches"] - before == 1
+        assert_close(backend.to_numpy(res), np.tanh(x.astype(np.float64) * s) + t, F32, FUNC_TOL[F32])
+    s2 = stats(f)
+    assert (s2["traces"], s2["compiles"], s2["disk_loads"]) == (s1["traces"], s1["compiles"], s1["disk_loads"])
+
+
+# =============================================================================
+# 9. Errors
+# =============================================================================
+def _if_on_traced(x, y):
+    if x > 0:
+        return x
+    return y
+
+
+TRACE_ERRORS = {
+    "if": (_if_on_traced, "bool"),
+    "bool()": (lambda x, y: x * bool(y), "bool"),
+    "and": (lambda x, y: (x > 0) and (y > 0), "bool"),
+    "or": (lambda x, y: x or y, "bool"),
+    "np.sinh": (lambda x, y: np.sinh(x) + y, "sinh"),
+    "float()": (lambda x, y: x * float(y), "float"),
+    "int()": (lambda x, y: x + int(y), "int"),
+    "index": (lambda x, y: x[0] + y, "index"),
+    "constant": (lambda x, y: 1.0, None),
+    "numpy constant": (lambda x, y: np.ones(3), None),
+}
+
+
+@pytest.mark.parametrize("name", list(TRACE_ERRORS))
+def test_trace_errors(backend, name):
+    fn, word = TRACE_ERRORS[name]
+    x, y, xa, ya = _two_inputs(backend, F32, 260)
+    f = cufuse.fuse(fn)
+    with pytest.raises(cufuse.TraceError) as ei:
+        f(xa, ya)
+    if word is not None:
+        assert word in str(ei.value).lower(), str(ei.value)
+    assert isinstance(ei.value, TypeError)
+
+
+def test_trace_error_is_type_error():
+    assert issubclass(cufuse.TraceError, TypeError)
+
+
+def test_call_errors(backend):
+    x, y, xa, ya = _two_inputs(backend, F32, 270)
+    f = cufuse.fuse(lambda x, y: x + y)
+    with pytest.raises(TypeError):
+        f(xa)                                                  # too few
+    with pytest.raises(TypeError):
+        f(xa, ya, ya)                                          # too many
+    with pytest.raises(ValueError):
+        f(xa, backend.asarray(rand((5,), F32, 271)))           # (7, 33) with (5,)
+    with pytest.raises(TypeError):
+        f(backend.asarray(x.astype(np.complex64)), ya)         # complex
+    with pytest.raises((TypeError, ValueError)):
+        f(1.0, 2.0)                                            # no array argument
+    before = stats(f)["launches"]
+    with pytest.raises(ValueError):
+        f(backend.asarray(rand((3, 4), F32, 272)), backend.asarray(rand((5, 1, 3), F32, 273)))
+    assert stats(f)["launches"] == before                      # raised before any launch
+
+
+def test_mixed_kinds_cpu():
+    torch = pytest.importorskip("torch")
+    x = rand((7, 33), F32, 280)
+    f = cufuse.fuse(lambda x, y: x * y)
+    for a, b in [(x, torch.from_numpy(x.copy())), (torch.from_numpy(x.copy()), x)]:
+        with pytest.raises(TypeError) as ei:
+            f(a, b)
+        msg = str(ei.value).lower()
+        assert "numpy" in msg and "torch" in msg, msg
+
+
+@pytest.mark.cuda
+def test_mixed_kinds_gpu():
+    import cupy
+    x = rand((7, 33), F32, 281)
+    f = cufuse.fuse(lambda x, y: x * y)
+    with pytest.raises(TypeError) as ei:
+        f(x, cupy.asarray(x))
+    msg = str(ei.value).lower()
+    assert "numpy" in msg and "cupy" in msg, msg
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        with pytest.raises(TypeError) as ei:
+            f(cupy.asarray(x), torch.from_numpy(x).cuda())
+        msg = str(ei.value).lower()
+        assert "cupy" in msg and "torch" in msg, msg
+
+
+# =============================================================================
+# 10. f.source
+# =============================================================================
+def test_source(backend):
+    """The generated CUDA source, without a GPU; the same for the same signature
+    (scalar values are kernel arguments), different for another dtype."""
+    f = cufuse.fuse(lambda x, y, s: cufuse.exp(x) * y + s)
+    x, y, xa, ya = _two_inputs(backend, F32, 290)
+    src = f.source(xa, ya, 1.0)
+    assert isinstance(src, str) and "__global__" in src
+    x2, y2, xa2, ya2 = _two_inputs(backend, F32, 292)
+    assert f.source(xa2, ya2, 1.0) == src
+    assert f.source(xa, ya, -7.5) == src
+    x64, y64 = backend.asarray(x.astype(np.float64)), backend.asarray(y.astype(np.float64))
+    src64 = f.source(x64, y64, 1.0)
+    assert isinstance(src64, str) and "__global__" in src64 and src64 != src
+
+
+# =============================================================================
+# 11. Lambdas, NumPy ufuncs on traced values
+# =============================================================================
+@dtype_param
+def test_lambda(backend, dtype):
+    x = rand((7, 33), dtype, 300, lo=-1.0, hi=1.0)
+    y = rand((7, 1), dtype, 301, lo=-1.0, hi=1.0)
+    f = cufuse.fuse(lambda x, y: cufuse.exp((x + y) * 2))
+    res = f(backend.asarray(x), backend.asarray(y))
+    check_kind(backend, res, (7, 33), dtype)
+    assert_close(backend.to_numpy(res), np.exp((x.astype(np.float64) + y.astype(np.float64)) * 2), dtype,
+                 FUNC_TOL[dtype])
+
+
+@dtype_param
+def test_numpy_ufuncs_on_traced_values(backend, dtype):
+    x = rand((5, 33), dtype, 310)
+    y = rand((33,), dtype, 311)
+
+    def fn(x, y):
+        return (np.exp(x), np.maximum(x, 0), np.minimum(x, y), np.sqrt(np.abs(x) + 1), np.log(np.abs(y) + 0.5) * x,
+                np.tanh(x) * np.sin(y) + np.cos(x), np.exp2(x) - np.expm1(y * 0.5), np.log1p(np.abs(x)),
+                np.floor(x * 2) + np.ceil(y * 2))
+
+    res = cufuse.fuse(fn)(backend.asarray(x), backend.asarray(y))
+    x64, y64 = x.astype(np.float64), y.astype(np.float64)
+    refs = fn(x64, y64)
+    assert isinstance(res, tuple) and len(res) == len(refs)
+    for i, (got, ref) in enumerate(zip(res, refs)):
+        check_kind(backend, got, (5, 33), dtype)
+        assert_close(backend.to_numpy(got), np.asarray(ref, np.float64), dtype, FUNC_TOL[dtype],
+                     err_msg=f"output {i}")
+
+
+def test_decorator_and_named_function(backend):
+    @cufuse.fuse
+    def bias_softplus(x, b):
+        return cufuse.softplus(x + b) * 0.5
+
+    x, y, xa, ya = _two_inputs(backend, F64, 320)
+    res = bias_softplus(xa, ya)
+    assert_close(backend.to_numpy(res), np.logaddexp(0.0, x + y) * 0.5, F64, FUNC_TOL[F64])
+
+
+# =============================================================================
+# 13. Torch tensors come back as torch tensors (dtype, device)
+# =============================================================================
+@pytest.fixture(params=TORCH_BACKEND_PARAMS)
+def torch_backend(request):
+    return Backend(request.param)
+
+
+def test_torch_results(torch_backend):
+    torch = torch_backend.torch
+    x = torch_backend.asarray(rand((7, 33), F16, 330))
+    i = torch_backend.asarray(rand_int((7, 33), I8, 331))
+    f = cufuse.fuse(lambda x, i: (x * 2.0, cufuse.exp(i), x > 0, i + 1, i / 2))
+    res = f(x, i)
+    want = [torch.float16, torch.float16, torch.bool, torch.int8, torch.float64]
+    for k, (r, d) in enumerate(zip(res, want)):
+        assert isinstance(r, torch.Tensor), f"output {k}: {type(r)}"
+        assert r.dtype == d, f"output {k}: {r.dtype}, expected {d}"
+        assert r.device == x.device, f"output {k}: on {r.device}"
+    y = cufuse.exp(x)                                          # a direct call as well
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.float16 and y.device == x.device
+    s = cufuse.fuse(lambda c: c.sum(axis=-1))(torch_backend.asarray(rand_int((7, 33), BOOL, 332)))
+    assert isinstance(s, torch.Tensor) and s.dtype == torch.int64 and s.device == x.device
+    out = torch_backend.full((7, 33), np.nan, F16)
+    cufuse.fuse(lambda x: x - 1.0)(x, out=out)
+    assert_close(torch_backend.to_numpy(out), torch_backend.to_numpy(x).astype(np.float64) - 1.0, F16,
+                 FUNC_TOL[F16])
