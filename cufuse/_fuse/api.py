@@ -26,6 +26,7 @@ _TABLES: dict = {}       # horizontal launch tables on the device, by content
 _TABLES_MAX = 64
 _FAST_MAX = 256          # entries of a Fused's per-shape fast-path cache
 _PLANS_MAX = 8           # foreach launch plans kept per Fused
+SEGMENT_PACKS = 4        # kernels/elementwise.cuh: kSegmentPacks
 
 
 def _layout_dtype(n):
@@ -65,6 +66,7 @@ class _Signature:
         self.params = [(src[1], conv[ck], None) if src[0] == "arg" else (-1, conv[ck], conv[ck](src[1]))
                        for src, ck in self.graph.params]
         self._source = None
+        self._sources = {}
         self._fns = {}
         self.fused = fused
 
@@ -77,12 +79,12 @@ class _Signature:
     def function(self, name, device):
         fn = self._fns.get((name, device))
         if fn is None:
-            mod, how = R.generated_module(self.source, device, what=f"cufuse.fuse({self.fused.__name__})")
+            src = self._sources.get(name)
+            if src is None:
+                src = self._sources[name] = codegen.source(self.graph, self.in_dtypes, name)
+            mod, how = R.generated_module(src, device, what=f"cufuse.fuse({self.fused.__name__}) {name}")
             st = self.fused.stats
-            if how == "compiled":
-                st["compiles"] += 1
-            elif how == "disk":
-                st["disk_loads"] += 1
+            st[{"compiled": "compiles", "disk": "disk_loads", "memory": "shared"}[how]] += 1
             with R._cp.cuda.Device(device):
                 fn = self._fns[(name, device)] = mod.get_function(name).kernel
         return fn
@@ -116,7 +118,9 @@ class Fused:
         except AttributeError:  # pragma: no cover - exotic callables
             pass
         self.__name__ = name or getattr(fn, "__name__", "fused")
-        self.stats = {"traces": 0, "compiles": 0, "disk_loads": 0, "launches": 0}
+        # traces; kernel modules compiled, loaded from disk, or shared with another Fused of
+        # the same structure in this process; launches (GPU)
+        self.stats = {"traces": 0, "compiles": 0, "disk_loads": 0, "shared": 0, "launches": 0}
         self._sigs: dict = {}
         self._fast: dict = {}
         self._plans: dict = {}
@@ -424,6 +428,30 @@ class Fused:
         def item(i):
             return tuple(a[i] if p in list_pos else a for p, a in enumerate(args))
 
+        key = flat = None
+        if out is not None:
+            # The same arrays as a previous call (an optimizer step): its checked
+            # launch table is reused, with this call's scalars. Weak references
+            # make sure that each id is still the very array it was (torch
+            # tensors: and on the same storage).
+            outs_ = out if isinstance(out, tuple) and out and isinstance(out[0], (list, tuple)) else (out,)
+            try:
+                flat = [a for p in list_pos for a in args[p]] + [o for ol in outs_ for o in ol]
+            except TypeError:
+                flat = None
+            if flat is not None:
+                key = (tuple(map(id, flat)), tuple(type(a) if p not in list_pos else None
+                                                   for p, a in enumerate(args)), len(outs_))
+                ent = self._plans.get(key)
+                if (ent is not None and all(r() is a for r, a in zip(ent[0], flat))
+                        and (ent[1] is None or ent[1] == [a.data_ptr() for a in flat])):
+                    sig, plan, kind, device = ent[2:]
+                    if plan is not None:
+                        self._launch_table(sig, kind, device, plan, sig.param_values(item(0)))
+                    if sig.graph.tuple_out:
+                        return [tuple(ol[i] for ol in outs_) for i in range(count)]
+                    return list(outs_[0])
+
         kind, spec, _, device = self._classify(item(0))
         for p, s in enumerate(spec):
             if s[0] == "scalar" and p in list_pos:
@@ -448,21 +476,6 @@ class Fused:
             return [self._call(item(i), item_out(i)) for i in range(count)]
         lists = [args[p] for p in list_pos]
         params = sig.param_values(item(0))
-        key = flat = None
-        if out_lists is not None:
-            # The same arrays as a previous call (an optimizer step): its checked
-            # launch table is reused. Weak references make sure that each id is
-            # still the very array it was (torch tensors: and its storage).
-            flat = [a for lst in lists for a in lst] + [o for ol in out_lists for o in ol]
-            key = (id(sig), tuple(map(id, flat)))
-            ent = self._plans.get(key)
-            if (ent is not None and all(r() is a for r, a in zip(ent[0], flat))
-                    and (ent[1] is None or ent[1] == [a.data_ptr() for a in flat])):
-                if ent[2] is not None:
-                    self._launch_table(sig, kind, device, ent[2], params)
-                if sig.graph.tuple_out:
-                    return [tuple(ol[i] for ol in out_lists) for i in range(count)]
-                return list(out_lists[0])
         fast, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, params)
         results = [None] * count
         for i, outs in fast:
@@ -473,7 +486,7 @@ class Fused:
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
             ptrs = [a.data_ptr() for a in flat] if kind == A.TORCH_CUDA else None
-            self._plans[key] = ([weakref.ref(a) for a in flat], ptrs, plan)
+            self._plans[key] = ([weakref.ref(a) for a in flat], ptrs, sig, plan, kind, device)
         return results
 
     def _foreach_outs(self, out, count, nout, tuple_out):
@@ -556,9 +569,9 @@ class Fused:
 
     def _launch_segments(self, sig, kind, dev, rows, params):
         """One launch over every row (output pointers, input pointers, n): the
-        table gains each row's first block; blocks of BLOCK threads, a pack
-        each. Returns (table, blocks) for _launch_table."""
-        V, B = sig.V, codegen.BLOCK
+        table gains each row's first block; blocks of BLOCK threads, SEGMENT_PACKS
+        packs each. Returns (table, blocks) for _launch_table."""
+        V, B = sig.V, codegen.BLOCK * SEGMENT_PACKS
         first = 0
         for r in rows:
             packs = -(-r[-1] // V)

@@ -111,8 +111,13 @@ def _limits(kind, c):
     return f"static_cast<{c}>({v}{suffix})"
 
 
-def source(g, in_dtypes):
-    """CUDA source of the kernels for graph ``g`` with array inputs of ``in_dtypes``."""
+ENTRIES = ("fused_contig", "fused_strided", "fused_segments")  # elementwise; a reduction has fused_rows
+
+
+def source(g, in_dtypes, entry=None):
+    """CUDA source of the kernels for graph ``g`` with array inputs of ``in_dtypes``:
+    every entry point, or only ``entry`` (each is compiled on its first use,
+    so that a first call pays for one kernel, not three)."""
     nout, nin = len(g.outputs), len(in_dtypes)
     n = nout + nin
     V = pack_width(g, in_dtypes)
@@ -220,19 +225,24 @@ def source(g, in_dtypes):
     head = f'extern "C" __global__ void __launch_bounds__({BLOCK})'
     lines.append("")
     if not g.reduction:
-        lines += [
-            f"{head} fused_contig({ptrs}, long long n{sparams}) {{",
-            f"    void* p[{n}] = {{{plist}}};",
-            f"    cufuse::run_fused(Fused{{{sargs}}}, p, n);",
-            "}",
-            f"{head} fused_strided({ptrs}, long long n, cufuse::LayoutT<{n}> L{sparams}) {{",
-            f"    void* p[{n}] = {{{plist}}};",
-            f"    cufuse::run_fused_strided(Fused{{{sargs}}}, p, n, L);",
-            "}",
-            f"{head} fused_segments(const long long* table, int nseg{sparams}) {{",
-            f"    cufuse::run_fused_segments(Fused{{{sargs}}}, table, nseg);",
-            "}",
-        ]
+        kernels = {
+            "fused_contig": [
+                f"{head} fused_contig({ptrs}, long long n{sparams}) {{",
+                f"    void* p[{n}] = {{{plist}}};",
+                f"    cufuse::run_fused(Fused{{{sargs}}}, p, n);",
+                "}"],
+            "fused_strided": [
+                f"{head} fused_strided({ptrs}, long long n, cufuse::LayoutT<{n}> L{sparams}) {{",
+                f"    void* p[{n}] = {{{plist}}};",
+                f"    cufuse::run_fused_strided(Fused{{{sargs}}}, p, n, L);",
+                "}"],
+            "fused_segments": [
+                f"{head} fused_segments(const long long* table, int nseg{sparams}) {{",
+                f"    cufuse::run_fused_segments(Fused{{{sargs}}}, table, nseg);",
+                "}"],
+        }
+        for name in ([entry] if entry else ENTRIES):
+            lines += kernels[name]
     else:
         lines += [
             f"{head} fused_rows({ptrs}, long long rows, int tpr, cufuse::LayoutT<{n}> L{sparams}) {{",
