@@ -69,7 +69,7 @@ def test_load_source_inlines_local_includes_once():
     assert "#include <cuda_fp16.h>" in src                   # system headers stay
     for functor in ("struct AddRelu", "struct MulTanh", "struct AddMulExp", "struct Fma"):
         assert src.count(functor) == 1
-    assert src.count("struct Layout {") == 1                  # elementwise.cuh inlined once
+    assert src.count("struct LayoutT {") == 1                  # elementwise.cuh inlined once
     assert src.count("struct compute_type {") == 1            # common.cuh inlined once
 
 
