@@ -14,21 +14,7 @@ import pytest
 
 import cufuse
 
-NO_GPU = "cufuse.CUDA_AVAILABLE is False (CuPy missing, no driver or no GPU): nothing to benchmark"
-# Every benchmark is skipped without a GPU; the module still imports without
-# CuPy or torch, so that collection never errors.
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cufuse.CUDA_AVAILABLE, reason=NO_GPU)]
-
-cp = torch = None
-TORCH_REASON = "no GPU"
-if cufuse.CUDA_AVAILABLE:
-    import cupy as cp
-    try:
-        import torch
-        TORCH_REASON = None if torch.cuda.is_available() else "torch has no CUDA device"
-    except Exception as e:  # not installed, or a broken install
-        torch = None
-        TORCH_REASON = f"torch not importable ({type(e).__name__}: {e})"
+from _common import as_cupy, cp, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
 
 SIZES = (100_000, 1_000_000, 20_000_000, 50_000_000)
 DTYPES = ("float32", "float16")
@@ -100,16 +86,7 @@ def torch_dtype(dtype):
     return {"float32": torch.float32, "float16": torch.float16}[dtype]
 
 
-def torch_stream(gpu):
-    """torch's current stream as a CuPy stream object, for the events."""
-    return gpu.external_stream(torch.cuda.current_stream().cuda_stream)
-
-
 # ----------------------------------------------------------------- checking
-def as_cupy(res):
-    return res if isinstance(res, cp.ndarray) else cp.from_dlpack(res)
-
-
 def check_close(op, ins, res, dtype):
     """Compare ``res`` with a float64 NumPy reference computed from the same
     inputs, on about 65K strided samples plus the last 1024 elements."""

@@ -22,22 +22,8 @@ import pytest
 
 import cufuse
 
-NO_GPU = "cufuse.CUDA_AVAILABLE is False (CuPy missing, no driver or no GPU): nothing to benchmark"
-# Every benchmark is skipped without a GPU; the module still imports without
-# CuPy or torch, so that collection never errors.
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cufuse.CUDA_AVAILABLE, reason=NO_GPU)]
-
-cp = torch = F = None
-TORCH_REASON = "no GPU"
-if cufuse.CUDA_AVAILABLE:
-    import cupy as cp
-    try:
-        import torch
-        import torch.nn.functional as F
-        TORCH_REASON = None if torch.cuda.is_available() else "torch has no CUDA device"
-    except Exception as e:  # not installed, or a broken install
-        torch = None
-        TORCH_REASON = f"torch not importable ({type(e).__name__}: {e})"
+from _common import as_cupy, cp, F, need_torch, pytestmark, torch, torch_stream  # noqa: F401
+from _common import first_call as _first_call
 
 COLS = 1024
 SIZES = (50_000_000, 1_000_000)   # nominal; the arrays hold (N // COLS) * COLS elements
@@ -104,15 +90,6 @@ def channel_params(nch, dtype):
 
 def torch_dtype(dtype):
     return {"float32": torch.float32, "float16": torch.float16}[dtype]
-
-
-def torch_stream(gpu):
-    """torch's current stream as a CuPy stream object, for the events."""
-    return gpu.external_stream(torch.cuda.current_stream().cuda_stream)
-
-
-def as_cupy(res):
-    return res if isinstance(res, cp.ndarray) else cp.from_dlpack(res)
 
 
 def sample_index(n):
@@ -243,22 +220,8 @@ def add_target(gpu, op, dtype, n, family, float_dtype):
 
 
 def first_call(gpu, impl, call):
-    """The correctness call (for torch.compile it also compiles, untimed; a
-    compile failure skips that peer)."""
-    try:
-        res = call()
-        gpu.sync()
-    except Exception as e:
-        if impl != "torch.compile":
-            raise
-        msg = str(e).splitlines()[0][:160] if str(e) else ""
-        gpu.skip(impl, f"torch.compile failed: {type(e).__name__}: {msg}")
-    return as_cupy(res)
-
-
-def need_torch(gpu, impl):
-    if impl.startswith("torch") and TORCH_REASON:
-        gpu.skip(impl, TORCH_REASON)
+    """_common.first_call, the result as a CuPy array."""
+    return as_cupy(_first_call(gpu, impl, call))
 
 
 # ----------------------------------------------------------------- bias_gelu

@@ -31,23 +31,7 @@ import pytest
 
 import cufuse
 
-NO_GPU = "cufuse.CUDA_AVAILABLE is False (CuPy missing, no driver or no GPU): nothing to benchmark"
-# Every benchmark is skipped without a GPU; the module still imports without
-# CuPy or torch (and without the new ops: they are looked up inside the tests),
-# so that collection never errors.
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not cufuse.CUDA_AVAILABLE, reason=NO_GPU)]
-
-cp = torch = F = None
-TORCH_REASON = "no GPU"
-if cufuse.CUDA_AVAILABLE:
-    import cupy as cp
-    try:
-        import torch
-        import torch.nn.functional as F
-        TORCH_REASON = None if torch.cuda.is_available() else "torch has no CUDA device"
-    except Exception as e:  # not installed, or a broken install
-        torch = None
-        TORCH_REASON = f"torch not importable ({type(e).__name__}: {e})"
+from _common import as_cupy, cp, F, first_call, need_torch, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
 
 # Sorted by row length; the three 67M shapes share one input array (reshaped).
 SHAPES = ((4096, 768), (16384, 1000), (16384, 1024), (8192, 4096), (4096, 16384), (1024, 65536), (256, 262144))
@@ -115,34 +99,6 @@ def reduction_cases():
 
 
 # ----------------------------------------------------------------- helpers
-def torch_stream(gpu):
-    """torch's current stream as a CuPy stream object, for the events."""
-    return gpu.external_stream(torch.cuda.current_stream().cuda_stream)
-
-
-def as_cupy(res):
-    return res if isinstance(res, cp.ndarray) else cp.from_dlpack(res)
-
-
-def need_torch(gpu, impl):
-    if impl.startswith("torch") and TORCH_REASON:
-        gpu.skip(impl, TORCH_REASON)
-
-
-def first_call(gpu, impl, call):
-    """The correctness call (for torch.compile it also compiles, untimed; a
-    compile failure skips that peer)."""
-    try:
-        res = call()
-        gpu.sync()
-    except Exception as e:
-        if impl != "torch.compile":
-            raise
-        msg = str(e).splitlines()[0][:160] if str(e) else ""
-        gpu.skip(impl, f"torch.compile failed: {type(e).__name__}: {msg}")
-    return res
-
-
 def check(what, got, ref, rtol, atol):
     """Every element of ``got`` (CuPy, any float dtype) against the float64
     reference, on the device: |got - ref| <= atol + rtol |ref|, NaN fails.

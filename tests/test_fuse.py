@@ -1230,3 +1230,39 @@ def test_torch_results(torch_backend):
     cufuse.fuse(lambda x: x - 1.0)(x, out=out)
     assert_close(torch_backend.to_numpy(out), torch_backend.to_numpy(x).astype(np.float64) - 1.0, F16,
                  FUNC_TOL[F16])
+
+
+# =============================================================================
+# The call fast path (a repeated call of one kind launches without the checks)
+# =============================================================================
+@pytest.mark.parametrize("name", [p.id for p in GPU_BACKEND_PARAMS], ids=str)
+@pytest.mark.cuda
+def test_gpu_fast_path_repeated_calls(name):
+    """Calls 2.. of one exact kind take __call__'s fast path: every result is
+    still right when the values, the shape, the layout or out= change."""
+    backend = Backend(name)
+    f = cufuse.fuse(lambda x, y, s: cufuse.tanh(x * s) + y)
+    tol = FUNC_TOL[F32]
+    for seed, shape in enumerate([(64, 33), (64, 33), (64, 33), (7, 5), (64, 33), (0, 3), (1,)]):
+        x, y = rand(shape, F32, 600 + seed), rand(shape, F32, 700 + seed)
+        s = 0.25 * (seed + 1)
+        got = f(backend.asarray(x), backend.asarray(y), s)
+        backend.synchronize()
+        check_kind(backend, got, shape, F32)
+        assert_close(backend.to_numpy(got), np.tanh(x.astype(np.float64) * s) + y, F32, tol, err_msg=str(shape))
+    # a non-contiguous view after the contiguous calls of the same shape
+    x, y = rand((64, 66), F32, 801), rand((64, 33), F32, 802)
+    got = f(backend.asarray(x)[:, ::2], backend.asarray(y), 0.5)
+    assert_close(backend.to_numpy(got), np.tanh(x[:, ::2].astype(np.float64) * 0.5) + y, F32, tol)
+    # out=: a fresh array, then an input itself (in place), poisoned first
+    x, y = rand((64, 33), F32, 803), rand((64, 33), F32, 804)
+    xa, ya = backend.asarray(x), backend.asarray(y)
+    o = backend.asarray(np.full((64, 33), np.nan, F32))
+    for _ in range(2):
+        assert f(xa, ya, 0.5, out=o) is o
+        assert_close(backend.to_numpy(o), np.tanh(x.astype(np.float64) * 0.5) + y, F32, tol)
+    for k in range(2):
+        assert f(xa, ya, 0.5, out=xa) is xa
+        x = np.tanh(x.astype(np.float64) * 0.5) + y
+        assert_close(backend.to_numpy(xa), x, F32, tol, err_msg=f"in place, round {k}")
+        x = backend.to_numpy(xa)

@@ -9,6 +9,7 @@ strided and segmented (horizontal) paths, and scalars are kernel arguments.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import weakref
 
@@ -201,17 +202,29 @@ class Fused:
         return self._signature(spec, len(args)).source
 
     def __call__(self, *args, out=None):
-        # Fast path: same-shape C-contiguous CuPy arrays seen before (the entry
-        # was made by the general path after its checks), out= None or one
-        # matching C-contiguous CuPy array that is an input itself or apart.
+        # Fast path: same-shape C-contiguous CuPy arrays, or contiguous CUDA
+        # tensors, seen before (the entry was made by the general path after
+        # its checks); out= None, or for CuPy one matching C-contiguous array
+        # that is an input itself or apart from them.
         try:
-            key = tuple([(a.dtype, a.shape, a._c_contiguous, a.data.device_id) if type(a) is A.CupyArray
-                         else type(a) for a in args])
-            ent = self._fast.get(key)
+            ent = self._fast.get(_fast_key(args))
         except TypeError:  # an unhashable argument: the general path says what is wrong
             ent = None
         if ent is not None and ent[0] == self._get_device():
-            dev, fn, odts, shape, n, grid, sig = ent
+            dev, fn, odts, shape, n, grid, sig, tdev = ent
+            if tdev is not None:  # torch: raw pointers on torch's current stream
+                if out is not None:
+                    return self._call(args, out)
+                empty = E._TORCH[3]
+                outs = [empty(shape, dtype=dt, device=tdev) for dt in odts]
+                raw = E._TORCH[2](dev)
+                stream = E._TORCH_STREAMS.get(raw) or E._torch_stream_for(raw, dev)
+                fn((grid,), (codegen.BLOCK,), (*[o.data_ptr() for o in outs],
+                                               *[args[i].data_ptr() for i in sig.in_pos], n,
+                                               *[conv(args[i]) if i >= 0 else c for i, conv, c in sig.params]),
+                   0, stream)
+                self.stats["launches"] += 1
+                return tuple(outs) if sig.graph.tuple_out else outs[0]
             if out is None:
                 new = self._new_array
                 outs = [new(shape, dt) for dt in odts]
@@ -270,8 +283,9 @@ class Fused:
         outs = self._outs(sig, out, kind, out_shapes, device)
         params = sig.param_values(args)
         if kind in A.GPU_KINDS:
-            res = self._run_gpu(sig, kind, device, arrays, params, shape, out_shapes, outs,
-                                cache_args=args if kind == A.CUPY else None)
+            if kind == A.TORCH_CUDA and E._TORCH[0] is None:
+                E._bind_torch()
+            res = self._run_gpu(sig, kind, device, arrays, params, shape, out_shapes, outs, cache_args=args)
         else:
             res = self._run_numpy(sig, kind, arrays, params, shape, outs)
         return tuple(res) if sig.graph.tuple_out else res[0]
@@ -331,14 +345,20 @@ class Fused:
             grid = R.grid_for(n // V or 1, dev) or 1
             R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, n, *params), stream)
             self.stats["launches"] += 1
-            if cache_args is not None and all(tuple(x.shape) == shape for x in ins):
-                # Same-shape C-contiguous CuPy arrays: the next call of this exact
-                # kind launches from __call__ without any of the checks above.
+            if (cache_args is not None and all(tuple(x.shape) == shape for x in ins)
+                    and all(type(x) is A.CupyArray or type(x) is E._TORCH[0] for x in ins)):  # no subclasses
+                # Same-shape contiguous arrays: the next call of this exact kind
+                # launches from __call__ without any of the checks above.
                 if len(self._fast) >= _FAST_MAX:
                     self._fast.clear()
-                key = tuple([(a.dtype, a.shape, a._c_contiguous, a.data.device_id)
-                             if type(a) is A.CupyArray else type(a) for a in cache_args])
-                self._fast[key] = (dev, fn, sig.out_dtypes, shape, n, grid, sig)
+                if kind == A.TORCH_CUDA:
+                    if any(x.requires_grad for x in ins):
+                        return
+                    t = A.torch()
+                    odts, tdev = [A.numpy_to_torch_dtype(d) for d in sig.out_dtypes], t.device("cuda", dev)
+                else:
+                    odts, tdev = sig.out_dtypes, None
+                self._fast[_fast_key(cache_args)] = (dev, fn, odts, shape, n, grid, sig, tdev)
             return
         if len(cshape) > E._STRIDED_NDIM:  # more dims than the kernel indexes: dense copies
             dense = [E._dense(x, shape, kind) for x in ins]
@@ -359,7 +379,6 @@ class Fused:
         self.stats["launches"] += 1
 
     def _launch_rows(self, sig, kind, dev, ins, targets, params, shape, stream):
-        g = sig.graph
         cols = shape[-1]
         lead = shape[:-1]
         rows = int(np.prod(lead, dtype=np.int64)) if lead else 1
@@ -428,29 +447,28 @@ class Fused:
         def item(i):
             return tuple(a[i] if p in list_pos else a for p, a in enumerate(args))
 
-        key = flat = None
+        key = None
         if out is not None:
             # The same arrays as a previous call (an optimizer step): its checked
-            # launch table is reused, with this call's scalars. Weak references
-            # make sure that each id is still the very array it was (torch
-            # tensors: and on the same storage).
+            # launch table is reused, with this call's scalars. The plan holds
+            # weak references whose callbacks drop it when any of its arrays
+            # dies, so an id in its key is always the very array it was;
+            # torch tensors must also still be on the same storage.
             outs_ = out if isinstance(out, tuple) and out and isinstance(out[0], (list, tuple)) else (out,)
             try:
-                flat = [a for p in list_pos for a in args[p]] + [o for ol in outs_ for o in ol]
+                key = (tuple(map(id, itertools.chain(*[args[p] for p in list_pos], *outs_))),
+                       tuple(type(a) if p not in list_pos else None for p, a in enumerate(args)), len(outs_))
             except TypeError:
-                flat = None
-            if flat is not None:
-                key = (tuple(map(id, flat)), tuple(type(a) if p not in list_pos else None
-                                                   for p, a in enumerate(args)), len(outs_))
-                ent = self._plans.get(key)
-                if (ent is not None and all(r() is a for r, a in zip(ent[0], flat))
-                        and (ent[1] is None or ent[1] == [a.data_ptr() for a in flat])):
-                    sig, plan, kind, device = ent[2:]
-                    if plan is not None:
-                        self._launch_table(sig, kind, device, plan, sig.param_values(item(0)))
-                    if sig.graph.tuple_out:
-                        return [tuple(ol[i] for ol in outs_) for i in range(count)]
-                    return list(outs_[0])
+                key = None
+            ent = self._plans.get(key) if key is not None else None
+            if ent is not None and (ent[1] is None or ent[1] == [
+                    a.data_ptr() for a in itertools.chain(*[args[p] for p in list_pos], *outs_)]):
+                sig, plan, kind, device = ent[2:]
+                if plan is not None:
+                    self._launch_table(sig, kind, device, plan, sig.param_values(item(0)))
+                if sig.graph.tuple_out:
+                    return [tuple(ol[i] for ol in outs_) for i in range(count)]
+                return list(outs_[0])
 
         kind, spec, _, device = self._classify(item(0))
         for p, s in enumerate(spec):
@@ -485,8 +503,14 @@ class Fused:
         if key is not None and not slow:
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
+            flat = list(itertools.chain(*lists, *out_lists))
             ptrs = [a.data_ptr() for a in flat] if kind == A.TORCH_CUDA else None
-            self._plans[key] = ([weakref.ref(a) for a in flat], ptrs, sig, plan, kind, device)
+            plans = self._plans
+
+            def drop(_ref, key=key):
+                plans.pop(key, None)
+
+            self._plans[key] = ([weakref.ref(a, drop) for a in flat], ptrs, sig, plan, kind, device)
         return results
 
     def _foreach_outs(self, out, count, nout, tuple_out):
@@ -604,6 +628,16 @@ def _stream(kind, dev):
     if kind == A.TORCH_CUDA:
         return R.external_stream(E._torch_stream(dev), dev)
     return R._cp.cuda.get_current_stream()
+
+
+def _fast_key(args):
+    """What the fast path of ``Fused.__call__`` keys on: per CuPy array or
+    CUDA tensor its dtype, shape, contiguity and device (tensors: and
+    requires_grad), per other argument its type."""
+    Tensor = E._TORCH[0]
+    return tuple([(a.dtype, a.shape, a._c_contiguous, a.data.device_id) if type(a) is A.CupyArray
+                  else ((a.dtype, a.shape, a.is_contiguous(), a.get_device(), a.requires_grad)
+                        if type(a) is Tensor else type(a)) for a in args])
 
 
 def _apart_fast(out, args, in_pos):

@@ -369,8 +369,8 @@ def _copy_into(out, src, kind):
 _get_device = R._cp.cuda.runtime.getDevice if R._cp is not None else None
 
 # torch fast-path helpers, bound when the first tensor is seen (cufuse never
-# imports torch itself): [torch.Tensor, torch.empty_like, raw current stream getter].
-_TORCH = [None, None, None]
+# imports torch itself): [torch.Tensor, torch.empty_like, raw current stream getter, torch.empty].
+_TORCH = [None, None, None, None]
 _TORCH_DTYPES: dict = {}   # torch float dtype -> numpy dtype
 _TORCH_STREAMS: dict = {}  # raw stream handle -> CuPy stream object
 
@@ -380,6 +380,7 @@ def _bind_torch():
     _TORCH_DTYPES.update({t.float16: np.dtype(np.float16), t.float32: np.dtype(np.float32),
                           t.float64: np.dtype(np.float64)})
     _TORCH[1] = t.empty_like
+    _TORCH[3] = t.empty
     _TORCH[2] = getattr(t._C, "_cuda_getCurrentRawStream", None) or (
         lambda dev: t.cuda.current_stream(dev).cuda_stream)
     _TORCH[0] = t.Tensor
