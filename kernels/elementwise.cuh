@@ -303,14 +303,14 @@ __device__ __forceinline__ void run_fused_strided(const F& f, void* const* p, lo
 
 // Horizontal fusion: many independent contiguous operand sets in one launch.
 // `table` holds one row per set: N pointers, the element count, the first
-// block. A block takes kSegmentPacks * blockDim.x packs of one set (a thread
-// kSegmentPacks packs, blockDim.x apart), so that the binary search for its
-// set (dependent loads) is paid once per several packs: with one pack per
-// thread, 64 sets of 100K float32 ran at 2.6 TB/s on an H200. Sets are
-// sorted by first block, and every set's pointers are pack-aligned (host-checked).
-constexpr int kSegmentPacks = 4;  // cufuse/_fuse/api.py: SEGMENT_PACKS
+// block. A block takes `upt` * blockDim.x packs of one set (a thread `upt`
+// packs, blockDim.x apart), so that the binary search for its set (dependent
+// loads) is paid once per several packs; the host picks `upt`
+// (cufuse/_fuse/api.py: SEGMENT_PACKS, with the measurements). Sets are sorted
+// by first block, and every set's pointers are pack-aligned (host-checked).
 template <typename F>
-__device__ __forceinline__ void run_fused_segments(const F& f, const long long* __restrict__ table, int nseg) {
+__device__ __forceinline__ void run_fused_segments(const F& f, const long long* __restrict__ table, int nseg,
+                                                   int upt) {
     constexpr int N = F::N, V = F::V, R = N + 2;
     const long long b = blockIdx.x;
     int lo = 0, hi = nseg - 1;
@@ -324,13 +324,12 @@ __device__ __forceinline__ void run_fused_segments(const F& f, const long long* 
 #pragma unroll
     for (int k = 0; k < N; ++k) p[k] = reinterpret_cast<void*>(row[k]);
     const long long n = row[N];
-    const long long q0 = (b - row[N + 1]) * blockDim.x * kSegmentPacks + threadIdx.x;
+    const long long q0 = (b - row[N + 1]) * blockDim.x * upt + threadIdx.x;
     long long off[N];
     bool bc[N];
 #pragma unroll
     for (int k = 0; k < N; ++k) bc[k] = false;
-#pragma unroll
-    for (int u = 0; u < kSegmentPacks; ++u) {
+    for (int u = 0; u < upt; ++u) {
         const long long q = q0 + static_cast<long long>(u) * blockDim.x;
         if ((q + 1) * V <= n) {
 #pragma unroll

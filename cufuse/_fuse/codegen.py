@@ -237,8 +237,8 @@ def source(g, in_dtypes, entry=None):
                 f"    cufuse::run_fused_strided(Fused{{{sargs}}}, p, n, L);",
                 "}"],
             "fused_segments": [
-                f"{head} fused_segments(const long long* table, int nseg{sparams}) {{",
-                f"    cufuse::run_fused_segments(Fused{{{sargs}}}, table, nseg);",
+                f"{head} fused_segments(const long long* table, int nseg, int upt{sparams}) {{",
+                f"    cufuse::run_fused_segments(Fused{{{sargs}}}, table, nseg, upt);",
                 "}"],
         }
         for name in ([entry] if entry else ENTRIES):
