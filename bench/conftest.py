@@ -7,7 +7,6 @@ happens lazily, inside the first benchmark that runs: with ``--benchmark-skip``
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +24,6 @@ TARGETS: list[dict] = []     # issue targets on bandwidth rows, judged in the su
 _BENCH: dict = {}            # the one GpuBench of the session, once created
 
 COPY_BYTES = 1 << 30         # 1 GiB source + 1 GiB destination for the copy reference
-FLUSH_BYTES = 512 << 20      # memset before each event-timed call (see gpu_time_us)
 
 
 def size_label(n: int) -> str:
@@ -48,10 +46,8 @@ class GpuBench:
         self.targets = TARGETS       # and their targets here (see _target_lines)
         self._inputs_key = None
         self._inputs = None
-        self._scratch = None
         self._copy = None
         self._info = None
-        self._flush_us = None
         self._streams = {}
 
     # ------------------------------------------------------------ basics
@@ -103,70 +99,17 @@ class GpuBench:
         return self._inputs
 
     # ------------------------------------------------------------ timing
-    def _flush(self, stream):
-        """Queue a 512 MiB memset on ``stream``: evicts L2 (like triton's
-        do_bench) and keeps the GPU busy while the host queues the timed call."""
-        cp = self.cp
-        if self._scratch is None:
-            self._scratch = cp.empty(FLUSH_BYTES, dtype=np.uint8)
-        cp.cuda.runtime.memsetAsync(self._scratch.data.ptr, 0, FLUSH_BYTES, stream.ptr)
-
     def gpu_time_us(self, fn, stream, reps: int, warmup: int = 10, batch: int = 1) -> dict:
-        """GPU microseconds per ``fn()`` by CUDA events on ``stream`` (the
-        stream fn queues its work on): median over ``reps`` of ``batch``
-        back-to-back calls between two events, divided by ``batch``.
-
-        Before each repetition, memsets of a 512 MiB buffer are queued: they
-        evict L2 (as triton's do_bench does) and keep the GPU busy while the
-        host queues the calls, so the events bracket GPU work and not the
-        host's launch overhead. Enough memsets are queued to outlast the
-        host's enqueue time seen in the warm-up (twice over); ``backlog_ok``
-        says whether the measured enqueue time stayed under the backlog.
-        """
-        cp = self.cp
-        flush_us = self.flush_us()
-        warm = []
-        for _ in range(warmup):
-            t0 = time.perf_counter()
-            fn()
-            warm.append(time.perf_counter() - t0)
-        self.sync()
-        need_us = 2 * statistics.median(warm) * 1e6 * batch
-        n_flush = min(32, max(1, math.ceil(need_us / flush_us)))
-        start, end = cp.cuda.Event(), cp.cuda.Event()
-        gpu, enq = [], []
-        for _ in range(reps):
-            for _ in range(n_flush):
-                self._flush(stream)
-            start.record(stream)
-            t0 = time.perf_counter()
-            for _ in range(batch):
-                fn()
-            enq.append(time.perf_counter() - t0)
-            end.record(stream)
-            end.synchronize()
-            gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / batch)
-        self.sync()
-        enq_us = statistics.median(enq) * 1e6
-        return {"gpu_us": statistics.median(gpu), "enqueue_us": enq_us / batch,
-                "backlog_us": n_flush * flush_us, "backlog_ok": enq_us < 0.9 * n_flush * flush_us}
+        """GPU microseconds per ``fn()`` on ``stream``: cufuse._timing.gpu_times
+        (CUDA events, a 512 MiB memset backlog before each repetition that
+        flushes L2 and outlasts the host's enqueue time; median of ``reps``)."""
+        from cufuse import _timing
+        return _timing.gpu_times(fn, stream, reps=reps, warmup=warmup, batch=batch)
 
     def flush_us(self) -> float:
         """GPU microseconds of one 512 MiB memset (measured once)."""
-        if self._flush_us is None:
-            cp = self.cp
-            s = cp.cuda.get_current_stream()
-            start, end = cp.cuda.Event(), cp.cuda.Event()
-            ts = []
-            for _ in range(7):
-                self._flush(s)
-                start.record(s)
-                self._flush(s)
-                end.record(s)
-                end.synchronize()
-                ts.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
-            self._flush_us = statistics.median(ts)
-        return self._flush_us
+        from cufuse import _timing
+        return _timing.flush_us(self.device)
 
     def external_stream(self, ptr: int):
         """A CuPy stream object for a raw stream handle (torch's): cufuse's own cache."""

@@ -21,3 +21,10 @@ __all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch",
            "fuse", "Fused", "TraceError", "where", "abs", "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt",
            "sin", "cos", "tanh", "sigmoid", "erf", "relu", "gelu", "silu", "softplus", "clip", "minimum", "maximum",
            "round", "floor", "ceil"]
+
+
+def __getattr__(name):  # cufuse.bench on first use (python -m cufuse.bench runs it as __main__)
+    if name == "bench":
+        import importlib
+        return importlib.import_module(".bench", __name__)
+    raise AttributeError(f"module 'cufuse' has no attribute {name!r}")

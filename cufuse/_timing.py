@@ -1,32 +1,103 @@
 """Timing the way the project's rules say: warm up, events (or a synchronize)
-around the timed region, the median of many repeats."""
+around the timed region, the median of many repeats.
+
+``gpu_times`` is the one event timer: the benchmark suite (bench/conftest.py)
+and ``cufuse.bench.compare`` both use it.
+"""
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
 from . import _runtime as R
 
+FLUSH_BYTES = 512 << 20  # memset before each event-timed repetition (evicts L2: 50-60 MB on an H100/H200)
+_scratch: dict = {}       # device -> flush buffer
+_flush_us: dict = {}      # device -> GPU µs of one flush
+
+
+def _flush(stream, device):
+    cp = R._cp
+    buf = _scratch.get(device)
+    if buf is None:
+        with cp.cuda.Device(device):
+            buf = _scratch[device] = cp.empty(FLUSH_BYTES, dtype="uint8")
+    cp.cuda.runtime.memsetAsync(buf.data.ptr, 0, FLUSH_BYTES, stream.ptr)
+
+
+def flush_us(device=None) -> float:
+    """GPU microseconds of one 512 MiB memset on ``device`` (measured once)."""
+    cp = R._cp
+    device = cp.cuda.runtime.getDevice() if device is None else device
+    us = _flush_us.get(device)
+    if us is None:
+        s = cp.cuda.get_current_stream()
+        start, end = cp.cuda.Event(), cp.cuda.Event()
+        ts = []
+        for _ in range(7):
+            _flush(s, device)
+            start.record(s)
+            _flush(s, device)
+            end.record(s)
+            end.synchronize()
+            ts.append(cp.cuda.get_elapsed_time(start, end) * 1e3)
+        us = _flush_us[device] = statistics.median(ts)
+    return us
+
+
+def gpu_times(fn, stream=None, *, reps=50, warmup=10, batch=1, flush=True) -> dict:
+    """GPU microseconds per ``fn()`` by CUDA events on ``stream`` (the stream
+    fn queues its work on; None: CuPy's current stream): ``reps`` samples of
+    ``batch`` back-to-back calls between two events, divided by ``batch``.
+
+    With ``flush``, memsets of a 512 MiB buffer are queued before each
+    repetition: they evict L2 (as triton's do_bench does) and keep the GPU
+    busy while the host queues the calls, so that the events bracket GPU work
+    and not the host's launch overhead. Enough memsets are queued to outlast
+    twice the host enqueue time seen in the warm-up; ``backlog_ok`` says
+    whether the measured enqueue time stayed under the backlog. Returns
+    {"gpu_us" (median), "samples_us", "enqueue_us", "backlog_us", "backlog_ok"}.
+    """
+    cp = R._cp
+    stream = cp.cuda.get_current_stream() if stream is None else stream
+    device = cp.cuda.runtime.getDevice()
+    warm = []
+    for _ in range(warmup):
+        t0 = time.perf_counter()
+        fn()
+        warm.append(time.perf_counter() - t0)
+    cp.cuda.runtime.deviceSynchronize()
+    n_flush = 0
+    if flush:
+        need_us = 2 * (statistics.median(warm) if warm else 0.0) * 1e6 * batch
+        n_flush = min(32, max(1, math.ceil(need_us / flush_us(device))))
+    start, end = cp.cuda.Event(), cp.cuda.Event()
+    gpu, enq = [], []
+    for _ in range(reps):
+        for _ in range(n_flush):
+            _flush(stream, device)
+        start.record(stream)
+        t0 = time.perf_counter()
+        for _ in range(batch):
+            fn()
+        enq.append(time.perf_counter() - t0)
+        end.record(stream)
+        end.synchronize()
+        gpu.append(cp.cuda.get_elapsed_time(start, end) * 1e3 / batch)
+    cp.cuda.runtime.deviceSynchronize()
+    enq_us = statistics.median(enq) * 1e6
+    backlog = n_flush * flush_us(device) if n_flush else 0.0
+    return {"gpu_us": statistics.median(gpu), "samples_us": gpu, "enqueue_us": enq_us / batch,
+            "backlog_us": backlog, "backlog_ok": (not flush) or enq_us < 0.9 * backlog}
+
 
 def time_gpu(fn, *, warmup=5, repeat=50, stream=None, inner=1):
     """Per-call milliseconds of ``fn`` (which queues GPU work on CuPy's current
     stream, or ``stream``): CUDA events around ``inner`` back-to-back calls,
-    divided by ``inner``, ``repeat`` times. Returns the list. With inner > 1 a
-    small kernel is timed as a stream of calls, launch gaps included."""
-    cp = R._cp
-    for _ in range(warmup):
-        fn()
-    cp.cuda.get_current_stream().synchronize() if stream is None else stream.synchronize()
-    times = []
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    for _ in range(repeat):
-        start.record(stream)
-        for _ in range(inner):
-            fn()
-        end.record(stream)
-        end.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, end) / inner)
-    return times
+    divided by ``inner``, ``repeat`` times, no L2 flush. Returns the list."""
+    res = gpu_times(fn, stream, reps=repeat, warmup=warmup, batch=inner, flush=False)
+    return [t / 1e3 for t in res["samples_us"]]
 
 
 def time_host(fn, *, warmup=3, repeat=20, sync=None):

@@ -1,0 +1,447 @@
+"""Time your own implementations the way cufuse's benchmarks do, and read the suite's results.
+
+    >>> from cufuse.bench import compare
+    >>> t = compare({"cufuse": cufuse.add_mul_exp, "cupy": lambda x, y: cp.exp((x + y) * 2)},
+    ...             x, y, nbytes=3 * x.nbytes)
+    >>> print(t)            # median, spread, GB/s, speedup, error against the first
+    >>> t.plot("cmp.png")   # needs matplotlib (pip install cufuse[bench])
+
+``python -m cufuse.bench`` runs the benchmark suite (or reads saved results)
+and prints the report; ``--quick`` runs a small comparison in under a minute,
+with or without a GPU. See the README section "Benchmarks".
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import _arrays as A
+from . import _runtime as R
+from . import _timing
+
+__all__ = ["compare", "Comparison", "main"]
+
+
+# ------------------------------------------------------------------ compare
+@dataclass
+class Comparison:
+    """The result of ``compare``: one row per implementation (dicts with
+    name, median_us, q1_us, q3_us, GBps, speedup, max_abs_err, max_rel_err),
+    the device it ran on, and how it was timed."""
+
+    rows: list
+    device: str
+    method: str
+    nbytes: int | None = None
+    notes: list = field(default_factory=list)
+
+    def __getitem__(self, name):
+        for r in self.rows:
+            if r["name"] == name:
+                return r
+        raise KeyError(name)
+
+    def table(self) -> list[list[str]]:
+        head = ["impl", "median µs", "IQR µs", "GB/s", "speedup", "max abs err", "max rel err"]
+        body = []
+        for r in self.rows:
+            body.append([r["name"], f"{r['median_us']:.2f}", f"{r['q1_us']:.2f}-{r['q3_us']:.2f}",
+                         "-" if r["GBps"] is None else f"{r['GBps']:.0f}", f"{r['speedup']:.2f}x",
+                         _err(r["max_abs_err"]), _err(r["max_rel_err"])])
+        return [head] + body
+
+    def __str__(self):
+        lines = [f"{self.device}; {self.method}. speedup: {self.rows[0]['name']} µs / impl µs "
+                 f"(>1 = faster than {self.rows[0]['name']}); errors against {self.rows[0]['name']}."]
+        lines += _format(self.table())
+        lines += self.notes
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+    def to_markdown(self) -> str:
+        t = self.table()
+        out = ["| " + " | ".join(t[0]) + " |", "|" + "---|" * len(t[0])]
+        out += ["| " + " | ".join(r) + " |" for r in t[1:]]
+        return "\n".join(out)
+
+    def plot(self, path=None, title=None):
+        """A bar chart of the medians (IQR as error bars; GB/s on the bars when
+        known). Saved to ``path`` when given; returns the matplotlib Figure."""
+        plt = _pyplot()
+        fig, ax = plt.subplots(figsize=(6, 0.6 + 0.45 * len(self.rows)))
+        names = [r["name"] for r in self.rows][::-1]
+        med = [r["median_us"] for r in self.rows][::-1]
+        err = [[r["median_us"] - r["q1_us"] for r in self.rows][::-1], [r["q3_us"] - r["median_us"] for r in self.rows][::-1]]
+        ax.barh(names, med, xerr=err, color="#4c72b0")
+        for i, r in enumerate(self.rows[::-1]):
+            label = f" {r['median_us']:.1f} µs" + (f", {r['GBps']:.0f} GB/s" if r["GBps"] else "")
+            ax.text(r["median_us"], i, label, va="center", fontsize=8)
+        ax.set_xlabel("µs per call (median; bars: IQR)")
+        ax.set_title(title or self.device, fontsize=9)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+        return fig
+
+
+def _err(v):
+    return "-" if v is None else f"{v:.2e}"
+
+
+def _format(rows):
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    out = []
+    for k, r in enumerate(rows):
+        out.append("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
+def _pyplot():
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        raise ImportError("plots need matplotlib: pip install 'cufuse[bench]' (or matplotlib)") from e
+    return plt
+
+
+def _leaves(res):
+    return list(res) if isinstance(res, (tuple, list)) else [res]
+
+
+def _kind_of(x):
+    try:
+        return A.kind_of(x)
+    except TypeError:
+        return None
+
+
+def _to_numpy(x):
+    k = _kind_of(x)
+    if k == A.CUPY:
+        return x.get()
+    if k in (A.TORCH_CPU, A.TORCH_CUDA):
+        return x.detach().cpu().numpy()
+    return np.asarray(x)
+
+
+def _errors(got, ref):
+    """Max abs and max relative error of ``got`` against ``ref`` (float64; NaN
+    where both are NaN counts as equal; infinities must match)."""
+    abs_e = rel_e = 0.0
+    for g, r in zip(_leaves(got), _leaves(ref)):
+        g = _to_numpy(g).astype(np.float64)
+        r = _to_numpy(r).astype(np.float64)
+        if g.shape != r.shape:
+            return float("inf"), float("inf")
+        both_nan = np.isnan(g) & np.isnan(r)
+        same_inf = np.isinf(g) & (g == r)
+        d = np.where(both_nan | same_inf, 0.0, np.abs(g - r))
+        if d.size:
+            abs_e = max(abs_e, float(np.nanmax(np.where(np.isnan(d), np.inf, d))))
+            rel = d / np.maximum(np.abs(np.where(same_inf | both_nan, 1.0, r)), np.finfo(np.float64).tiny)
+            rel_e = max(rel_e, float(np.max(np.where(np.isnan(rel), np.inf, rel))))
+    return abs_e, rel_e
+
+
+def compare(impls, *args, nbytes=None, repeats=50, warmup=10, flush=True, check=True, **kwargs):
+    """Time implementations of one computation the way cufuse's benchmarks do.
+
+    ``impls``: a dict name -> callable, or a list of callables (named by
+    ``__name__``); each is called as ``fn(*args, **kwargs)``. The first is the
+    baseline of the speedups and of the error columns.
+
+    On the GPU (when a result is a CuPy array or a CUDA tensor): CUDA events
+    on the stream the work goes to (torch's current stream for tensors),
+    ``warmup`` calls first, then ``repeats`` timed calls, each after a 512 MiB
+    memset that evicts L2 and keeps the GPU busy while the host queues the
+    call (``flush=False``: back-to-back, L2 warm). On the CPU: the host clock
+    over ``repeats`` calls. Reported: median and interquartile range in µs;
+    GB/s when you give ``nbytes`` (bytes one call must move: inputs read once
+    plus outputs written once); speedup = baseline median / median; with
+    ``check``, the max abs and relative difference of each result from the
+    baseline's (computed on the same inputs before timing).
+
+    Pass inputs with random data, never zeros, and sizes well beyond L2 for
+    bandwidth figures. Returns a ``Comparison`` (prints as a table; ``.rows``,
+    ``.to_markdown()``, ``.plot(path)``).
+    """
+    if isinstance(impls, dict):
+        items = list(impls.items())
+    else:
+        items = [(getattr(f, "__name__", repr(f)), f) for f in impls]
+    if not items:
+        raise ValueError("cufuse.bench.compare: no implementations given")
+    for name, f in items:
+        if not callable(f):
+            raise TypeError(f"cufuse.bench.compare: {name!r} is not callable")
+    if not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"cufuse.bench.compare: repeats must be a positive int, got {repeats!r}")
+    first = {name: f(*args, **kwargs) for name, f in items}  # correctness run (and compiles)
+    kinds = {_kind_of(x) for r in first.values() for x in _leaves(r)}
+    on_gpu = bool(kinds & set(A.GPU_KINDS))
+    base_name = items[0][0]
+    rows = []
+    for name, f in items:
+        call = (lambda f=f: f(*args, **kwargs))
+        if on_gpu:
+            stream = _stream_of(first[name])
+            t = _timing.gpu_times(call, stream, reps=repeats, warmup=warmup, flush=flush)
+            samples = t["samples_us"]
+        else:
+            for _ in range(warmup):
+                call()
+            samples = [ms * 1e3 for ms in _timing.time_host(call, warmup=0, repeat=repeats)]
+        q = statistics.quantiles(samples, n=4) if len(samples) > 1 else [samples[0]] * 3
+        med = statistics.median(samples)
+        abs_e, rel_e = _errors(first[name], first[base_name]) if check else (None, None)
+        rows.append({"name": name, "median_us": med, "q1_us": q[0], "q3_us": q[2], "min_us": min(samples),
+                     "GBps": None if not nbytes else nbytes / (med * 1e-6) / 1e9,
+                     "max_abs_err": abs_e, "max_rel_err": rel_e, "samples_us": samples})
+    base = rows[0]["median_us"]
+    for r in rows:
+        r["speedup"] = base / r["median_us"] if r["median_us"] else float("inf")
+    if on_gpu:
+        props = R._cp.cuda.runtime.getDeviceProperties(R._cp.cuda.runtime.getDevice())
+        name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])
+        method = (f"CUDA events, median of {repeats} after {warmup} warm-up calls, "
+                  + ("L2 flushed before each call" if flush else "back to back (L2 warm)"))
+    else:
+        import platform
+        name = f"CPU ({platform.processor() or platform.machine()})"
+        method = f"host clock, median of {repeats} after {warmup} warm-up calls"
+    return Comparison(rows, name, method, nbytes)
+
+
+def _stream_of(res):
+    """The stream a result's work went to: torch's current stream for CUDA tensors, else CuPy's."""
+    for x in _leaves(res):
+        if _kind_of(x) == A.TORCH_CUDA:
+            dev = x.get_device()
+            return R.external_stream(A.torch().cuda.current_stream(dev).cuda_stream, dev)
+    return R._cp.cuda.get_current_stream()
+
+
+# ------------------------------------------------------------------ the report
+# Kernels launched and passes over memory (arrays read + arrays written, each
+# once) of the unfused chain and of the cufuse kernel, per op.
+TRAFFIC = {
+    "add_relu": ("relu(a + b)", 2, 5, 3), "mul_tanh": ("tanh(a * b)", 2, 5, 3),
+    "add_mul_exp": ("exp((x + y) * 2)", 3, 7, 3), "fma": ("q * k + v", 2, 6, 4),
+    "bias_gelu": ("gelu(x + bias)", 2, 4, 2), "gelu_dropout": ("dropout(gelu(x))", 3, 7, 2),
+    "fuse(add_mul_exp)": ("exp((x + y) * 2)", 3, 7, 3),
+}
+
+
+def _traffic_line(op):
+    base = op.split("[")[0]
+    t = TRAFFIC.get(base)
+    if t is None:
+        return None
+    expr, k, passes, fused = t
+    return (f"memory traffic: {expr}: unfused {k} kernels and {passes} passes over memory; "
+            f"cufuse 1 kernel and {fused}")
+
+
+def report(data: dict) -> list[str]:
+    """The report lines for a saved suite result (bench/conftest.py's
+    .benchmarks/cufuse-summary.json)."""
+    out = []
+    info = data.get("info") or {}
+    if info:
+        out.append(" ".join(f"{k}={v}" for k, v in info.items()))
+    copy = data.get("copy") or {}
+    if copy:
+        out.append(f"device-to-device copy: {copy.get('GBps', 0):.0f} GB/s (the ceiling: % of copy below)")
+    by_op: dict = {}
+    for r in data.get("bandwidth", []):
+        by_op.setdefault(r["op"], []).append(r)
+    for op, rows in by_op.items():
+        out += ["", f"== {op}"]
+        line = _traffic_line(op)
+        if line:
+            out.append(line)
+        keys = sorted({(r["dtype"], r["n"]) for r in rows}, key=lambda k: (k[0], k[1]))
+        impls = list(dict.fromkeys(r["impl"] for r in rows))
+        table = [["dtype", "n", "impl", "GPU µs", "host µs", "GB/s", "% copy", "vs cufuse"]]
+        for dt, n in keys:
+            cell = {r["impl"]: r for r in rows if (r["dtype"], r["n"]) == (dt, n)}
+            cf = cell.get("cufuse")
+            for impl in impls:
+                r = cell.get(impl)
+                if r is None:
+                    continue
+                ratio = "-" if cf is None else f"{r['gpu_us'] / cf['gpu_us']:.2f}x"
+                host = r.get("host_us")
+                table.append([dt, _size(n), impl, f"{r['gpu_us']:.1f}", "-" if host is None else f"{host:.1f}",
+                              f"{r['GBps']:.0f}", f"{r['pct_of_copy']:.1f}%", ratio])
+        out += _format(table)
+    for lat in data.get("latency", []):
+        out += ["", f"== one call at {_size(lat['n'])} {lat['dtype']} (host µs per call)"]
+        bare = lat["us"].get("bare RawKernel")
+        t = [["variant", "µs/call", "vs bare"]]
+        for k, v in lat["us"].items():
+            t.append([k, f"{v:.2f}", "-" if not bare else f"{v / bare:.2f}x"])
+        out += _format(t)
+    for k, v in (data.get("skipped") or {}).items():
+        out.append(f"skipped peer {k}: {v}")
+    return out
+
+
+def _size(n):
+    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else (f"{n // 1000}K" if n % 1000 == 0 else str(n))
+
+
+def plot_report(data: dict, folder) -> list[str]:
+    """PNGs of a saved suite result: per op and dtype, GB/s against size per
+    implementation, and the speedup of cufuse over each peer. Returns the paths."""
+    plt = _pyplot()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    by = {}
+    for r in data.get("bandwidth", []):
+        by.setdefault((r["op"], r["dtype"]), []).append(r)
+    for (op, dt), rows in by.items():
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3))
+        impls = list(dict.fromkeys(r["impl"] for r in rows))
+        for impl in impls:
+            pts = sorted((r["n"], r["GBps"]) for r in rows if r["impl"] == impl)
+            a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
+        a1.set_xscale("log")
+        a1.set_xlabel("elements")
+        a1.set_ylabel("GB/s")
+        a1.legend(fontsize=7)
+        cf = {r["n"]: r["gpu_us"] for r in rows if r["impl"] == "cufuse"}
+        peers = [i for i in impls if i != "cufuse"]
+        ns = sorted(cf)
+        width = 0.8 / max(1, len(peers))
+        for k, impl in enumerate(peers):
+            sp = {r["n"]: r["gpu_us"] / cf[r["n"]] for r in rows if r["impl"] == impl and r["n"] in cf}
+            a2.bar([i + k * width for i in range(len(ns))], [sp.get(n, 0) for n in ns], width, label=impl)
+        a2.axhline(1.0, color="k", lw=0.5)
+        a2.set_xticks([i + 0.4 - width / 2 for i in range(len(ns))], [_size(n) for n in ns])
+        a2.set_ylabel("cufuse speedup (peer µs / cufuse µs)")
+        a2.legend(fontsize=7)
+        fig.suptitle(f"{op} {dt}", fontsize=9)
+        fig.tight_layout()
+        p = folder / f"{op.replace('[', '_').replace(']', '').replace('(', '_').replace(')', '')}-{dt}.png"
+        fig.savefig(p, dpi=80)
+        plt.close(fig)
+        paths.append(str(p))
+    return paths
+
+
+# ------------------------------------------------------------------ quick run
+def quick(sizes=None, out=sys.stdout, plot_dir=None) -> list:
+    """A small comparison in under a minute: on a GPU cufuse against the CuPy
+    chain (and torch eager when torch is installed); without one, cufuse's
+    NumPy fallback against the unfused NumPy chain."""
+    import cufuse
+    results = []
+    gpu = cufuse.CUDA_AVAILABLE
+    sizes = sizes or ((1 << 20, 1 << 25) if gpu else (1 << 16, 1 << 20))
+    xp = R._cp if gpu else np
+    rng = np.random.default_rng(0)
+    cases = [("add_mul_exp", lambda x, y: xp.exp((x + y) * 2), 3),
+             ("add_relu", lambda x, y: xp.maximum(x + y, 0), 3)]
+    total = len(cases) * len(sizes)
+    done = 0
+    for name, chain, passes in cases:
+        for n in sizes:
+            x = xp.asarray(rng.standard_normal(n, dtype=np.float32))
+            y = xp.asarray(rng.standard_normal(n, dtype=np.float32))
+            impls = {"cufuse": getattr(cufuse, name), ("cupy chain" if gpu else "numpy chain"): chain}
+            torch = sys.modules.get("torch") if gpu else None
+            if torch is not None and torch.cuda.is_available():
+                tx, ty = torch.from_dlpack(x), torch.from_dlpack(y)
+                tchain = {"add_mul_exp": lambda: torch.exp((tx + ty) * 2),
+                          "add_relu": lambda: torch.relu(tx + ty)}[name]
+                impls["torch eager"] = lambda x_, y_, f=tchain: f()
+            res = compare(impls, x, y, nbytes=passes * x.nbytes, repeats=30 if gpu else 10, warmup=5)
+            done += 1
+            print(f"\r[{'#' * (20 * done // total):20s}] {done}/{total}", end="", file=sys.stderr, flush=True)
+            results.append((f"{name} {_size(n)} float32", res))
+    print(file=sys.stderr)
+    for title, res in results:
+        print(f"\n== {title}", file=out)
+        print(res, file=out)
+    if plot_dir:
+        d = Path(plot_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        for title, res in results:
+            res.plot(d / (title.replace(" ", "_") + ".png"), title=title)
+        print(f"\nplots in {d}", file=out)
+    return results
+
+
+# ------------------------------------------------------------------ the CLI
+def _run_suite(args, json_path):
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "conftest.py").is_file():
+        raise SystemExit("cufuse.bench: the benchmark suite (bench/) ships with the repository, not the wheel; "
+                         "run this from a clone, or use --quick / --from FILE")
+    cmd = [sys.executable, "-m", "pytest", "bench", "--benchmark-only", "-q", "-p", "no:cacheprovider",
+           f"--benchmark-json={json_path}"] + (["-k", args.k] if args.k else [])
+    print("running:", " ".join(cmd), file=sys.stderr)
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tail = []
+    for line in proc.stdout:  # progress: pytest -q prints "[ NN%]" at the end of each line of dots
+        tail.append(line)
+        tail = tail[-200:]
+        if line.rstrip().endswith("%]"):
+            pct = line.rstrip()[-5:-2].strip()
+            print(f"\rsuite {pct}% ({time.time() - t0:.0f} s)", end="", file=sys.stderr, flush=True)
+    proc.wait()
+    print(file=sys.stderr)
+    if proc.returncode not in (0, 5):
+        sys.stderr.write("".join(tail[-40:]))
+        raise SystemExit(f"cufuse.bench: the suite failed (pytest exit {proc.returncode})")
+    return root / ".benchmarks" / "cufuse-summary.json"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cufuse.bench", description=(
+        "Run cufuse's benchmark suite (pytest-benchmark; needs a GPU) and print the report: per op, time per "
+        "implementation and size, GB/s and % of the device copy bandwidth, speedups, memory traffic."))
+    p.add_argument("--from", dest="src", metavar="FILE",
+                   help="report from a saved result (.benchmarks/cufuse-summary.json) instead of running")
+    p.add_argument("--quick", action="store_true", help="a small comparison in under a minute (no GPU: NumPy fallback)")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib: cufuse[bench])")
+    p.add_argument("--json", metavar="FILE", default=".benchmarks/cufuse-bench.json",
+                   help="where the suite saves pytest-benchmark's JSON (default %(default)s)")
+    p.add_argument("-k", metavar="EXPR", help="run only the benchmarks pytest -k selects")
+    args = p.parse_args(argv)
+    if args.quick:
+        quick(plot_dir=args.plot)
+        return 0
+    src = Path(args.src) if args.src else _run_suite(args, Path(args.json).resolve())
+    try:
+        data = json.loads(Path(src).read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"cufuse.bench: cannot read {src}: {e}")
+    if not isinstance(data, dict) or "bandwidth" not in data:
+        raise SystemExit(f"cufuse.bench: {src} is not a cufuse suite summary (bench/conftest.py writes "
+                         ".benchmarks/cufuse-summary.json)")
+    print("\n".join(report(data)))
+    if args.plot:
+        paths = plot_report(data, args.plot)
+        print(f"\n{len(paths)} plots in {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""cufuse.bench: the compare() utility and the report CLI (python -m cufuse.bench)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import cufuse
+from cufuse import bench
+
+
+def _xy(n=4099, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+
+
+def test_compare_numpy_rows_speedups_errors():
+    x, y = _xy()
+    t = bench.compare({"ref": lambda a, b: np.exp((a + b) * 2), "same": lambda a, b: np.exp((a + b) * 2),
+                       "wrong": lambda a, b: np.exp((a + b) * 2) * 1.5}, x, y, nbytes=3 * x.nbytes, repeats=5)
+    assert [r["name"] for r in t.rows] == ["ref", "same", "wrong"]
+    assert t["ref"]["speedup"] == pytest.approx(1.0)
+    for r in t.rows:
+        assert r["q1_us"] <= r["median_us"] <= r["q3_us"] and r["median_us"] > 0
+        assert r["GBps"] == pytest.approx(3 * x.nbytes / (r["median_us"] * 1e-6) / 1e9)
+        assert r["speedup"] == pytest.approx(t["ref"]["median_us"] / r["median_us"])
+    assert t["same"]["max_abs_err"] == 0.0 and t["same"]["max_rel_err"] == 0.0
+    assert t["wrong"]["max_rel_err"] == pytest.approx(0.5, rel=1e-6)
+    text = str(t)
+    assert "wrong" in text and "GB/s" in text and "CPU" in text
+    md = t.to_markdown()
+    assert md.splitlines()[0].startswith("| impl |") and len(md.splitlines()) == 5
+
+
+def test_compare_list_of_functions_and_cufuse_fallback():
+    x, y = _xy(1000, 1)
+
+    def chain(a, b):
+        return np.maximum(a + b, 0)
+
+    t = bench.compare([cufuse.add_relu, chain], x, y, repeats=3, warmup=1)
+    assert [r["name"] for r in t.rows] == ["add_relu", "chain"]
+    assert t["chain"]["max_abs_err"] == 0.0
+    assert t["add_relu"]["GBps"] is None  # no nbytes given
+
+
+def test_compare_errors():
+    x, y = _xy(10)
+    with pytest.raises(ValueError, match="no implementations"):
+        bench.compare({}, x)
+    with pytest.raises(TypeError, match="not callable"):
+        bench.compare({"a": 3}, x)
+    with pytest.raises(ValueError, match="repeats"):
+        bench.compare({"a": np.negative}, x, repeats=0)
+
+
+def test_compare_result_shape_mismatch_is_an_error_figure():
+    x, _ = _xy(10)
+    t = bench.compare({"a": lambda v: v * 2, "b": lambda v: v[:5] * 2}, x, repeats=2, warmup=0)
+    assert t["b"]["max_abs_err"] == float("inf")
+
+
+def test_compare_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    x, y = _xy(100)
+    t = bench.compare({"a": np.add, "b": lambda a, b: a + b}, x, y, repeats=3, warmup=0)
+    p = tmp_path / "c.png"
+    t.plot(p)
+    assert p.stat().st_size > 1000
+
+
+SUMMARY = {
+    "info": {"gpu": "Test GPU", "cupy": "14.2.0"},
+    "copy": {"GBps": 4000.0},
+    "bandwidth": [
+        {"op": "add_mul_exp", "dtype": "float32", "n": 50_000_000, "impl": "cufuse", "gpu_us": 150.0,
+         "host_us": 160.0, "GBps": 4000.0, "pct_of_copy": 100.0},
+        {"op": "add_mul_exp", "dtype": "float32", "n": 50_000_000, "impl": "torch-eager", "gpu_us": 330.0,
+         "host_us": 340.0, "GBps": 1818.0, "pct_of_copy": 45.5},
+    ],
+    "latency": [{"n": 100_000, "dtype": "float32", "us": {"bare RawKernel": 4.0, "add_mul_exp (cupy)": 6.0}}],
+    "skipped": {"cupy.fuse": "why not"},
+}
+
+
+def test_cli_from_saved_summary(tmp_path):
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(SUMMARY))
+    p = subprocess.run([sys.executable, "-m", "cufuse.bench", "--from", str(f)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert "== add_mul_exp" in out and "3 kernels and 7 passes" in out and "cufuse 1 kernel and 3" in out
+    assert "2.20x" in out  # torch eager µs / cufuse µs
+    assert "100.0%" in out and "skipped peer cupy.fuse: why not" in out and "1.50x" in out
+
+
+def test_cli_from_bad_file(tmp_path):
+    f = tmp_path / "bad.json"
+    f.write_text("[1, 2]")
+    p = subprocess.run([sys.executable, "-m", "cufuse.bench", "--from", str(f)], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode != 0 and "not a cufuse suite summary" in p.stderr
+
+
+def test_cli_quick_without_gpu():
+    env = dict(os.environ, CUFUSE_DISABLE_CUDA="1")
+    p = subprocess.run([sys.executable, "-m", "cufuse.bench", "--quick"], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count("numpy chain") >= 4 and "== add_mul_exp" in p.stdout
+
+
+@pytest.mark.cuda
+def test_compare_gpu_cupy_and_torch():
+    import cupy as cp
+    x, y = (cp.asarray(v) for v in _xy(1 << 20, 3))
+    impls = {"cufuse": cufuse.add_mul_exp, "cupy": lambda a, b: cp.exp((a + b) * 2)}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        tx, ty = torch.from_dlpack(x), torch.from_dlpack(y)
+        impls["torch"] = lambda a, b: torch.exp((tx + ty) * 2)
+    t = bench.compare(impls, x, y, nbytes=3 * x.nbytes, repeats=10)
+    assert "CUDA events" in t.method
+    for r in t.rows:
+        assert r["median_us"] > 0 and r["GBps"] > 0
+        assert r["max_rel_err"] < 1e-5
