@@ -364,7 +364,7 @@ def quick(sizes=None, out=sys.stdout, plot_dir=None) -> list:
             x = xp.asarray(rng.standard_normal(n, dtype=np.float32))
             y = xp.asarray(rng.standard_normal(n, dtype=np.float32))
             impls = {"cufuse": getattr(cufuse, name), ("cupy chain" if gpu else "numpy chain"): chain}
-            torch = sys.modules.get("torch") if gpu else None
+            torch = _torch() if gpu else None
             if torch is not None and torch.cuda.is_available():
                 tx, ty = torch.from_dlpack(x), torch.from_dlpack(y)
                 tchain = {"add_mul_exp": lambda: torch.exp((tx + ty) * 2),
@@ -385,6 +385,14 @@ def quick(sizes=None, out=sys.stdout, plot_dir=None) -> list:
             res.plot(d / (title.replace(" ", "_") + ".png"), title=title)
         print(f"\nplots in {d}", file=out)
     return results
+
+
+def _torch():
+    try:
+        import torch
+        return torch
+    except Exception:  # not installed (an optional peer), or a broken install
+        return None
 
 
 # ------------------------------------------------------------------ the CLI
