@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -267,17 +268,17 @@ def report(data: dict) -> list[str]:
         out.append(f"device-to-device copy: {copy.get('GBps', 0):.0f} GB/s (the ceiling: % of copy below)")
     by_op: dict = {}
     for r in data.get("bandwidth", []):
-        by_op.setdefault(r["op"], []).append(r)
+        by_op.setdefault(_group(r["op"])[0], []).append(r)
     for op, rows in by_op.items():
         out += ["", f"== {op}"]
         line = _traffic_line(op)
         if line:
             out.append(line)
-        keys = sorted({(r["dtype"], r["n"]) for r in rows}, key=lambda k: (k[0], k[1]))
+        keys = sorted({(r["dtype"], r["n"], _group(r["op"])[1] or "") for r in rows})
         impls = list(dict.fromkeys(r["impl"] for r in rows))
-        table = [["dtype", "n", "impl", "GPU µs", "host µs", "GB/s", "% copy", "vs cufuse"]]
-        for dt, n in keys:
-            cell = {r["impl"]: r for r in rows if (r["dtype"], r["n"]) == (dt, n)}
+        table = [["dtype", "size", "impl", "GPU µs", "host µs", "GB/s", "% copy", "cufuse speedup"]]
+        for dt, n, shape in keys:
+            cell = {r["impl"]: r for r in rows if (r["dtype"], r["n"], _group(r["op"])[1] or "") == (dt, n, shape)}
             cf = cell.get("cufuse")
             for impl in impls:
                 r = cell.get(impl)
@@ -285,9 +286,14 @@ def report(data: dict) -> list[str]:
                     continue
                 ratio = "-" if cf is None else f"{r['gpu_us'] / cf['gpu_us']:.2f}x"
                 host = r.get("host_us")
-                table.append([dt, _size(n), impl, f"{r['gpu_us']:.1f}", "-" if host is None else f"{host:.1f}",
-                              f"{r['GBps']:.0f}", f"{r['pct_of_copy']:.1f}%", ratio])
+                table.append([dt, shape or _size(n), impl, f"{r['gpu_us']:.1f}",
+                              "-" if host is None else f"{host:.1f}", f"{r['GBps']:.0f}",
+                              f"{r['pct_of_copy']:.1f}%", ratio])
         out += _format(table)
+    if by_op:
+        out += ["", "GPU µs: CUDA-event median of one call with L2 flushed; host µs: wall time of a call and a",
+                "synchronize; GB/s: bytes the op must move (inputs once, outputs once) / GPU µs; % copy: of the",
+                "device copy bandwidth measured in the same run; cufuse speedup: impl µs / cufuse µs."]
     for lat in data.get("latency", []):
         out += ["", f"== one call at {_size(lat['n'])} {lat['dtype']} (host µs per call)"]
         bare = lat["us"].get("bare RawKernel")
@@ -298,6 +304,12 @@ def report(data: dict) -> list[str]:
     for k, v in (data.get("skipped") or {}).items():
         out.append(f"skipped peer {k}: {v}")
     return out
+
+
+def _group(op):
+    """(op, shape): "layer_norm[4096x768]" -> ("layer_norm", "4096x768"); other ops unchanged."""
+    m = re.fullmatch(r"(.+)\[(\d+x\d+)\]", op)
+    return (m.group(1), m.group(2)) if m else (op, None)
 
 
 def _size(n):
@@ -313,7 +325,7 @@ def plot_report(data: dict, folder) -> list[str]:
     paths = []
     by = {}
     for r in data.get("bandwidth", []):
-        by.setdefault((r["op"], r["dtype"]), []).append(r)
+        by.setdefault((_group(r["op"])[0], r["dtype"]), []).append(r)
     for (op, dt), rows in by.items():
         fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3))
         impls = list(dict.fromkeys(r["impl"] for r in rows))
@@ -337,7 +349,7 @@ def plot_report(data: dict, folder) -> list[str]:
         a2.legend(fontsize=7)
         fig.suptitle(f"{op} {dt}", fontsize=9)
         fig.tight_layout()
-        p = folder / f"{op.replace('[', '_').replace(']', '').replace('(', '_').replace(')', '')}-{dt}.png"
+        p = folder / (re.sub(r"[^A-Za-z0-9]+", "_", f"{op}-{dt}").strip("_") + ".png")
         fig.savefig(p, dpi=80)
         plt.close(fig)
         paths.append(str(p))
