@@ -14,7 +14,7 @@ import pytest
 
 import cufuse
 
-from _common import as_cupy, cp, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
+from _common import as_cupy, cp, first_call, need_torch, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
 
 SIZES = (100_000, 1_000_000, 20_000_000, 50_000_000)
 DTYPES = ("float32", "float16")
@@ -133,8 +133,7 @@ def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
         f = fused(op)
         call = lambda: f(*ins)  # noqa: E731
     else:  # torch-eager, torch.compile: the same memory, shared through DLPack
-        if TORCH_REASON:
-            gpu.skip(impl, TORCH_REASON)
+        need_torch(gpu, impl)
         tins = [torch.from_dlpack(x) for x in ins]
         assert tins[0].dtype == torch_dtype(dtype)
         f = OPS[op][3] if impl == "torch-eager" else compiled(op)
@@ -143,14 +142,7 @@ def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
 
     # Correctness on the same inputs (for torch.compile this also compiles:
     # compilation stays out of the timings; a failure to compile skips).
-    try:
-        res = call()
-        gpu.sync()
-    except Exception as e:
-        if impl != "torch.compile":
-            raise
-        gpu.skip(impl, f"torch.compile failed: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
-    res = as_cupy(res)
+    res = as_cupy(first_call(gpu, impl, call))
     check_close(op, ins, res, dtype)
     nbytes = sum(x.nbytes for x in ins) + res.nbytes  # inputs read once + output written once
     out_dtype = str(res.dtype)
