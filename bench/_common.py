@@ -53,3 +53,16 @@ def first_call(gpu, impl, call):
         msg = str(e).splitlines()[0][:160] if str(e) else ""
         gpu.skip(impl, f"torch.compile failed: {type(e).__name__}: {msg}")
     return res
+
+
+def max_errors(got, ref):
+    """(max abs error, max relative error) of NumPy ``got`` against the float64
+    ``ref`` where both are finite: the accuracy columns of the report."""
+    import numpy as np
+    g = np.asarray(got, dtype=np.float64)
+    r = np.asarray(ref, dtype=np.float64)
+    ok = np.isfinite(g) & np.isfinite(r)
+    if not ok.any():
+        return 0.0, 0.0
+    d = np.abs(g[ok] - r[ok])
+    return float(d.max()), float((d / np.maximum(np.abs(r[ok]), 1e-30)).max())

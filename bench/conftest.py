@@ -185,13 +185,22 @@ class GpuBench:
         benchmark.pedantic(target, rounds=host_rounds, warmup_rounds=3, iterations=1)
         host_us = benchmark.stats.stats.median * 1e6 if benchmark.stats else None
         gbps = nbytes / (gpu_us * 1e-6) / 1e9
+        q1, _, q3 = statistics.quantiles(timing["samples_us"], n=4)
         row = {"op": op, "n": n, "dtype": dtype, "impl": impl, "bytes": nbytes, "gpu_us": gpu_us,
+               "gpu_q1_us": q1, "gpu_q3_us": q3, "regime": self.regime(nbytes),
                "GBps": gbps, "pct_of_copy": 100.0 * gbps / copy["GBps"], "copy_GBps": copy["GBps"],
                "host_us": host_us, "enqueue_us": timing["enqueue_us"], "backlog_ok": timing["backlog_ok"],
                "event_reps": reps, "out_dtype": out_dtype, "allocates": impl != "cufuse", **(extra or {})}
         benchmark.extra_info.update(row)
         self.bandwidth.append(row)
         return row
+
+    def regime(self, nbytes: int) -> str:
+        """"L2" when the bytes a call moves fit in the device's L2 cache (read at
+        run time), else "DRAM": the two regimes the report labels."""
+        if "l2" not in self.__dict__:
+            self.l2 = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
+        return "L2" if nbytes <= self.l2 else "DRAM"
 
     @staticmethod
     def host_loop_us(fns: dict, sync, calls: int = 2000, rounds: int = 7) -> dict:

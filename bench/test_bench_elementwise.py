@@ -14,7 +14,7 @@ import pytest
 
 import cufuse
 
-from _common import as_cupy, cp, first_call, need_torch, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
+from _common import as_cupy, cp, first_call, max_errors, need_torch, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
 
 SIZES = (100_000, 1_000_000, 20_000_000, 50_000_000)
 DTYPES = ("float32", "float16")
@@ -106,6 +106,7 @@ def check_close(op, ins, res, dtype):
     np.testing.assert_allclose(got[fits], ref[fits], rtol=rtol, atol=atol,
                                err_msg=f"{op} {dtype} n={n}: result differs from the float64 reference")
     assert np.all(np.abs(got[~fits]) > 0.25 * fmax), f"{op} {dtype}: wrong values where the result overflows"
+    return max_errors(got[fits], ref[fits])
 
 
 # ----------------------------------------------------------------- bandwidth
@@ -143,12 +144,12 @@ def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
     # Correctness on the same inputs (for torch.compile this also compiles:
     # compilation stays out of the timings; a failure to compile skips).
     res = as_cupy(first_call(gpu, impl, call))
-    check_close(op, ins, res, dtype)
+    max_abs, max_rel = check_close(op, ins, res, dtype)
     nbytes = sum(x.nbytes for x in ins) + res.nbytes  # inputs read once + output written once
     out_dtype = str(res.dtype)
     del res
     gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
-                nbytes=nbytes, out_dtype=out_dtype)
+                nbytes=nbytes, out_dtype=out_dtype, extra={"max_abs_err": max_abs, "max_rel_err": max_rel})
 
 
 # ----------------------------------------------------------------- latency

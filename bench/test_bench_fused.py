@@ -22,7 +22,7 @@ import pytest
 
 import cufuse
 
-from _common import as_cupy, cp, F, need_torch, pytestmark, torch, torch_stream  # noqa: F401
+from _common import as_cupy, cp, F, max_errors, need_torch, pytestmark, torch, torch_stream  # noqa: F401
 from _common import first_call as _first_call
 
 COLS = 1024
@@ -111,9 +111,11 @@ def gelu64(v, approximate):
 
 
 def check_close(what, got, ref, dtype):
+    """Asserts; returns {max_abs_err, max_rel_err} for the report."""
     rtol, atol = TOL[dtype]
     np.testing.assert_allclose(got.astype(np.float64), ref, rtol=rtol, atol=atol,
                                err_msg=f"{what}: result differs from the float64 reference")
+    return dict(zip(("max_abs_err", "max_rel_err"), max_errors(got, ref)))
 
 
 # ------------------------------------------------------ torch peers
@@ -253,12 +255,12 @@ def test_bias_gelu(benchmark, gpu, n, dtype, approximate, impl):
     idx = sample_index(x.size)
     xs = x.ravel()[idx].get().astype(np.float64)
     bs = b.get().astype(np.float64)[(idx % COLS).get()]
-    check_close(f"{op} {dtype} {impl}", res.ravel()[idx].get(), gelu64(xs + bs, approximate), dtype)
+    errs = check_close(f"{op} {dtype} {impl}", res.ravel()[idx].get(), gelu64(xs + bs, approximate), dtype)
     del res
 
     nbytes = 2 * x.nbytes  # x read + out written (the 1024-element bias is not counted)
     gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
-            nbytes=nbytes, out_dtype=dtype, extra={"elements": x.size, "shape": list(x.shape)})
+            nbytes=nbytes, out_dtype=dtype, extra={"elements": x.size, "shape": list(x.shape), **errs})
     if impl == "cufuse":
         add_target(gpu, op, dtype, n, "bias_gelu", dtype)
 
@@ -339,7 +341,9 @@ def test_quantize(benchmark, gpu, n, dtype, mode, impl):
 
     nbytes = x.nbytes + x.size  # x read + int8 out written (per-channel parameters not counted)
     gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
-            nbytes=nbytes, out_dtype="int8", extra={"elements": x.size, "shape": list(x.shape)})
+            nbytes=nbytes, out_dtype="int8", extra={"elements": x.size, "shape": list(x.shape),
+                                                    "max_abs_err": float(np.max(np.abs(got - ref))),  # in codes
+                                                    "codes_off": miss})
     if impl == "cufuse":
         add_target(gpu, op, dtype, n, op if mode == "tensor" else "per_channel", dtype)
 
@@ -385,12 +389,12 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
     idx = sample_index(q.size)
     s64, z64 = ref_params(idx.get())
     ref = (q.ravel()[idx].get().astype(np.float64) - z64) * s64
-    check_close(f"{op} {label} {impl}", res.ravel()[idx].get(), ref, dtype)
+    errs = check_close(f"{op} {label} {impl}", res.ravel()[idx].get(), ref, dtype)
     del res
 
     nbytes = q.size + q.size * np.dtype(dtype).itemsize  # int8 read + out written
     gpu.measure(benchmark, op=op, dtype=label, n=n, impl=impl, call=call, stream=stream,
-            nbytes=nbytes, out_dtype=dtype, extra={"elements": q.size, "shape": list(q.shape)})
+            nbytes=nbytes, out_dtype=dtype, extra={"elements": q.size, "shape": list(q.shape), **errs})
     if impl == "cufuse":
         add_target(gpu, op, label, n, op if mode == "tensor" else "per_channel", dtype)
 
@@ -427,12 +431,12 @@ def test_gelu_dropout(benchmark, gpu, n, dtype, variant, impl):
     ref = gelu64(x.ravel()[idx].get(), "none") / (1 - P_DROP)
     k = got != 0
     assert k.mean() > 0.85, f"{what}: only {k.mean():.3f} of the sampled values kept"
-    check_close(what + " (kept values)", got[k], ref[k], dtype)
+    errs = check_close(what + " (kept values)", got[k], ref[k], dtype)
     del res
 
     nbytes = 2 * x.nbytes  # x read + out written
     gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
             nbytes=nbytes, out_dtype=dtype, extra={"elements": x.size, "shape": list(x.shape), "p": P_DROP,
-                                                   "kept_fraction": kept})
+                                                   "kept_fraction": kept, **errs})
     if impl == "cufuse":
         add_target(gpu, op, dtype, n, "gelu_dropout", dtype)

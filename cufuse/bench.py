@@ -276,7 +276,8 @@ def report(data: dict) -> list[str]:
             out.append(line)
         keys = sorted({(r["dtype"], r["n"], _group(r["op"])[1] or "") for r in rows})
         impls = list(dict.fromkeys(r["impl"] for r in rows))
-        table = [["dtype", "size", "impl", "GPU µs", "host µs", "GB/s", "% copy", "cufuse speedup"]]
+        table = [["dtype", "size", "regime", "impl", "GPU µs", "IQR µs", "host µs", "GB/s", "% copy",
+                  "cufuse speedup", "max abs err", "max rel err"]]
         for dt, n, shape in keys:
             cell = {r["impl"]: r for r in rows if (r["dtype"], r["n"], _group(r["op"])[1] or "") == (dt, n, shape)}
             cf = cell.get("cufuse")
@@ -286,14 +287,19 @@ def report(data: dict) -> list[str]:
                     continue
                 ratio = "-" if cf is None else f"{r['gpu_us'] / cf['gpu_us']:.2f}x"
                 host = r.get("host_us")
-                table.append([dt, shape or _size(n), impl, f"{r['gpu_us']:.1f}",
+                iqr = (f"{r['gpu_q1_us']:.1f}-{r['gpu_q3_us']:.1f}" if r.get("gpu_q1_us") is not None else "-")
+                table.append([dt, shape or _size(n), r.get("regime", "-"), impl, f"{r['gpu_us']:.1f}", iqr,
                               "-" if host is None else f"{host:.1f}", f"{r['GBps']:.0f}",
-                              f"{r['pct_of_copy']:.1f}%", ratio])
+                              f"{r['pct_of_copy']:.1f}%", ratio, _err(r.get("max_abs_err")),
+                              _err(r.get("max_rel_err"))])
         out += _format(table)
     if by_op:
-        out += ["", "GPU µs: CUDA-event median of one call with L2 flushed; host µs: wall time of a call and a",
-                "synchronize; GB/s: bytes the op must move (inputs once, outputs once) / GPU µs; % copy: of the",
-                "device copy bandwidth measured in the same run; cufuse speedup: impl µs / cufuse µs."]
+        out += ["", "GPU µs: CUDA-event median of one call with L2 flushed (IQR: its interquartile range);",
+                "regime: L2 when the bytes a call moves fit in the device's L2 cache, else DRAM; host µs: wall",
+                "time of a call and a synchronize; GB/s: bytes the op must move (inputs once, outputs once) /",
+                "GPU µs; % copy: of the device copy bandwidth measured in the same run; cufuse speedup: impl µs /",
+                "cufuse µs; errors: max abs / relative difference from a float64 reference on the same inputs",
+                "(quantize: in int8 codes)."]
     for lat in data.get("latency", []):
         out += ["", f"== one call at {_size(lat['n'])} {lat['dtype']} (host µs per call)"]
         bare = lat["us"].get("bare RawKernel")
@@ -327,26 +333,30 @@ def plot_report(data: dict, folder) -> list[str]:
     for r in data.get("bandwidth", []):
         by.setdefault((_group(r["op"])[0], r["dtype"]), []).append(r)
     for (op, dt), rows in by.items():
-        fig, (a1, a2) = plt.subplots(1, 2, figsize=(8, 3))
+        # x: the sizes (or row shapes), in order of elements
+        label = {(r["n"], r["op"]): _group(r["op"])[1] or _size(r["n"]) for r in rows}
+        xs = sorted(label)
+        ix = {k: i for i, k in enumerate(xs)}
         impls = list(dict.fromkeys(r["impl"] for r in rows))
+        fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.4))
         for impl in impls:
-            pts = sorted((r["n"], r["GBps"]) for r in rows if r["impl"] == impl)
+            pts = sorted((ix[(r["n"], r["op"])], r["GBps"]) for r in rows if r["impl"] == impl)
             a1.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=impl)
-        a1.set_xscale("log")
-        a1.set_xlabel("elements")
-        a1.set_ylabel("GB/s")
-        a1.legend(fontsize=7)
-        cf = {r["n"]: r["gpu_us"] for r in rows if r["impl"] == "cufuse"}
+        cf = {(r["n"], r["op"]): r["gpu_us"] for r in rows if r["impl"] == "cufuse"}
         peers = [i for i in impls if i != "cufuse"]
-        ns = sorted(cf)
         width = 0.8 / max(1, len(peers))
         for k, impl in enumerate(peers):
-            sp = {r["n"]: r["gpu_us"] / cf[r["n"]] for r in rows if r["impl"] == impl and r["n"] in cf}
-            a2.bar([i + k * width for i in range(len(ns))], [sp.get(n, 0) for n in ns], width, label=impl)
-        a2.axhline(1.0, color="k", lw=0.5)
-        a2.set_xticks([i + 0.4 - width / 2 for i in range(len(ns))], [_size(n) for n in ns])
-        a2.set_ylabel("cufuse speedup (peer µs / cufuse µs)")
-        a2.legend(fontsize=7)
+            sp = {(r["n"], r["op"]): r["gpu_us"] / cf[(r["n"], r["op"])] for r in rows
+                  if r["impl"] == impl and (r["n"], r["op"]) in cf}
+            a2.bar([i - 0.4 + width * (k + 0.5) for i in range(len(xs))], [sp.get(x, 0) for x in xs], width,
+                   label=impl)
+        a2.axhline(1.0, color="k", lw=0.6)
+        for a in (a1, a2):
+            a.set_xticks(range(len(xs)), [label[x] for x in xs], rotation=30, ha="right", fontsize=7)
+            a.legend(fontsize=7)
+        a1.set_ylabel("GB/s")
+        a1.set_ylim(bottom=0)
+        a2.set_ylabel("cufuse speedup (peer µs / cufuse µs)", fontsize=8)
         fig.suptitle(f"{op} {dt}", fontsize=9)
         fig.tight_layout()
         p = folder / (re.sub(r"[^A-Za-z0-9]+", "_", f"{op}-{dt}").strip("_") + ".png")
