@@ -435,6 +435,7 @@ def _run_suite(args, json_path):
     if not (root / "bench" / "conftest.py").is_file():
         raise SystemExit("cufuse.bench: the benchmark suite (bench/) ships with the repository, not the wheel; "
                          "run this from a clone, or use --quick / --from FILE")
+    json_path.parent.mkdir(parents=True, exist_ok=True)  # pytest-benchmark does not create it
     cmd = [sys.executable, "-m", "pytest", "bench", "--benchmark-only", "-q", "-p", "no:cacheprovider",
            f"--benchmark-json={json_path}"] + (["-k", args.k] if args.k else [])
     print("running:", " ".join(cmd), file=sys.stderr)
