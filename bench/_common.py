@@ -55,9 +55,11 @@ def first_call(gpu, impl, call):
     return res
 
 
-def max_errors(got, ref):
+def max_errors(got, ref, floor=0.0):
     """(max abs error, max relative error) of NumPy ``got`` against the float64
-    ``ref`` where both are finite: the accuracy columns of the report."""
+    ``ref`` where both are finite: the accuracy columns of the report. The
+    relative error divides by max(|ref|, floor) (pass atol / rtol: near 0 an
+    absolute tolerance governs, as in the checks)."""
     import numpy as np
     g = np.asarray(got, dtype=np.float64)
     r = np.asarray(ref, dtype=np.float64)
@@ -65,4 +67,4 @@ def max_errors(got, ref):
     if not ok.any():
         return 0.0, 0.0
     d = np.abs(g[ok] - r[ok])
-    return float(d.max()), float((d / np.maximum(np.abs(r[ok]), 1e-30)).max())
+    return float(d.max()), float((d / np.maximum(np.abs(r[ok]), max(floor, 1e-300))).max())
