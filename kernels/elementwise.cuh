@@ -171,11 +171,29 @@ __device__ __forceinline__ void strided_offsets(const LayoutT<M>& L, long long i
 #pragma unroll
     for (int d = 0; d < kMaxDims; ++d) {
         if (d >= L.ndim) break;
-        const long long q = fast_div(rem, L.shape[d], L.magic[d]);
+        // The outermost dim needs no division: what is left of i is its index.
+        const long long q = d + 1 < L.ndim ? fast_div(rem, L.shape[d], L.magic[d]) : 0;
         const long long c = rem - q * L.shape[d];
         rem = q;
 #pragma unroll
         for (int k = 0; k <= NIN; ++k) off[k] += c * L.stride[k][d];
+    }
+}
+
+// The pack traversal of the strided kernels (L.vec set): body(i0, off) for
+// every pack of V elements, i0 its logical (C-order) index, off its element
+// offset per operand; a grid-stride loop with one pack per thread per step.
+// (A traversal that kept a column pack per thread and walked the rows, with no
+// index division per pack, was measured on an H200 and gained nothing for
+// bias_gelu with a row bias: bench/NOTES.md.)
+template <int NOP, int V, int M, typename Body>
+__device__ __forceinline__ void for_packs(const LayoutT<M>& L, long long n, Body body) {
+    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    long long off[NOP];
+    for (long long q = tid; q < n / V; q += nthreads) {
+        strided_offsets<NOP - 1>(L, q * V, off);
+        body(q * V, off);
     }
 }
 
@@ -189,13 +207,10 @@ __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* 
     const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
     if (L.vec) {
-        // Dim 0 in packs: one offset computation per pack; an input with
-        // stride 0 along dim 0 is one value broadcast over the pack.
+        // Dim 0 in packs (for_packs); an input with stride 0 along dim 0 is one
+        // value broadcast over the pack.
         constexpr int V = PackWidth<Tout, Tin>::value;
-        const long long npack = n / V;
-        for (long long p = tid; p < npack; p += nthreads) {
-            long long off[NIN + 1];
-            strided_offsets<NIN>(L, p * V, off);
+        for_packs<NIN + 1, V>(L, n, [&](long long i0, const long long (&off)[NIN + 1]) {
             Pack<Tin, V> x[NIN];
 #pragma unroll
             for (int k = 0; k < NIN; ++k) {
@@ -209,8 +224,8 @@ __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* 
                 }
             }
             store_pack(reinterpret_cast<Pack<Tout, V>*>(out + off[0]),
-                       compute_pack<Op, NIN, V, C, Tout>(op, p * V, x, is_s, sc));
-        }
+                       compute_pack<Op, NIN, V, C, Tout>(op, i0, x, is_s, sc));
+        });
         return;
     }
     for (long long i = tid; i < n; i += nthreads) {
@@ -287,10 +302,7 @@ __device__ __forceinline__ void run_fused_strided(const F& f, void* const* p, lo
     if (L.vec) {  // dim 0 in packs, as in run_strided
 #pragma unroll
         for (int k = 0; k < N; ++k) bc[k] = L.stride[k][0] == 0;
-        for (long long q = tid; q < n / V; q += nthreads) {
-            strided_offsets<N - 1>(L, q * V, off);
-            f.template apply<V>(p, off, bc);
-        }
+        for_packs<N, V>(L, n, [&](long long, const long long (&o)[N]) { f.template apply<V>(p, o, bc); });
         return;
     }
 #pragma unroll

@@ -373,12 +373,13 @@ class Fused:
             return
         nout = len(targets)
         parts = [(p, st, dt.itemsize) for p, st, dt in zip(ptrs, cstrides, sig.out_dtypes + sig.in_dtypes)]
-        vec = E._packs_fit(cshape, parts, V)
-        if vec and any(st[0] == 0 for st in cstrides[:nout]):
-            vec = 0
+        if any(st[0] == 0 for st in cstrides[:nout]):  # _packs_fit knows one output only
+            mode, work = 0, n
+        else:
+            mode, work = E.strided_mode(cshape, parts, V, n)
         fn = sig.function("fused_strided", dev)
-        L = _layout(len(ptrs), cshape, cstrides, vec)
-        grid = R.grid_for(n // V if vec else n, dev) or 1
+        L = _layout(len(ptrs), cshape, cstrides, mode)
+        grid = R.grid_for(work, dev) or 1
         R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, n, L, *params), stream)
         self.stats["launches"] += 1
 

