@@ -195,6 +195,23 @@ class GpuBench:
         self.bandwidth.append(row)
         return row
 
+    def measure_host(self, benchmark, *, op, dtype, n, impl, call, nbytes, out_dtype, extra=None):
+        """A CPU peer (NumPy): pytest-benchmark's host-clock median of ``call``;
+        the row's gpu_us holds that time (timer "host") so that the report can
+        set it beside the GPU implementations."""
+        copy = self.copy_bandwidth()
+        benchmark.pedantic(call, rounds=20, warmup_rounds=2, iterations=1)
+        st = benchmark.stats.stats
+        us = st.median * 1e6
+        gbps = nbytes / (us * 1e-6) / 1e9
+        row = {"op": op, "n": n, "dtype": dtype, "impl": impl, "bytes": nbytes, "gpu_us": us,
+               "gpu_q1_us": st.q1 * 1e6, "gpu_q3_us": st.q3 * 1e6, "regime": self.regime(nbytes),
+               "GBps": gbps, "pct_of_copy": 100.0 * gbps / copy["GBps"], "copy_GBps": copy["GBps"],
+               "host_us": us, "timer": "host", "out_dtype": out_dtype, "allocates": True, **(extra or {})}
+        benchmark.extra_info.update(row)
+        self.bandwidth.append(row)
+        return row
+
     def regime(self, nbytes: int) -> str:
         """"L2" when the bytes a call moves fit in the device's L2 cache (read at
         run time), else "DRAM": the two regimes the report labels."""

@@ -110,9 +110,10 @@ def check_close(op, ins, res, dtype):
 
 
 # ----------------------------------------------------------------- bandwidth
+NUMPY_MAX = 1_000_000  # the CPU peer (NumPy, same chain, same dtype) up to this size
 CASES = [pytest.param(op, dt, n, impl, id=f"{op}-{dt}-{size_label(n)}-{impl}",
                       marks=[pytest.mark.slow] if n >= 20_000_000 else [])
-         for op in OPS for dt in DTYPES for n in SIZES for impl in IMPLS]
+         for op in OPS for dt in DTYPES for n in SIZES for impl in IMPLS + (("numpy",) if n <= NUMPY_MAX else ())]
 
 
 @pytest.mark.parametrize("op,dtype,n,impl", CASES)
@@ -123,6 +124,16 @@ def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
     ins = gpu.inputs(n, dtype)[:arity]
 
     stream = cp.cuda.get_current_stream()
+    if impl == "numpy":  # the CPU peer: the same chain on host copies, in the same dtype
+        hins = [x.get() for x in ins]
+        ref = OPS[op][4]   # written with Python scalars: NumPy keeps the arrays' dtype
+        res = ref(*hins)
+        assert res.dtype == np.dtype(dtype), res.dtype
+        max_abs, max_rel = check_close(op, ins, cp.asarray(res), dtype)
+        gpu.measure_host(benchmark, op=op, dtype=dtype, n=n, impl="numpy (CPU)", call=lambda: ref(*hins),
+                         nbytes=sum(x.nbytes for x in hins) + res.nbytes, out_dtype=str(res.dtype),
+                         extra={"max_abs_err": max_abs, "max_rel_err": max_rel})
+        return
     if impl == "cufuse":
         out = cp.empty(n, dtype)
         call = lambda: cf_op(*ins, out=out)  # noqa: E731

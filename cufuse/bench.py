@@ -306,7 +306,8 @@ def report(data: dict) -> list[str]:
                               _err(r.get("max_rel_err"))])
         out += _format(table)
     if by_op:
-        out += ["", "GPU µs: CUDA-event median of one call with L2 flushed (IQR: its interquartile range);",
+        out += ["", "GPU µs: CUDA-event median of one call with L2 flushed (IQR: its interquartile range; for",
+                "\"numpy (CPU)\" the host clock's median of a call on host copies of the same inputs);",
                 "regime: L2 when the bytes a call moves fit in the device's L2 cache, else DRAM; host µs: wall",
                 "time of a call and a synchronize; GB/s: bytes the op must move (inputs once, outputs once) /",
                 "GPU µs; % copy: of the device copy bandwidth measured in the same run; cufuse speedup: impl µs /",
