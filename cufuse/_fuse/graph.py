@@ -24,7 +24,6 @@ class TraceError(TypeError):
 INPUT_DTYPES = tuple(np.dtype(d) for d in (np.bool_, np.int8, np.uint8, np.int16, np.int32, np.int64,
                                            np.float16, np.float32, np.float64))
 ASTYPE_DTYPES = INPUT_DTYPES
-NODE_DTYPES = INPUT_DTYPES + (np.dtype(np.uint64),)  # uint64: the sum of unsigned integers
 _F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
 _BOOL, _I64, _U64 = np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.uint64)
 DTYPE_NAMES = ", ".join(d.name for d in INPUT_DTYPES)
@@ -68,11 +67,6 @@ class Graph:
     @property
     def reduction(self):
         return self.outputs[0][1] if self.outputs else None
-
-    def key(self):
-        """Structure of the graph (no parameter values): equal keys, equal kernels."""
-        return (tuple(self.nodes), tuple(self.inputs), tuple(p[1] for p in self.params),
-                tuple(self.outputs), self.ndim)
 
 
 # ---------------------------------------------------------------------- tracer
@@ -293,7 +287,6 @@ def _result(g, op, args, dt, attr=None, weak=False):
     return Traced(g, g.add(op, [a.node for a in args], dt, attr), dt, weak=weak, ndim=ndim)
 
 
-_ARITH = {"add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "minimum", "maximum"}
 _COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
 _BITWISE = {"and", "or", "xor"}
 _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
@@ -322,8 +315,6 @@ def binary(op, a, b):
 # unary float functions: result is float_result(dtype)
 FLOAT_UNARY = ("exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "sin", "cos", "tanh", "sigmoid",
                "erf", "gelu", "gelu_tanh", "silu", "softplus")
-# unary functions that keep the dtype
-SAME_UNARY = ("neg", "abs", "relu", "round", "floor", "ceil", "invert")
 
 
 def unary(op, a):
@@ -348,9 +339,6 @@ def where(c, a, b):
     c, a, b = lift(g, c), lift(g, a), lift(g, b)
     dt = promote(a, b)
     return _result(g, "where", [cast(c, _BOOL), cast(a, dt), cast(b, dt)], dt, weak=a.weak and b.weak and c.weak)
-
-
-_REDUCTIONS = ("sum", "mean", "max", "min")
 
 
 def reduce(kind, v, axis, keepdims, extra):
@@ -410,7 +398,8 @@ def trace(fn, spec):
                              "scalars only); a fused function's results are arrays")
         if o.reduced:
             kind, keep = o.reduced
-            g.outputs.append((cast(Traced(g, o.node, g.nodes[o.node].dtype, ndim=1), _accum_in(kind, o)).node,
+            # the reduced values enter the accumulator as the result dtype
+            g.outputs.append((cast(Traced(g, o.node, g.nodes[o.node].dtype, ndim=1), o.dtype).node,
                               kind, keep, o.dtype))
         else:
             g.outputs.append((o.node, None, False, o.dtype))
@@ -419,11 +408,6 @@ def trace(fn, spec):
         raise TraceError("cufuse.fuse: some outputs are reductions and some are not; with a trailing "
                          "reduction every output must be a reduction over the last axis")
     return g
-
-
-def _accum_in(kind, o):
-    """dtype the reduced values are fed to the accumulator in (the result dtype)."""
-    return o.dtype
 
 
 def _depends_on_input(g, node):
