@@ -30,9 +30,20 @@ constexpr int kMaxDims = 8;      // after collapsing; more falls back to a copy
 constexpr int kMaxOperands = 4;  // the output plus up to three inputs
 
 // Strides in elements, dim 0 innermost; operand 0 is the output. `magic`
-// holds fast_div's multiplier for each dim's size; `vec` is set by the host
-// when dim 0 can be walked in packs (its size a multiple of the pack width,
-// the output and every input contiguous or broadcast along it, packs aligned).
+// holds fast_div's multiplier for each dim's size. `vec`, set by the host
+// (cufuse/ops/elementwise.py: strided_layout), picks the traversal:
+//   0  one element per thread, any layout;
+//   1  packs along dim 0 (its size a multiple of the pack width, the output
+//      and every input contiguous or broadcast along it, packs aligned);
+//   2  tiles: the output is C-contiguous and every input is a contiguous
+//      block repeated over the others, so that its element for logical index
+//      i is (i / div) % mod (mod 0: no modulo; a row bias: div 1, mod = row
+//      length; a per-channel scale on axis 0: div = row size, mod 0). Then
+//      stride[k] holds, instead of strides, {pack, div, mod, magic(div),
+//      magic(mod)}, pack 1 when the operand's pack is V consecutive elements
+//      and 0 when it is one value repeated (as a stride of 0 along dim 0 says
+//      in mode 1). No per-dim arithmetic: bias_gelu with a row bias went from
+//      65% to 93% of copy (float32, 50M, H200; bench/NOTES.md).
 // N operands: the hand-written kernels use kMaxOperands; a generated
 // (cufuse.fuse) kernel uses its own operand count.
 template <int N> struct LayoutT {
@@ -83,7 +94,11 @@ __device__ __forceinline__ long long decode_operands(const Tin* const (&in)[NIN]
                                                      C (&sc)[NIN]) {
 #pragma unroll
     for (int k = 0; k < NIN; ++k) {
-        is_s[k] = (nm >> (kScalarShift + k)) & 1;
+        // A call has at least one array (cufuse/_arrays.py checks), so the one
+        // input of a unary op never is a scalar: known at compile time, no
+        // scalar state is live in its kernels (gelu_dropout float32: 44 -> 29
+        // registers, which lets 8 blocks of 256 threads fit on an SM).
+        is_s[k] = NIN > 1 && ((nm >> (kScalarShift + k)) & 1);
         sc[k] = is_s[k] ? C(scalar_to_compute<Tin>(__longlong_as_double(reinterpret_cast<long long>(in[k])))) : C(0);
     }
     return nm & ((1LL << kScalarShift) - 1);
@@ -123,8 +138,60 @@ __device__ __forceinline__ Pack<Tout, V> compute_pack(const Op& op, long long i0
     return y;
 }
 
+// Part of a pack: elements j < m of V from p (the others repeat p[0], so
+// that the op sees ordinary values), and the matching partial store.
+template <typename T, int V> __device__ __forceinline__ Pack<T, V> load_part(const T* p, long long m) {
+    Pack<T, V> x;
+#pragma unroll
+    for (int j = 0; j < V; ++j) x.v[j] = p[j < m ? j : 0];
+    return x;
+}
+template <typename T, int V> __device__ __forceinline__ void store_part(T* p, const Pack<T, V>& y, long long m) {
+#pragma unroll
+    for (int j = 0; j < V; ++j)
+        if (j < m) p[j] = y.v[j];
+}
+
+// The contiguous driver for a `packed` op (one whose pack() shares work among
+// the pack's elements, e.g. one Philox call per 4 dropout elements): its
+// per-element operator() is the expensive form, so the tail (n % V) and
+// misaligned operands go through pack() too, with element loads and stores.
+// One instance of the op per kernel: gelu_dropout float32 44 -> 30 registers.
+template <typename Op, int NIN, typename Tout, typename Tin>
+__device__ __forceinline__ void run_contiguous_packed(const Op& op, Tout* out, const Tin* const (&in)[NIN],
+                                                      long long nm) {
+    using C = typename op_compute<Op, Tin>::type;
+    constexpr int V = PackWidth<Tout, Tin>::value;
+    C sc[NIN];
+    bool is_s[NIN];
+    const long long n = decode_operands<NIN, C>(in, nm, is_s, sc);
+    bool aligned = is_aligned<Tout, V>(out);
+#pragma unroll
+    for (int k = 0; k < NIN; ++k) aligned = aligned && (is_s[k] || is_aligned<Tin, V>(in[k]));
+    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    for (long long p = tid; p * V < n; p += nthreads) {
+        const long long i0 = p * V;
+        const bool whole = aligned && i0 + V <= n;
+        Pack<Tin, V> x[NIN];
+#pragma unroll
+        for (int k = 0; k < NIN; ++k) {
+            if (is_s[k]) continue;
+            if (whole) x[k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k]) + p);
+            else x[k] = load_part<Tin, V>(in[k] + i0, n - i0);
+        }
+        const Pack<Tout, V> y = compute_pack<Op, NIN, V, C, Tout>(op, i0, x, is_s, sc);
+        if (whole) store_pack(reinterpret_cast<Pack<Tout, V>*>(out) + p, y);
+        else store_part(out + i0, y, n - i0);
+    }
+}
+
 template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm) {
+    if constexpr (op_packed<Op>::value) {
+        run_contiguous_packed<Op, NIN>(op, out, in, nm);
+        return;
+    }
     using C = typename op_compute<Op, Tin>::type;
     constexpr int V = PackWidth<Tout, Tin>::value;
     C sc[NIN];
@@ -180,7 +247,15 @@ __device__ __forceinline__ void strided_offsets(const LayoutT<M>& L, long long i
     }
 }
 
-// The pack traversal of the strided kernels (L.vec set): body(i0, off) for
+// Offset of operand k's element for logical index i in tile mode (L.vec == 2).
+template <int M> __device__ __forceinline__ long long tile_offset(const LayoutT<M>& L, int k, long long i) {
+    const long long d = L.stride[k][1], m = L.stride[k][2];
+    long long t = d == 1 ? i : fast_div(i, d, static_cast<unsigned long long>(L.stride[k][3]));
+    if (m) t -= fast_div(t, m, static_cast<unsigned long long>(L.stride[k][4])) * m;
+    return t;
+}
+
+// The pack traversal of the strided kernels (L.vec == 1): body(i0, off) for
 // every pack of V elements, i0 its logical (C-order) index, off its element
 // offset per operand; a grid-stride loop with one pack per thread per step.
 // (A traversal that kept a column pack per thread and walked the rows, with no
@@ -197,45 +272,94 @@ __device__ __forceinline__ void for_packs(const LayoutT<M>& L, long long n, Body
     }
 }
 
+// The tile traversal (L.vec == 2, its own kernels so that no other path sets
+// their register count): the outputs are C-contiguous, so a pack's output
+// offset is its logical index i0; inputs k >= first at tile_offset.
+// body(i0, off) for every pack; off[k] = i0 for k < first.
+template <int NOP, int V, int M, typename Body>
+__device__ __forceinline__ void for_tiles(const LayoutT<M>& L, long long n, int first, Body body) {
+    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
+    long long off[NOP];
+    for (long long q = tid; q < n / V; q += nthreads) {
+        const long long i0 = q * V;
+#pragma unroll
+        for (int k = 0; k < NOP; ++k) off[k] = k < first ? i0 : tile_offset(L, k, i0);
+        body(i0, off);
+    }
+}
+
+// Pack of input k: V consecutive elements at in + off, or one value
+// repeated (`bcast`: a stride of 0 along dim 0, or a tile constant over the pack).
+template <typename T, int V> __device__ __forceinline__ Pack<T, V> load_or_bcast(const T* p, bool bcast) {
+    if (bcast) {
+        Pack<T, V> x;
+        const T b = *p;
+#pragma unroll
+        for (int j = 0; j < V; ++j) x.v[j] = b;
+        return x;
+    }
+    return load_pack(reinterpret_cast<const Pack<T, V>*>(p));
+}
+
 template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm,
                                             const Layout& L) {
     using C = typename op_compute<Op, Tin>::type;
+    constexpr int V = PackWidth<Tout, Tin>::value;
     C sc[NIN];
     bool is_s[NIN];
     const long long n = decode_operands<NIN, C>(in, nm, is_s, sc);
-    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
-    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
     if (L.vec) {
-        // Dim 0 in packs (for_packs); an input with stride 0 along dim 0 is one
-        // value broadcast over the pack.
-        constexpr int V = PackWidth<Tout, Tin>::value;
+        // Dim 0 in packs (for_packs); an input with stride 0 along dim 0 is
+        // one value broadcast over the pack.
         for_packs<NIN + 1, V>(L, n, [&](long long i0, const long long (&off)[NIN + 1]) {
             Pack<Tin, V> x[NIN];
 #pragma unroll
-            for (int k = 0; k < NIN; ++k) {
-                if (is_s[k]) continue;
-                if (L.stride[k + 1][0] == 0) {
-                    const Tin b = in[k][off[k + 1]];
-#pragma unroll
-                    for (int j = 0; j < V; ++j) x[k].v[j] = b;
-                } else {
-                    x[k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k] + off[k + 1]));
-                }
-            }
+            for (int k = 0; k < NIN; ++k)
+                if (!is_s[k]) x[k] = load_or_bcast<Tin, V>(in[k] + off[k + 1], L.stride[k + 1][0] == 0);
             store_pack(reinterpret_cast<Pack<Tout, V>*>(out + off[0]),
                        compute_pack<Op, NIN, V, C, Tout>(op, i0, x, is_s, sc));
         });
         return;
     }
+    // Any layout: one element per thread, computed as a pack of one (a
+    // V-wide pack here would instantiate the op a second time).
+    const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
     for (long long i = tid; i < n; i += nthreads) {
         long long off[NIN + 1];
         strided_offsets<NIN>(L, i, off);
-        C v[NIN];
+        Pack<Tin, 1> x[NIN];
 #pragma unroll
-        for (int k = 0; k < NIN; ++k) v[k] = is_s[k] ? sc[k] : to_compute<C>(in[k][off[k + 1]]);
-        out[off[0]] = from_compute<Tout>(apply_op<Op, NIN, C>(op, i, v));
+        for (int k = 0; k < NIN; ++k)
+            if (!is_s[k]) x[k].v[0] = in[k][off[k + 1]];
+        out[off[0]] = compute_pack<Op, NIN, 1, C, Tout>(op, i, x, is_s, sc).v[0];
     }
+}
+
+template <typename Op, int NIN, typename Tout, typename Tin>
+__device__ __forceinline__ void run_tiled(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm,
+                                          const Layout& L) {
+    using C = typename op_compute<Op, Tin>::type;
+    constexpr int V = PackWidth<Tout, Tin>::value;
+    // Arrays only: the host sends calls with a scalar operand to the strided
+    // kernel, so that no scalar decoding is live here (40 -> 32 registers for
+    // bias_gelu, which is what lets 8 blocks of 256 threads fit on an SM).
+    C sc[NIN];
+    bool is_s[NIN];
+#pragma unroll
+    for (int k = 0; k < NIN; ++k) {
+        is_s[k] = false;
+        sc[k] = C(0);
+    }
+    const long long n = nm;
+    for_tiles<NIN + 1, V>(L, n, 1, [&](long long i0, const long long (&off)[NIN + 1]) {
+        Pack<Tin, V> x[NIN];
+#pragma unroll
+        for (int k = 0; k < NIN; ++k) x[k] = load_or_bcast<Tin, V>(in[k] + off[k + 1], L.stride[k + 1][0] == 0);
+        store_pack(reinterpret_cast<Pack<Tout, V>*>(out + i0), compute_pack<Op, NIN, V, C, Tout>(op, i0, x, is_s, sc));
+    });
 }
 
 // ---- the N-ary driver: generated functors (cufuse.fuse) ---------------------
@@ -311,6 +435,18 @@ __device__ __forceinline__ void run_fused_strided(const F& f, void* const* p, lo
         strided_offsets<N - 1>(L, i, off);
         f.template apply<1>(p, off, bc);
     }
+}
+
+// Tile mode for generated kernels (L.vec == 2): outputs C-contiguous, each
+// input at its tile offset (for_tiles); its own entry point, fused_tiled.
+template <typename F>
+__device__ __forceinline__ void run_fused_tiled(const F& f, void* const* p, long long n, int nout,
+                                                const LayoutT<F::N>& L) {
+    constexpr int N = F::N, V = F::V;
+    bool bc[N];
+#pragma unroll
+    for (int k = 0; k < N; ++k) bc[k] = L.stride[k][0] == 0;
+    for_tiles<N, V>(L, n, nout, [&](long long, const long long (&o)[N]) { f.template apply<V>(p, o, bc); });
 }
 
 // Horizontal fusion: many independent contiguous operand sets in one launch.
@@ -460,4 +596,23 @@ __global__ void CUFUSE_EW_BOUNDS ew3_strided(Tout* out, const Tin* a, const Tin*
                                              cufuse::Layout L, P... p) {
     const Tin* in[3] = {a, b, c};
     cufuse::run_strided<Op, 3>(Op{p...}, out, in, nm, L);
+}
+
+// Tile mode (Layout vec 2), separate so that its register count is its own.
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew1_tiled(Tout* out, const Tin* a, long long nm, cufuse::Layout L, P... p) {
+    const Tin* in[1] = {a};
+    cufuse::run_tiled<Op, 1>(Op{p...}, out, in, nm, L);
+}
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew2_tiled(Tout* out, const Tin* a, const Tin* b, long long nm, cufuse::Layout L,
+                                           P... p) {
+    const Tin* in[2] = {a, b};
+    cufuse::run_tiled<Op, 2>(Op{p...}, out, in, nm, L);
+}
+template <typename Op, typename Tout, typename Tin, typename... P>
+__global__ void CUFUSE_EW_BOUNDS ew3_tiled(Tout* out, const Tin* a, const Tin* b, const Tin* c, long long nm,
+                                           cufuse::Layout L, P... p) {
+    const Tin* in[3] = {a, b, c};
+    cufuse::run_tiled<Op, 3>(Op{p...}, out, in, nm, L);
 }

@@ -34,18 +34,37 @@ template <typename R> struct Channels {
         const long long q = cufuse::fast_div(i, inner, inner_mg);
         return q - cufuse::fast_div(q, channels, channels_mg) * channels;
     }
-    // f(j, c) for the V consecutive elements from i0: the channel is divided
-    // out once per pack and then stepped (no division per element).
+    // f(j, scale, zero point) for the V consecutive elements from i0 (a
+    // multiple of V). The channel is divided out once per pack; then a pack
+    // inside one channel (axis 0 and most others) reads its scale once, a
+    // pack of V consecutive channels (the last axis, aligned) reads them in
+    // 16-byte packs, and anything else steps the channel per element.
     template <int V, typename F> __device__ __forceinline__ void for_pack(long long i0, F f) const {
         const long long q = cufuse::fast_div(i0, inner, inner_mg);
-        long long r = i0 - q * inner;
         long long c = q - cufuse::fast_div(q, channels, channels_mg) * channels;
+        if (inner % V == 0) {
+            const R s = __ldg(scale + c), z = __ldg(zp + c);
 #pragma unroll
-        for (int j = 0; j < V; ++j) {
-            f(j, c);
-            if (++r == inner) {
-                r = 0;
-                if (++c == channels) c = 0;
+            for (int j = 0; j < V; ++j) f(j, s, z);
+        } else if (inner == 1 && channels % V == 0 && V % 4 == 0 && cufuse::is_aligned<R, 4>(scale) &&
+                   cufuse::is_aligned<R, 4>(zp)) {
+            // 16-byte loads (float) of the pack's V consecutive scales and zero points
+#pragma unroll
+            for (int g = 0; g < V / 4; ++g) {
+                const auto s = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(scale + c) + g);
+                const auto z = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(zp + c) + g);
+#pragma unroll
+                for (int j = 0; j < 4; ++j) f(4 * g + j, s.v[j], z.v[j]);
+            }
+        } else {
+            long long r = i0 - q * inner;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                f(j, scale[c], zp[c]);
+                if (++r == inner) {
+                    r = 0;
+                    if (++c == channels) c = 0;
+                }
             }
         }
     }
@@ -61,8 +80,8 @@ template <typename R> struct QuantizeCh : Channels<R> {
         return cufuse::math::quantize_int8(x, this->scale[c], this->zp[c]);
     }
     template <int V> __device__ __forceinline__ void pack(long long i0, const R (&x)[V], R (&y)[V]) const {
-        this->template for_pack<V>(i0, [&](int j, long long c) {
-            y[j] = static_cast<R>(cufuse::math::quantize_int8(x[j], this->scale[c], this->zp[c]));
+        this->template for_pack<V>(i0, [&](int j, R s, R z) {
+            y[j] = static_cast<R>(cufuse::math::quantize_int8(x[j], s, z));
         });
     }
 };
@@ -77,7 +96,7 @@ template <typename R> struct DequantizeCh : Channels<R> {
         return (q - this->zp[c]) * this->scale[c];
     }
     template <int V> __device__ __forceinline__ void pack(long long i0, const R (&q)[V], R (&y)[V]) const {
-        this->template for_pack<V>(i0, [&](int j, long long c) { y[j] = (q[j] - this->zp[c]) * this->scale[c]; });
+        this->template for_pack<V>(i0, [&](int j, R s, R z) { y[j] = (q[j] - z) * s; });
     }
 };
 

@@ -51,7 +51,7 @@ def test_generated_source_compiles(name, dtype):
     args = [np.ones((3, 8), dtype) for _ in range(nin)] + list(scalars)
     src = f.source(*args)
     assert "__global__" in src and f.stats["compiles"] == 0
-    entries = ["fused_rows"] if "reductions" in name else ["fused_contig", "fused_strided", "fused_segments"]
+    entries = ["fused_rows"] if "reductions" in name else ["fused_contig", "fused_strided", "fused_tiled", "fused_segments"]
     for e in entries:
         assert f" {e}(" in src
     full = R.expand_includes(src)

@@ -73,7 +73,7 @@ def test_load_source_inlines_local_includes_once():
     assert src.count("struct compute_type {") == 1            # common.cuh inlined once
 
 
-_EXPR = re.compile(r"(ew[123](?:_strided)?|norm_rows(?:_cluster|_stream)?|reduce_(?:rows|cols))"
+_EXPR = re.compile(r"(ew[123](?:_strided|_tiled)?|norm_rows(?:_cluster|_stream)?|reduce_(?:rows|cols))"
                    r"<(\w+)(?:<\w+>)?, ([\w ]+)(?:, [\w ]+)*>")
 _CTYPE_NAMES = {"__half": "float16", "float": "float32", "double": "float64", "signed char": "int8"}
 
@@ -100,7 +100,7 @@ def test_registry_has_every_op_and_dtype():
                 assert dtype == expected, expr
             labels.setdefault(label, set()).add(dtype)
     for name in ("add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout"):
-        for label in (name, f"{name} (strided)"):
+        for label in (name, f"{name} (strided)", f"{name} (tiled)"):
             assert labels.get(label) == {"float16", "float32", "float64"}, label
     assert labels["quantize_int8"] == {"float16->int8", "float32->int8", "float64->int8"}
     assert labels["dequantize_int8"] == {"int8->float16", "int8->float32", "int8->float64"}

@@ -22,7 +22,6 @@ from . import codegen, graph as G
 from .numpy_eval import evaluate
 
 _log = logging.getLogger("cufuse")
-_LAYOUTS: dict = {}
 _TABLES: dict = {}       # horizontal launch tables on the device, by content
 _TABLES_MAX = 64
 _FAST_MAX = 256          # entries of a Fused's per-shape fast-path cache
@@ -32,29 +31,6 @@ _PLANS_MAX = 8           # foreach launch plans kept per Fused
 # 23.3 / 189.3): 1 pack 31.2 / 219.3, 2: 27.8 / 200.5, 4: 27.0 / 196.3,
 # 8: 27.7 / 197.2, 16: 28.3 / 202.4.
 SEGMENT_PACKS = 4
-
-
-def _layout_dtype(n):
-    """numpy twin of kernels/elementwise.cuh LayoutT<n>."""
-    dt = _LAYOUTS.get(n)
-    if dt is None:
-        nd = E._STRIDED_NDIM
-        dt = _LAYOUTS[n] = np.dtype({"names": ["shape", "stride", "magic", "ndim", "vec"],
-                                     "formats": [(np.int64, (nd,)), (np.int64, (n, nd)), (np.uint64, (nd,)),
-                                                 np.int32, np.int32]}, align=True)
-    return dt
-
-
-def _layout(n, cshape, cstrides, vec):
-    L = np.zeros((), dtype=_layout_dtype(n))
-    nd = len(cshape)
-    L["ndim"] = nd
-    L["shape"][:nd] = cshape
-    L["magic"][:nd] = [A.fast_div_magic(d) for d in cshape]
-    for k, st in enumerate(cstrides):
-        L["stride"][k, :nd] = st
-    L["vec"] = vec
-    return L[()]
 
 
 class _Signature:
@@ -371,14 +347,9 @@ class Fused:
             for t, o in zip(tmp, targets):
                 E._copy_into(o, t, kind)
             return
-        nout = len(targets)
         parts = [(p, st, dt.itemsize) for p, st, dt in zip(ptrs, cstrides, sig.out_dtypes + sig.in_dtypes)]
-        if any(st[0] == 0 for st in cstrides[:nout]):  # _packs_fit knows one output only
-            mode, work = 0, n
-        else:
-            mode, work = E.strided_mode(cshape, parts, V, n)
-        fn = sig.function("fused_strided", dev)
-        L = _layout(len(ptrs), cshape, cstrides, mode)
+        L, work = E.strided_layout(len(ptrs), cshape, parts, V, n, nout=len(targets))
+        fn = sig.function("fused_tiled" if L["vec"] == 2 else "fused_strided", dev)
         grid = R.grid_for(work, dev) or 1
         R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, n, L, *params), stream)
         self.stats["launches"] += 1
@@ -413,7 +384,7 @@ class Fused:
                 if cs != 1 or p % align or any((s * dt.itemsize) % align for s in st):
                     vec = 0
                     break
-        L = _layout(len(ptrs), [cols] + list(cshape), [[c] + list(s) for c, s in zip(col_st, cstr)], vec)
+        L = E.layout(len(ptrs), [cols] + list(cshape), [[c] + list(s) for c, s in zip(col_st, cstr)], vec)[()]
         units = cols // V if vec else cols
         tpr = 1
         while tpr < 256 and tpr * 4 < units:

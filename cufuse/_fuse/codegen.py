@@ -111,13 +111,13 @@ def _limits(kind, c):
     return f"static_cast<{c}>({v}{suffix})"
 
 
-ENTRIES = ("fused_contig", "fused_strided", "fused_segments")  # elementwise; a reduction has fused_rows
+ENTRIES = ("fused_contig", "fused_strided", "fused_tiled", "fused_segments")  # elementwise; a reduction has fused_rows
 
 
 def source(g, in_dtypes, entry=None):
     """CUDA source of the kernels for graph ``g`` with array inputs of ``in_dtypes``:
     every entry point, or only ``entry`` (each is compiled on its first use,
-    so that a first call pays for one kernel, not three)."""
+    so that a first call pays for one kernel, not four)."""
     nout, nin = len(g.outputs), len(in_dtypes)
     n = nout + nin
     V = pack_width(g, in_dtypes)
@@ -235,6 +235,11 @@ def source(g, in_dtypes, entry=None):
                 f"{head} fused_strided({ptrs}, long long n, cufuse::LayoutT<{n}> L{sparams}) {{",
                 f"    void* p[{n}] = {{{plist}}};",
                 f"    cufuse::run_fused_strided(Fused{{{sargs}}}, p, n, L);",
+                "}"],
+            "fused_tiled": [
+                f"{head} fused_tiled({ptrs}, long long n, cufuse::LayoutT<{n}> L{sparams}) {{",
+                f"    void* p[{n}] = {{{plist}}};",
+                f"    cufuse::run_fused_tiled(Fused{{{sargs}}}, p, n, {nout}, L);",
                 "}"],
             "fused_segments": [
                 f"{head} fused_segments(const long long* table, int nseg, int upt{sparams}) {{",

@@ -22,10 +22,7 @@ FAMILY = "elementwise"  # kernels/elementwise.cu; ops may name another family th
 _STRIDED_NDIM = 8     # kernels/elementwise.cuh: kMaxDims
 _SCALAR_SHIFT = 56    # kernels/elementwise.cuh: kScalarShift
 _MAX_OPERANDS = 4     # kernels/elementwise.cuh: kMaxOperands
-_LAYOUT = np.dtype({"names": ["shape", "stride", "magic", "ndim", "vec"],
-                    "formats": [(np.int64, (_STRIDED_NDIM,)), (np.int64, (_MAX_OPERANDS, _STRIDED_NDIM)),
-                                (np.uint64, (_STRIDED_NDIM,)), np.int32, np.int32]},
-                   align=True)  # kernels/elementwise.cuh: struct Layout
+_LAYOUTS: dict = {}  # operand count -> numpy twin of LayoutT<n>
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
 
@@ -67,21 +64,27 @@ class ElementwiseOp:
         for in_dt, out_dt in self.signatures:
             fname = functor(in_dt, out_dt) if callable(functor) else functor
             targs = (fname, R.CTYPES[out_dt], R.CTYPES[in_dt], *params)
-            contig = R.name_expression(f"ew{arity}", *targs)
-            strided = R.name_expression(f"ew{arity}_strided", *targs)
             label = in_dt.name if in_dt == out_dt else f"{in_dt.name}->{out_dt.name}"
-            R.register(family, contig, name, label)
-            R.register(family, strided, f"{name} (strided)", label)
-            self._expr[(in_dt, out_dt)] = (contig, strided)
+            # (family, expression) per entry: contiguous, strided, tiled. The
+            # tiled kernels are a family part of their own, compiled on the
+            # first call that needs one.
+            entries = []
+            for suffix, fam, what in (("", family, ""), ("_strided", family, " (strided)"),
+                                      ("_tiled", f"{family}:tiled", " (tiled)")):
+                expr = R.name_expression(f"ew{arity}{suffix}", *targs)
+                R.register(fam, expr, name + what, label)
+                entries.append((fam, expr))
+            self._expr[(in_dt, out_dt)] = tuple(entries)
             if in_dt == out_dt:
                 self._expr[in_dt] = self._expr[(in_dt, out_dt)]
                 self._pack[in_dt] = pack_width(in_dt, out_dt)
         self._fast = {}  # (dtype, device) and dtype -> contiguous kernel entry, for same-dtype ops
 
     # ------------------------------------------------------------ hot path
-    def _fn(self, key, device, strided=False):
-        """Kernel for ``key`` (an input dtype, or an (input, output) dtype pair)."""
-        return R.get_function(self.family, self._expr[key][strided], device)
+    def _fn(self, key, device, entry=0):
+        """Kernel for ``key`` (an input dtype, or an (input, output) dtype
+        pair): ``entry`` 0 contiguous, 1 strided, 2 tiled (Layout.vec)."""
+        return R.get_function(*self._expr[key][entry], device)
 
     def _fast_entry(self, dt, dev):
         """(device, Function, pack width, grid cap, itemsize) of the contiguous kernel for
@@ -294,23 +297,12 @@ class ElementwiseOp:
             self._launch(tmp, dense, plan, params, stream)
             _copy_into(out, tmp, kind)
             return
-        layout = np.zeros((), dtype=_LAYOUT)
-        nd = len(cshape)
-        layout["ndim"] = nd
-        layout["shape"][:nd] = cshape
-        layout["magic"][:nd] = [A.fast_div_magic(d) for d in cshape]
         it = iter(cstrides)
-        layout["stride"][0, :nd] = next(it)
-        vec_parts = [(optr, cstrides[0], odt.itemsize)]
-        for k, x in enumerate(ins):
-            if x is not None:
-                st = next(it)
-                layout["stride"][k + 1, :nd] = st
-                vec_parts.append((ptrs[k], st, dt.itemsize))
-        mode, work = strided_mode(cshape, vec_parts, pack_width(dt, odt), n)
-        layout["vec"] = mode
-        fn = self._fn((dt, odt), dev, strided=True)
-        R.launch(fn, work, dev, (optr, *ptrs, nm, layout[()], *params), stream)
+        parts = [(optr, next(it), odt.itemsize)]
+        parts += [None if x is None else (ptrs[k], next(it), dt.itemsize) for k, x in enumerate(ins)]
+        layout, work = strided_layout(_MAX_OPERANDS, cshape, parts, pack_width(dt, odt), n)
+        fn = self._fn((dt, odt), dev, 2 if layout["vec"] == 2 else 1)
+        R.launch(fn, work, dev, (optr, *ptrs, nm, layout, *params), stream)
 
 
 def needs_temporary(out, odt, ins, in_dtypes, kind, shape):
@@ -331,16 +323,92 @@ def needs_temporary(out, odt, ins, in_dtypes, kind, shape):
     return False
 
 
-def strided_mode(cshape, parts, vec, n):
-    """(Layout.vec, threads) for the strided kernels: 1 (packs, one thread
-    each; kernels/elementwise.cuh for_packs) when the packs fit, else 0 (one
-    element per thread). ``parts``: per operand (pointer, strides, itemsize),
-    the output first. A thread per pack, not per element: bias_gelu with a
-    (1024,) bias at 50M went from 168 to 154 µs (float32) and 142 to 115 µs
-    (float16) on an H200, with the outermost dim's division dropped too."""
-    if not _packs_fit(cshape, parts, vec):
-        return 0, n
-    return 1, n // vec
+def layout_dtype(nops):
+    """numpy twin of kernels/elementwise.cuh LayoutT<nops> (the hand-written
+    kernels: nops = 4, kMaxOperands; a generated kernel: its operand count)."""
+    dt = _LAYOUTS.get(nops)
+    if dt is None:
+        nd = _STRIDED_NDIM
+        dt = _LAYOUTS[nops] = np.dtype({"names": ["shape", "stride", "magic", "ndim", "vec"],
+                                        "formats": [(np.int64, (nd,)), (np.int64, (nops, nd)), (np.uint64, (nd,)),
+                                                    np.int32, np.int32]}, align=True)
+    return dt
+
+
+def layout(nops, cshape, cstrides, vec):
+    """A LayoutT<nops> record: collapsed shape and per-operand strides (dim 0
+    innermost; rows of None stay zero), traversal ``vec``."""
+    L = np.zeros((), dtype=layout_dtype(nops))
+    nd = len(cshape)
+    L["ndim"] = nd
+    L["shape"][:nd] = cshape
+    L["magic"][:nd] = [A.fast_div_magic(d) for d in cshape]
+    for k, st in enumerate(cstrides):
+        if st is not None:
+            L["stride"][k, :nd] = st
+    L["vec"] = vec
+    return L
+
+
+def strided_layout(nops, cshape, parts, vec, n, nout=1):
+    """(LayoutT<nops> record, threads) for the strided kernels. ``parts``: per
+    operand (pointer, collapsed strides, itemsize), the ``nout`` outputs
+    first; None for a scalar input's slot. The traversal (kernels/
+    elementwise.cuh, LayoutT): tiles (2) when the outputs are C-contiguous and
+    every input an array that repeats a contiguous block, else packs along dim 0 (1) when
+    they fit, else one element per thread (0). A thread per pack, not per
+    element: bias_gelu with a (1024,) bias at 50M went from 168 to 154 µs
+    (float32) on an H200 with packs, and to 105 µs with tiles."""
+    tiles = _tiles(cshape, parts, vec, nout)
+    if tiles is not None:
+        L = layout(nops, cshape, [], 2)
+        for k, row in enumerate(tiles):
+            L["stride"][k, :5] = row
+        return L[()], n // vec
+    strides = [None if p is None else p[1] for p in parts]
+    if any(p[1][0] == 0 for p in parts[:nout]) or not _packs_fit(cshape, parts, vec):
+        return layout(nops, cshape, strides, 0)[()], n
+    return layout(nops, cshape, strides, 1)[()], n // vec
+
+
+def _tiles(cshape, parts, vec, nout):
+    """Per operand [pack, div, mod, magic(div), magic(mod)] for tile mode, or
+    None. Operand k's element for logical index i is (i / div) % mod (mod 0:
+    none): the outputs are C-contiguous (div 1, mod 0) and each input's
+    strides are 0 on the dims inside and outside one run of dims over which
+    it is contiguous. A pack of ``vec`` elements then reads ``vec``
+    consecutive elements (div 1, and the block a multiple of ``vec`` long,
+    aligned) or one (div a multiple of ``vec``)."""
+    n = int(np.prod(cshape))
+    if n % vec:
+        return None
+    rows = []
+    if any(p is None for p in parts):
+        return None  # the tiled kernels take arrays only (no scalar decoding in them)
+    for k, (ptr, st, itemsize) in enumerate(parts):
+        a = 0
+        while a < len(cshape) and st[a] == 0:
+            a += 1
+        b, expect = a, 1
+        while b < len(cshape) and st[b] == expect:
+            expect *= cshape[b]
+            b += 1
+        if any(st[d] for d in range(b, len(cshape))):
+            return None
+        div = int(np.prod(cshape[:a]))
+        mod = 0 if b == len(cshape) else expect
+        if k < nout and (a or mod):
+            return None
+        if div == 1 and a < len(cshape):
+            if (mod and mod % vec) or ptr % min(vec * itemsize, 16):
+                return None
+            pack = 1
+        elif div % vec == 0 or a == len(cshape):
+            pack = 0
+        else:
+            return None
+        rows.append([pack, div, mod, A.fast_div_magic(div), A.fast_div_magic(mod) if mod else 0])
+    return rows
 
 
 def _packs_fit(cshape, parts, vec):
@@ -350,7 +418,10 @@ def _packs_fit(cshape, parts, vec):
     kernel's Pack type is (its size, at most 16 bytes)."""
     if cshape[0] % vec:
         return 0
-    for k, (ptr, st, itemsize) in enumerate(parts):
+    for k, part in enumerate(parts):
+        if part is None:
+            continue  # a scalar
+        ptr, st, itemsize = part
         if st[0] == 0 and k > 0:
             continue  # one value broadcast over each pack
         align = min(vec * itemsize, 16)
