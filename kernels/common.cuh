@@ -87,32 +87,40 @@ __device__ __forceinline__ float gelu_tanh(float v) {
     return __fdividef(v, 1.0f + e);
 }
 
-// x / s for quantize_int8, rounded to nearest as a true division is (NumPy's):
-// for double the division itself; for float Markstein's correction of the
-// reciprocal product, q = x * (1/s), q += (x - q * s) * (1/s) with FMAs, which
-// is the correctly rounded quotient (a bare reciprocal multiply moves ties)
-// in fewer instructions than div.rn's checked sequence. Below |x| = 2**-100
-// the residual x - q * s would be flushed (-ftz=true), so tiny x divide.
-// Checked on an H200 over all 2**32 float32 x for 43 scales and 4 zero
-// points: the same quotients as div.rn and the same int8 codes everywhere
-// (quotients that overflow may be inf for FLT_MAX; both clamp to 127).
-// float16 quantize went from 64% to 90% of copy (bench/NOTES.md).
-template <typename R> __device__ __forceinline__ R true_div(R x, R s) { return x / s; }
-__device__ __forceinline__ float true_div(float x, float s) {
+// x / s for quantize_int8, with inv = 1 / s, rounded to nearest as a true
+// division is (NumPy's): for double the division itself; for float
+// Markstein's correction of the reciprocal product, q = x * inv,
+// q += (x - q * s) * inv with FMAs, which is the correctly rounded quotient
+// (a bare reciprocal multiply moves ties) in fewer instructions than div.rn's
+// checked sequence, once inv is shared by many elements (a per-tensor scale,
+// or a pack in one channel). Below |x| = 2**-100 the residual x - q * s would
+// be flushed (-ftz=true), so tiny x divide. Checked on an H200 over all 2**32
+// float32 x for 43 scales and 4 zero points: the same quotients as div.rn and
+// the same int8 codes everywhere (quotients that overflow may be inf for
+// FLT_MAX; both clamp to 127). float16 quantize per tensor went from 64% to
+// 90% of copy (bench/NOTES.md).
+template <typename R> __device__ __forceinline__ R div_by(R x, R s, R) { return x / s; }
+__device__ __forceinline__ float div_by(float x, float s, float inv) {
     if (fabsf(x) < 0x1p-100f) return x / s;
-    const float inv = 1.0f / s;
     float q = x * inv;
     if (isfinite(q)) q = fmaf(fmaf(-q, s, x), inv, q);
     return q;
 }
 
-// clamp(rint(x / scale + zp), -128, 127) with a true division; NaN -> 0.
-template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R zp) {
-    R v = true_div(x, scale) + zp;
+// clamp(rint(v), -128, 127); NaN -> 0.
+template <typename R> __device__ __forceinline__ signed char round_int8(R v) {
     if (v != v) return 0;
     v = rint(v);
     v = v < R(-128) ? R(-128) : (v > R(127) ? R(127) : v);
     return static_cast<signed char>(v);
+}
+// clamp(rint(x / scale + zp), -128, 127) with a true division; NaN -> 0. The
+// second form takes inv = 1 / scale, computed once for many elements.
+template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R zp) {
+    return round_int8(x / scale + zp);
+}
+template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R inv, R zp) {
+    return round_int8(div_by(x, scale, inv) + zp);
 }
 // ---- more math, for generated (cufuse.fuse) code -----------------------------
 __device__ __forceinline__ float exp2(float x) { return ::exp2f(x); }

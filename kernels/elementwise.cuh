@@ -37,8 +37,8 @@ constexpr int kMaxOperands = 4;  // the output plus up to three inputs
 //      and every input contiguous or broadcast along it, packs aligned);
 //   2  tiles: the output is C-contiguous and every input is a contiguous
 //      block repeated over the others, so that its element for logical index
-//      i is (i / div) % mod (mod 0: no modulo; a row bias: div 1, mod = row
-//      length; a per-channel scale on axis 0: div = row size, mod 0). Then
+//      i is (i / div) % mod (a row bias: div 1, mod = row length; a
+//      per-channel scale on axis 0: div = row size, mod = channels). Then
 //      stride[k] holds, instead of strides, {pack, div, mod, magic(div),
 //      magic(mod)}, pack 1 when the operand's pack is V consecutive elements
 //      and 0 when it is one value repeated (as a stride of 0 along dim 0 says
@@ -247,12 +247,16 @@ __device__ __forceinline__ void strided_offsets(const LayoutT<M>& L, long long i
     }
 }
 
-// Offset of operand k's element for logical index i in tile mode (L.vec == 2).
+// Offset of operand k's element for logical index i in tile mode (L.vec == 2):
+// (i / div) % mod in 32 bits with the magic numbers, no branch (the host
+// takes tiles below 2**31 elements only; div 1 and mod n stand for "none").
 template <int M> __device__ __forceinline__ long long tile_offset(const LayoutT<M>& L, int k, long long i) {
-    const long long d = L.stride[k][1], m = L.stride[k][2];
-    long long t = d == 1 ? i : fast_div(i, d, static_cast<unsigned long long>(L.stride[k][3]));
-    if (m) t -= fast_div(t, m, static_cast<unsigned long long>(L.stride[k][4])) * m;
-    return t;
+    const unsigned u = static_cast<unsigned>(i);
+    const unsigned long long md = static_cast<unsigned long long>(L.stride[k][3]);
+    const unsigned long long mm = static_cast<unsigned long long>(L.stride[k][4]);
+    const unsigned q = (__umulhi(u, static_cast<unsigned>(md)) + u) >> static_cast<unsigned>(md >> 32);
+    const unsigned r = (__umulhi(q, static_cast<unsigned>(mm)) + q) >> static_cast<unsigned>(mm >> 32);
+    return static_cast<long long>(q - r * static_cast<unsigned>(L.stride[k][2]));
 }
 
 // The pack traversal of the strided kernels (L.vec == 1): body(i0, off) for

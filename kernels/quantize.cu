@@ -6,9 +6,12 @@
 // clamp(rint(x / scale + zero_point), -128, 127), NaN -> 0.
 template <typename R> struct Quantize {
     using compute = R;
-    R scale, zp;
-    __device__ Quantize(double s, double z) : scale(static_cast<R>(s)), zp(static_cast<R>(z)) {}
-    __device__ __forceinline__ signed char operator()(R x) const { return cufuse::math::quantize_int8(x, scale, zp); }
+    R scale, zp, inv;
+    __device__ Quantize(double s, double z)
+        : scale(static_cast<R>(s)), zp(static_cast<R>(z)), inv(R(1) / static_cast<R>(s)) {}
+    __device__ __forceinline__ signed char operator()(R x) const {
+        return cufuse::math::quantize_int8(x, scale, inv, zp);
+    }
 };
 
 // (q - zero_point) * scale in R, then rounded to the output type.
@@ -34,18 +37,19 @@ template <typename R> struct Channels {
         const long long q = cufuse::fast_div(i, inner, inner_mg);
         return q - cufuse::fast_div(q, channels, channels_mg) * channels;
     }
-    // f(j, scale, zero point) for the V consecutive elements from i0 (a
+    // f(j, scale, zero point, shared) for the V consecutive elements from i0 (a
     // multiple of V). The channel is divided out once per pack; then a pack
     // inside one channel (axis 0 and most others) reads its scale once, a
     // pack of V consecutive channels (the last axis, aligned) reads them in
     // 16-byte packs, and anything else steps the channel per element.
+    // `shared` (a constant in each branch) says that one scale serves the pack.
     template <int V, typename F> __device__ __forceinline__ void for_pack(long long i0, F f) const {
         const long long q = cufuse::fast_div(i0, inner, inner_mg);
         long long c = q - cufuse::fast_div(q, channels, channels_mg) * channels;
         if (inner % V == 0) {
             const R s = __ldg(scale + c), z = __ldg(zp + c);
 #pragma unroll
-            for (int j = 0; j < V; ++j) f(j, s, z);
+            for (int j = 0; j < V; ++j) f(j, s, z, true);
         } else if (inner == 1 && channels % V == 0 && V % 4 == 0 && cufuse::is_aligned<R, 4>(scale) &&
                    cufuse::is_aligned<R, 4>(zp)) {
             // 16-byte loads (float) of the pack's V consecutive scales and zero points
@@ -54,13 +58,13 @@ template <typename R> struct Channels {
                 const auto s = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(scale + c) + g);
                 const auto z = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(zp + c) + g);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) f(4 * g + j, s.v[j], z.v[j]);
+                for (int j = 0; j < 4; ++j) f(4 * g + j, s.v[j], z.v[j], false);
             }
         } else {
             long long r = i0 - q * inner;
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                f(j, scale[c], zp[c]);
+                f(j, scale[c], zp[c], false);
                 if (++r == inner) {
                     r = 0;
                     if (++c == channels) c = 0;
@@ -80,8 +84,10 @@ template <typename R> struct QuantizeCh : Channels<R> {
         return cufuse::math::quantize_int8(x, this->scale[c], this->zp[c]);
     }
     template <int V> __device__ __forceinline__ void pack(long long i0, const R (&x)[V], R (&y)[V]) const {
-        this->template for_pack<V>(i0, [&](int j, R s, R z) {
-            y[j] = static_cast<R>(cufuse::math::quantize_int8(x[j], s, z));
+        this->template for_pack<V>(i0, [&](int j, R s, R z, bool shared) {
+            // one reciprocal per pack when its scale is shared, else a division per element
+            y[j] = static_cast<R>(shared ? cufuse::math::quantize_int8(x[j], s, R(1) / s, z)
+                                         : cufuse::math::quantize_int8(x[j], s, z));
         });
     }
 };
@@ -96,7 +102,7 @@ template <typename R> struct DequantizeCh : Channels<R> {
         return (q - this->zp[c]) * this->scale[c];
     }
     template <int V> __device__ __forceinline__ void pack(long long i0, const R (&q)[V], R (&y)[V]) const {
-        this->template for_pack<V>(i0, [&](int j, R s, R z) { y[j] = (q[j] - z) * s; });
+        this->template for_pack<V>(i0, [&](int j, R s, R z, bool) { y[j] = (q[j] - z) * s; });
     }
 };
 

@@ -49,18 +49,18 @@ def _layout(shape, operands, itemsize=4, vec=4, scalar_slot=False):
 
 @pytest.mark.parametrize("shape,ishape,div,mod,pack", [
     ((64, 1024), (1024,), 1, 1024, 1),        # row bias: V consecutive elements of it
-    ((64, 1024), (64, 1), 1024, 0, 0),        # per-row value: one per pack
+    ((64, 1024), (64, 1), 1024, 64, 0),       # per-row value: one per pack
     ((6, 5, 8), (5, 1), 8, 5, 0),             # middle axis
     ((6, 5, 8), (1, 5, 8), 1, 40, 1),         # trailing block repeated over dim 0
-    ((3, 4, 8), (1, 1, 1), 96, 0, 0),         # one element
+    ((3, 4, 8), (1, 1, 1), 96, 1, 0),         # one element
 ])
 def test_tile_parameters(shape, ishape, div, mod, pack):
     L, work = _layout(shape, [(shape, ALIGNED), (ishape, ALIGNED)])
     assert int(L["vec"]) == 2
     n = int(np.prod(shape))
     assert work == n // 4
-    assert list(L["stride"][0, :3]) == [1, 1, 0]   # output: at i, no division
-    assert list(L["stride"][1, :3]) == [1, 1, 0]   # same-shape input: likewise
+    assert list(L["stride"][0, :3]) == [1, 1, n]   # output: at i (i / 1 % n)
+    assert list(L["stride"][1, :3]) == [1, 1, n]   # same-shape input: likewise
     assert list(L["stride"][2, :3]) == [pack, div, mod]
 
 
@@ -70,6 +70,7 @@ def test_tile_parameters(shape, ishape, div, mod, pack):
     ("per-row value over 2 elements", (64, 2), [((64, 1), ALIGNED)], {}),
     ("two separate runs of dims", (4, 6, 8), [((4, 1, 8), ALIGNED)], {}),
     ("a scalar operand", (64, 1024), [((1024,), ALIGNED)], {"scalar_slot": True}),
+    ("2**31 elements", (2**21, 1024), [((1024,), ALIGNED)], {}),
 ])
 def test_not_tiles(why, shape, operands, kw):
     L, _ = _layout(shape, operands, **kw)

@@ -373,18 +373,18 @@ def strided_layout(nops, cshape, parts, vec, n, nout=1):
 
 def _tiles(cshape, parts, vec, nout):
     """Per operand [pack, div, mod, magic(div), magic(mod)] for tile mode, or
-    None. Operand k's element for logical index i is (i / div) % mod (mod 0:
-    none): the outputs are C-contiguous (div 1, mod 0) and each input's
+    None. Operand k's element for logical index i is (i / div) % mod: the
+    outputs are C-contiguous (div 1, mod n) and each input's
     strides are 0 on the dims inside and outside one run of dims over which
     it is contiguous. A pack of ``vec`` elements then reads ``vec``
     consecutive elements (div 1, and the block a multiple of ``vec`` long,
     aligned) or one (div a multiple of ``vec``)."""
     n = int(np.prod(cshape))
-    if n % vec:
+    if n % vec or n >= 2**31:  # the kernels index tiles in 32 bits
         return None
-    rows = []
     if any(p is None for p in parts):
         return None  # the tiled kernels take arrays only (no scalar decoding in them)
+    rows = []
     for k, (ptr, st, itemsize) in enumerate(parts):
         a = 0
         while a < len(cshape) and st[a] == 0:
@@ -395,19 +395,18 @@ def _tiles(cshape, parts, vec, nout):
             b += 1
         if any(st[d] for d in range(b, len(cshape))):
             return None
-        div = int(np.prod(cshape[:a]))
-        mod = 0 if b == len(cshape) else expect
-        if k < nout and (a or mod):
+        div, mod = int(np.prod(cshape[:a])), expect  # mod: the block's length (n // div: no wrap)
+        if k < nout and (a or b < len(cshape)):
             return None
         if div == 1 and a < len(cshape):
-            if (mod and mod % vec) or ptr % min(vec * itemsize, 16):
+            if mod % vec or ptr % min(vec * itemsize, 16):
                 return None
             pack = 1
         elif div % vec == 0 or a == len(cshape):
             pack = 0
         else:
             return None
-        rows.append([pack, div, mod, A.fast_div_magic(div), A.fast_div_magic(mod) if mod else 0])
+        rows.append([pack, div, mod, A.fast_div_magic(div), A.fast_div_magic(mod)])
     return rows
 
 
