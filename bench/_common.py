@@ -3,10 +3,19 @@ CuPy and torch imports, and a few helpers. Every benchmark is skipped without
 a GPU; the modules still import without CuPy or torch (new ops are looked up
 inside the tests), so that collection never errors.
 
-    from _common import NO_GPU, TORCH_REASON, cp, torch, pytestmark, ...
+    import _common
+    from _common import NO_GPU, TORCH_REASON, cp, torch, ...
+    pytestmark = _common.pytestmark   # an assignment: pyflakes counts a bare import as unused
+
+The ops' benchmarks (not test_bench_fuse.py's) have a NumPy peer on the CPU
+(impl "numpy" in the test ids, "numpy (CPU)" in the rows, see ``measure``)
+and the size id "L2", an element count computed from the device's L2 in the
+test body (conftest's GpuBench.l2_elements), so that test ids stay static
+strings when collected without a GPU.
 """
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import cufuse
@@ -32,8 +41,38 @@ def torch_stream(gpu):
     return gpu.external_stream(torch.cuda.current_stream().cuda_stream)
 
 
+NUMPY = "numpy (CPU)"   # the CPU peer's impl in the rows (its test ids say "numpy")
+L2 = "L2"               # the size id resolved in the test body: GpuBench.l2_elements
+
+
+def size_id(n) -> str:
+    """A size for test ids and benchmark groups: "L2", or 50M / 100K / the count."""
+    if isinstance(n, str):
+        return n
+    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else (f"{n // 1_000}K" if n % 1_000 == 0 else str(n))
+
+
+def slow_if_large(n):
+    """pytest marks of a size: the fixed sizes of 20M elements and more are slow
+    ("L2" is at most half the L2 cache: a few million elements)."""
+    return [pytest.mark.slow] if not isinstance(n, str) and n >= 20_000_000 else []
+
+
 def as_cupy(res):
-    return res if isinstance(res, cp.ndarray) else cp.from_dlpack(res)
+    """A result as a CuPy array: torch's through DLPack (no copy), the NumPy
+    peer's copied to the device (so that every implementation is checked by
+    the same device code)."""
+    if isinstance(res, cp.ndarray):
+        return res
+    return cp.asarray(res) if isinstance(res, np.ndarray) else cp.from_dlpack(res)
+
+
+def measure(gpu, benchmark, *, impl, stream, **kw):
+    """gpu.measure (CUDA events on ``stream``), or for the NumPy peer
+    gpu.measure_host: the host clock, the row's impl "numpy (CPU)"."""
+    if impl == "numpy":
+        return gpu.measure_host(benchmark, impl=NUMPY, **kw)
+    return gpu.measure(benchmark, impl=impl, stream=stream, **kw)
 
 
 def need_torch(gpu, impl):
@@ -60,7 +99,6 @@ def max_errors(got, ref, floor=0.0):
     ``ref`` where both are finite: the accuracy columns of the report. The
     relative error divides by max(|ref|, floor) (pass atol / rtol: near 0 an
     absolute tolerance governs, as in the checks)."""
-    import numpy as np
     g = np.asarray(got, dtype=np.float64)
     r = np.asarray(ref, dtype=np.float64)
     ok = np.isfinite(g) & np.isfinite(r)

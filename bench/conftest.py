@@ -212,12 +212,29 @@ class GpuBench:
         self.bandwidth.append(row)
         return row
 
+    def l2_size(self) -> int:
+        """The device's L2 cache in bytes, read once (also ``self.l2`` after)."""
+        if "l2" not in self.__dict__:
+            self.l2 = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
+        return self.l2
+
     def regime(self, nbytes: int) -> str:
         """"L2" when the bytes a call moves fit in the device's L2 cache (read at
         run time), else "DRAM": the two regimes the report labels."""
-        if "l2" not in self.__dict__:
-            self.l2 = int(self.cp.cuda.runtime.getDeviceProperties(self.device)["l2CacheSize"])
-        return "L2" if nbytes <= self.l2 else "DRAM"
+        return "L2" if nbytes <= self.l2_size() else "DRAM"
+
+    def l2_elements(self, bytes_per_element, multiple: int = 1024, fixed_bytes: int = 0) -> int:
+        """The element count of the size id "L2": the largest multiple of
+        ``multiple`` whose bytes fit in half of this device's L2.
+        ``bytes_per_element``: every operand read once plus the output written
+        once, per element (a float where an operand is per row: a per-channel
+        scale, a reduction's output); ``fixed_bytes``: the small operands (a
+        bias row). Half, not all: the working set stays clear of the cache's
+        capacity (and of the regime label's limit) on any device."""
+        n = int((self.l2_size() // 2 - fixed_bytes) // bytes_per_element) // multiple * multiple
+        if n <= 0:
+            raise ValueError(f"L2 of {self.l2_size()} bytes holds no {multiple} elements of {bytes_per_element} bytes")
+        return n
 
     @staticmethod
     def host_loop_us(fns: dict, sync, calls: int = 2000, rounds: int = 7) -> dict:

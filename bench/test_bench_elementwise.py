@@ -1,8 +1,10 @@
 """Benchmarks of cufuse's fused elementwise ops.
 
 * test_bandwidth: add_relu, mul_tanh, add_mul_exp, fma at 100K/1M/20M/50M
-  elements, float32 and float16, cufuse (out=) against the CuPy ufunc chain,
-  cupy.fuse, torch eager and torch.compile.
+  elements and at "L2" (read from the device at run time: the inputs and the
+  output fill at most half of its L2), float32 and float16, cufuse (out=)
+  against the CuPy ufunc chain, cupy.fuse, torch eager and torch.compile, and
+  up to 1M NumPy on the CPU.
 * test_latency: launch overhead at 100K elements against a bare RawKernel.
 
 Run from the repository root:  PYTHONPATH=$PWD python3 -m pytest bench --benchmark-only -q
@@ -14,16 +16,15 @@ import pytest
 
 import cufuse
 
-from _common import as_cupy, cp, first_call, max_errors, need_torch, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
+import _common
+from _common import as_cupy, cp, first_call, L2, max_errors, need_torch, size_id, slow_if_large, torch, TORCH_REASON, torch_stream  # noqa: F401
 
-SIZES = (100_000, 1_000_000, 20_000_000, 50_000_000)
+pytestmark = _common.pytestmark
+
+SIZES = (100_000, 1_000_000, 20_000_000, 50_000_000, L2)   # "L2": GpuBench.l2_elements, in the test
 DTYPES = ("float32", "float16")
 IMPLS = ("cufuse", "cupy-chain", "cupy.fuse", "torch-eager", "torch.compile")
 TOL = {"float32": (1e-4, 1e-4), "float16": (1e-2, 2e-2)}  # (rtol, atol) vs float64 NumPy
-
-
-def size_label(n):
-    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1_000}K"
 
 
 # ----------------------------------------------------------------- the ops
@@ -110,16 +111,19 @@ def check_close(op, ins, res, dtype):
 
 
 # ----------------------------------------------------------------- bandwidth
-NUMPY_MAX = 1_000_000  # the CPU peer (NumPy, same chain, same dtype) up to this size
-CASES = [pytest.param(op, dt, n, impl, id=f"{op}-{dt}-{size_label(n)}-{impl}",
-                      marks=[pytest.mark.slow] if n >= 20_000_000 else [])
-         for op in OPS for dt in DTYPES for n in SIZES for impl in IMPLS + (("numpy",) if n <= NUMPY_MAX else ())]
+NUMPY_MAX = 1_000_000  # the CPU peer (NumPy, same chain, same dtype) up to this size (not at "L2")
+CASES = [pytest.param(op, dt, n, impl, id=f"{op}-{dt}-{size_id(n)}-{impl}", marks=slow_if_large(n))
+         for op in OPS for dt in DTYPES for n in SIZES
+         for impl in IMPLS + (("numpy",) if n != L2 and n <= NUMPY_MAX else ())]
 
 
 @pytest.mark.parametrize("op,dtype,n,impl", CASES)
 def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
     arity, cf_op, cp_op, _, _ = OPS[op]
-    benchmark.group = f"{op} {size_label(n)} {dtype}"
+    size = size_id(n)
+    benchmark.group = f"{op} {size} {dtype}"
+    if n == L2:  # the inputs and the output in half of this device's L2
+        n = gpu.l2_elements((arity + 1) * np.dtype(dtype).itemsize)
     gpu.copy_bandwidth()  # the reference, measured once before the first op
     ins = gpu.inputs(n, dtype)[:arity]
 
@@ -132,7 +136,7 @@ def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
         max_abs, max_rel = check_close(op, ins, cp.asarray(res), dtype)
         gpu.measure_host(benchmark, op=op, dtype=dtype, n=n, impl="numpy (CPU)", call=lambda: ref(*hins),
                          nbytes=sum(x.nbytes for x in hins) + res.nbytes, out_dtype=str(res.dtype),
-                         extra={"max_abs_err": max_abs, "max_rel_err": max_rel})
+                         extra={"size_id": size, "max_abs_err": max_abs, "max_rel_err": max_rel})
         return
     if impl == "cufuse":
         out = cp.empty(n, dtype)
@@ -160,7 +164,7 @@ def test_bandwidth(benchmark, gpu, op, dtype, n, impl):
     out_dtype = str(res.dtype)
     del res
     gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
-                nbytes=nbytes, out_dtype=out_dtype, extra={"max_abs_err": max_abs, "max_rel_err": max_rel})
+                nbytes=nbytes, out_dtype=out_dtype, extra={"size_id": size, "max_abs_err": max_abs, "max_rel_err": max_rel})
 
 
 # ----------------------------------------------------------------- latency

@@ -55,7 +55,10 @@ import pytest
 
 import cufuse
 
-from _common import as_cupy, cp, first_call, need_torch, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
+import _common
+from _common import as_cupy, cp, first_call, need_torch, torch, TORCH_REASON, torch_stream  # noqa: F401
+
+pytestmark = _common.pytestmark
 
 # ---------------------------------------------------------------- parameters
 N_BW = 50_000_000

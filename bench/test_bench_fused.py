@@ -6,10 +6,13 @@
 * test_gelu_dropout: gelu_dropout(x, p=0.1)
 
 x is a (N // 1024, 1024) C-contiguous array (N = 50M or 1M nominal: 49,999,872
-or 999,424 elements), float32 or float16. cufuse (out=) against the CuPy ufunc
-chain, torch eager and torch.compile, each peer skipped on its own when it is
-unavailable. Same method as test_bench_elementwise.py (see bench/README.md);
-the issue's targets go to the summary as met/MISSED and never fail a test.
+or 999,424 elements; or "L2": N from the device's L2 size at run time, so that
+x, the output and the small operands fill at most half of it), float32 or
+float16. cufuse (out=) against the CuPy ufunc chain, torch eager and
+torch.compile, each peer skipped on its own when it is unavailable, and at 1M
+NumPy on the CPU ("numpy (CPU)"). Same method as test_bench_elementwise.py (see
+bench/README.md); the issue's targets go to the summary as met/MISSED and never
+fail a test.
 
 Run from the repository root:  PYTHONPATH=$PWD python3 -m pytest bench/test_bench_fused.py --benchmark-only -q
 """
@@ -22,13 +25,19 @@ import pytest
 
 import cufuse
 
-from _common import as_cupy, cp, F, max_errors, need_torch, pytestmark, torch, torch_stream  # noqa: F401
+import _common
+from _common import as_cupy, cp, F, L2, max_errors, measure, need_torch, size_id, slow_if_large, torch, torch_stream  # noqa: F401
 from _common import first_call as _first_call
 
+pytestmark = _common.pytestmark
+
 COLS = 1024
-SIZES = (50_000_000, 1_000_000)   # nominal; the arrays hold (N // COLS) * COLS elements
+SIZES = (50_000_000, 1_000_000, L2)   # nominal; the arrays hold (N // COLS) * COLS elements
 DTYPES = ("float32", "float16")
 IMPLS = ("cufuse", "cupy-chain", "torch-eager", "torch.compile")
+# The CPU peer (NumPy on host copies) up to this size, as test_bench_elementwise.py:
+# the 1M case only (not "L2", whose size is known only at run time; not 50M).
+NUMPY_MAX = 1_000_000
 TOL = {"float32": (1e-4, 1e-4), "float16": (1e-2, 2e-2)}  # (rtol, atol) vs float64 NumPy
 DT_SHORT = {"float32": "f32", "float16": "f16"}
 
@@ -45,16 +54,22 @@ TARGET_F16_PCT = 80.0
 TARGET_VS_COMPILE, TARGET_VS_EAGER = 1.05, 1.5
 
 
-def size_label(n):
-    return f"{n // 1_000_000}M" if n % 1_000_000 == 0 else f"{n // 1_000}K"
-
-
 def cases(variants, impls=IMPLS, dtypes=DTYPES):
     """50M first, so that torch.compile's first (static) compile is the 50M one
     (dynamic=False below anyway); inputs are regenerated only when (n, dtype) changes."""
-    return [pytest.param(n, dt, v, impl, id=f"{v}-{dt}-{size_label(n)}-{impl}",
-                         marks=[pytest.mark.slow] if n >= 20_000_000 else [])
-            for n in SIZES for dt in dtypes for v in variants for impl in impls]
+    return [pytest.param(n, dt, v, impl, id=f"{v}-{dt}-{size_id(n)}-{impl}", marks=slow_if_large(n))
+            for n in SIZES for dt in dtypes for v in variants
+            for impl in impls + (("numpy",) if n != L2 and n <= NUMPY_MAX else ())]
+
+
+def resolve(gpu, n, in_bytes, out_bytes):
+    """The element count of a size: n, or for "L2" this device's: x (``in_bytes``
+    per element), the output and the small operands (a bias row, or a float32
+    scale and zero point per channel: at most 8 bytes per row and 8 per column)
+    in half of the L2 (GpuBench.l2_elements), whole rows of COLS."""
+    if n != L2:
+        return n
+    return gpu.l2_elements(in_bytes + out_bytes + 8 / COLS, multiple=COLS, fixed_bytes=8 * COLS)
 
 
 # ----------------------------------------------------------------- inputs
@@ -204,6 +219,29 @@ def cp_dequant(q, s, z, dtype):
     return (q.astype(dtype) - z) * s
 
 
+# ------------------------------------------------------ NumPy peers (CPU)
+# The CuPy chains' expressions in NumPy, in the same dtype. GELU needs erf,
+# which NumPy lacks: bias_gelu and gelu_dropout call cufuse's own NumPy
+# fallback (cufuse ops take NumPy arrays): gelu(x + b) with SciPy's erf, or
+# math.erf per element without SciPy; float16 computed in float32; dropout's
+# mask from the same Philox bits as on the GPU.
+def np_quant(x, s, z):
+    return np.clip(np.rint(x / s + z), -128, 127).astype(np.int8)
+
+
+def np_dequant(q, s, z, dtype):
+    return (q.astype(dtype) - z) * s
+
+
+def numpy_erf():
+    """Which erf the NumPy GELU ran (an extra_info field of its rows)."""
+    try:   # cufuse.ops.elementwise._erf's choice
+        from scipy.special import erf
+    except ImportError:
+        return "math.erf per element (no SciPy)"
+    return f"scipy.special.{erf.__name__}"
+
+
 # ------------------------------------------------------ the measurement
 
 
@@ -230,14 +268,23 @@ def first_call(gpu, impl, call):
 @pytest.mark.parametrize("n,dtype,approximate,impl", cases(("none", "tanh")))
 def test_bias_gelu(benchmark, gpu, n, dtype, approximate, impl):
     op = f"bias_gelu[{approximate}]"
-    benchmark.group = f"{op} {size_label(n)} {dtype}"
+    size = size_id(n)
+    benchmark.group = f"{op} {size} {dtype}"
     need_torch(gpu, impl)
+    isz = np.dtype(dtype).itemsize
+    n = resolve(gpu, n, isz, isz)
     gpu.copy_bandwidth()
     x, b = data(gpu, n, dtype)
     stream = cp.cuda.get_current_stream()
+    extra = {"size_id": size}
     if impl == "cufuse":
         out = cp.empty_like(x)
         call = lambda: cufuse.bias_gelu(x, b, approximate, out=out)  # noqa: E731
+    elif impl == "numpy":   # cufuse's NumPy fallback on host copies (see "NumPy peers")
+        xh, bh = x.get(), b.get()
+        call = lambda: cufuse.bias_gelu(xh, bh, approximate)  # noqa: E731
+        if approximate == "none":
+            extra["numpy_erf"] = numpy_erf()
     elif impl == "cupy-chain":
         if approximate == "none" and isinstance(cupy_erf(), Exception):
             gpu.skip("cupy-chain (erf)", f"cupyx.scipy.special.erf unavailable: {cupy_erf()}")
@@ -259,14 +306,23 @@ def test_bias_gelu(benchmark, gpu, n, dtype, approximate, impl):
     del res
 
     nbytes = 2 * x.nbytes  # x read + out written (the 1024-element bias is not counted)
-    gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
-            nbytes=nbytes, out_dtype=dtype, extra={"elements": x.size, "shape": list(x.shape), **errs})
+    measure(gpu, benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+            nbytes=nbytes, out_dtype=dtype, extra={"elements": x.size, "shape": list(x.shape), **extra, **errs})
     if impl == "cufuse":
         add_target(gpu, op, dtype, n, "bias_gelu", dtype)
 
 
 # ----------------------------------------------------------------- quantize
 QMODES = ("tensor", "axis0", "axis-1")
+
+
+def peer_sz(mode, peer, host=False):
+    """The peers' (scale, zero point), shaped to broadcast against x ((rows, 1)
+    on axis 0); ``host``: their NumPy copies, for the CPU peer."""
+    if mode == "tensor":
+        return Q_SCALE, Q_ZP
+    s, z = (v.get() for v in peer) if host else peer
+    return (s, z) if mode == "axis-1" else (s[:, None], z[:, None])
 
 
 def quant_params(x, mode, dtype):
@@ -288,8 +344,10 @@ def quant_params(x, mode, dtype):
 @pytest.mark.parametrize("n,dtype,mode,impl", cases(QMODES))
 def test_quantize(benchmark, gpu, n, dtype, mode, impl):
     op = f"quantize_int8[{mode}]"
-    benchmark.group = f"{op} {size_label(n)} {dtype}"
+    size = size_id(n)
+    benchmark.group = f"{op} {size} {dtype}"
     need_torch(gpu, impl)
+    n = resolve(gpu, n, np.dtype(dtype).itemsize, 1)
     gpu.copy_bandwidth()
     x, _ = data(gpu, n, dtype)
     kw, peer, ref_params = quant_params(x, mode, dtype)
@@ -301,11 +359,11 @@ def test_quantize(benchmark, gpu, n, dtype, mode, impl):
         else:
             call = lambda: cufuse.quantize_int8(x, kw["scale"], kw["zero_point"], axis=kw["axis"], out=out)  # noqa: E731
     elif impl == "cupy-chain":
-        if mode == "tensor":
-            call = lambda: cp_quant(x, Q_SCALE, Q_ZP)  # noqa: E731
-        else:
-            s, z = peer if mode == "axis-1" else (peer[0][:, None], peer[1][:, None])
-            call = lambda: cp_quant(x, s, z)  # noqa: E731
+        s, z = peer_sz(mode, peer)
+        call = lambda: cp_quant(x, s, z)  # noqa: E731
+    elif impl == "numpy":   # the same chain on host copies, parameters in x's dtype
+        xh, (s, z) = x.get(), peer_sz(mode, peer, host=True)
+        call = lambda: np_quant(xh, s, z)  # noqa: E731
     else:
         tx = torch.from_dlpack(x)
         if mode == "tensor":
@@ -340,8 +398,8 @@ def test_quantize(benchmark, gpu, n, dtype, mode, impl):
     del res
 
     nbytes = x.nbytes + x.size  # x read + int8 out written (per-channel parameters not counted)
-    gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
-            nbytes=nbytes, out_dtype="int8", extra={"elements": x.size, "shape": list(x.shape),
+    measure(gpu, benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+            nbytes=nbytes, out_dtype="int8", extra={"elements": x.size, "shape": list(x.shape), "size_id": size,
                                                     "max_abs_err": float(np.max(np.abs(got - ref))),  # in codes
                                                     "codes_off": miss})
     if impl == "cufuse":
@@ -354,8 +412,10 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
     """``dtype`` is the output dtype; the input is int8."""
     op = f"dequantize_int8[{mode}]"
     label = f"i8->{DT_SHORT[dtype]}"
-    benchmark.group = f"{op} {size_label(n)} {label}"
+    size = size_id(n)
+    benchmark.group = f"{op} {size} {label}"
     need_torch(gpu, impl)
+    n = resolve(gpu, n, 1, np.dtype(dtype).itemsize)
     gpu.copy_bandwidth()
     q = int8_data(gpu, n)
     kw, peer, ref_params = quant_params(q, mode, dtype)
@@ -368,11 +428,11 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
             call = lambda: cufuse.dequantize_int8(q, kw["scale"], kw["zero_point"], axis=kw["axis"],  # noqa: E731
                                                   dtype=dtype, out=out)
     elif impl == "cupy-chain":
-        if mode == "tensor":
-            call = lambda: cp_dequant(q, Q_SCALE, Q_ZP, dtype)  # noqa: E731
-        else:
-            s, z = peer if mode == "axis-1" else (peer[0][:, None], peer[1][:, None])
-            call = lambda: cp_dequant(q, s, z, dtype)  # noqa: E731
+        s, z = peer_sz(mode, peer)
+        call = lambda: cp_dequant(q, s, z, dtype)  # noqa: E731
+    elif impl == "numpy":   # the same chain on host copies, parameters in the output dtype
+        qh, (s, z) = q.get(), peer_sz(mode, peer, host=True)
+        call = lambda: np_dequant(qh, s, z, dtype)  # noqa: E731
     else:
         tq = torch.from_dlpack(q)
         if mode == "tensor":
@@ -393,8 +453,9 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
     del res
 
     nbytes = q.size + q.size * np.dtype(dtype).itemsize  # int8 read + out written
-    gpu.measure(benchmark, op=op, dtype=label, n=n, impl=impl, call=call, stream=stream,
-            nbytes=nbytes, out_dtype=dtype, extra={"elements": q.size, "shape": list(q.shape), **errs})
+    measure(gpu, benchmark, op=op, dtype=label, n=n, impl=impl, call=call, stream=stream,
+            nbytes=nbytes, out_dtype=dtype, extra={"elements": q.size, "shape": list(q.shape), "size_id": size,
+                                                   **errs})
     if impl == "cufuse":
         add_target(gpu, op, label, n, op if mode == "tensor" else "per_channel", dtype)
 
@@ -403,14 +464,22 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
 @pytest.mark.parametrize("n,dtype,variant,impl", cases(("p0.1",), impls=("cufuse", "torch-eager", "torch.compile")))
 def test_gelu_dropout(benchmark, gpu, n, dtype, variant, impl):
     op = "gelu_dropout"
-    benchmark.group = f"{op} {size_label(n)} {dtype}"
+    size = size_id(n)
+    benchmark.group = f"{op} {size} {dtype}"
     need_torch(gpu, impl)
+    isz = np.dtype(dtype).itemsize
+    n = resolve(gpu, n, isz, isz)
     gpu.copy_bandwidth()
     x, _ = data(gpu, n, dtype)
     stream = cp.cuda.get_current_stream()
+    extra = {"size_id": size}
     if impl == "cufuse":
         out = cp.empty_like(x)
         call = lambda: cufuse.gelu_dropout(x, p=P_DROP, seed=SEED, out=out)  # noqa: E731
+    elif impl == "numpy":   # cufuse's NumPy fallback on a host copy: the GPU's mask (same seed)
+        xh = x.get()
+        call = lambda: cufuse.gelu_dropout(xh, p=P_DROP, seed=SEED)  # noqa: E731
+        extra["numpy_erf"] = numpy_erf()
     else:
         tx = torch.from_dlpack(x)
         f = t_gelu_dropout if impl == "torch-eager" else compiled(t_gelu_dropout)
@@ -435,8 +504,8 @@ def test_gelu_dropout(benchmark, gpu, n, dtype, variant, impl):
     del res
 
     nbytes = 2 * x.nbytes  # x read + out written
-    gpu.measure(benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+    measure(gpu, benchmark, op=op, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
             nbytes=nbytes, out_dtype=dtype, extra={"elements": x.size, "shape": list(x.shape), "p": P_DROP,
-                                                   "kept_fraction": kept, **errs})
+                                                   "kept_fraction": kept, **extra, **errs})
     if impl == "cufuse":
         add_target(gpu, op, dtype, n, "gelu_dropout", dtype)

@@ -5,10 +5,14 @@
   shapes 4096x768, 16384x1000, 16384x1024, 8192x4096, 4096x16384, 1024x65536,
   256x262144, float32 and float16.
 * test_reduction: sum_squared and mean_abs over axis -1 and axis 0 of a
-  6250x8000 array (exactly 50M elements), float32 and float16.
+  6250x8000 array (exactly 50M elements) and of an "L2" array (8000 columns,
+  as many rows as fit in half of the device's L2, read at run time), float32
+  and float16.
 
 cufuse (out=) against the CuPy chain, torch eager and torch.compile, each peer
-skipped on its own when unavailable. Same method as test_bench_elementwise.py
+skipped on its own when unavailable, and NumPy on the CPU ("numpy (CPU)": the
+CuPy chain's steps on host copies) at 4096x768 and at the reductions' "L2"
+size (see NUMPY_MAX). Same method as test_bench_elementwise.py
 and test_bench_fused.py (CUDA-event medians, L2 flushed, % of the same run's
 copy bandwidth; see bench/README.md). Every result is checked on every element,
 on the same inputs, against a float64 CuPy reference before it is timed. The
@@ -31,13 +35,22 @@ import pytest
 
 import cufuse
 
-from _common import as_cupy, cp, F, first_call, need_torch, pytestmark, torch, TORCH_REASON, torch_stream  # noqa: F401
+import _common
+from _common import as_cupy, cp, F, first_call, L2, measure, need_torch, torch, TORCH_REASON, torch_stream  # noqa: F401
+
+pytestmark = _common.pytestmark
 
 # Sorted by row length; the three 67M shapes share one input array (reshaped).
 SHAPES = ((4096, 768), (16384, 1000), (16384, 1024), (8192, 4096), (4096, 16384), (1024, 65536), (256, 262144))
 RED_SHAPE = (6250, 8000)   # 50,000,000 elements exactly
+RED_SHAPES = (RED_SHAPE, L2)   # "L2": RED_SHAPE's 8000 columns, rows from the device (red_shape)
 DTYPES = ("float32", "float16")
 IMPLS = ("cufuse", "cupy-chain", "torch-eager", "torch.compile")
+# The CPU peer (NumPy, the CuPy chain's steps on host copies) where its time stays
+# reasonable (a float16 NumPy chain runs ~10 ns per element and step): the norms at
+# shapes up to 4M elements (only 4096x768, 3.1M) and the reductions at "L2" (~6.5M
+# float32 / 13M float16 elements on a 50 MiB L2; one pass each, ~0.1 s a call at worst).
+NUMPY_MAX = 4_000_000
 DT_SHORT = {"float32": "f32", "float16": "f16"}
 EPS_LN, EPS_RMS = 1e-5, 1e-6   # passed explicitly everywhere (F.rms_norm's default eps is finfo.eps)
 
@@ -73,7 +86,7 @@ READ_BASIS = os.environ.get("CUFUSE_BENCH_READ_BASIS", "measured")   # or "half-
 
 
 def shape_label(shape):
-    return "x".join(str(d) for d in shape)
+    return shape if shape == L2 else "x".join(str(d) for d in shape)
 
 
 def norm_cases():
@@ -82,7 +95,7 @@ def norm_cases():
     for op in NORMS:
         for dt in DTYPES:
             for rows, cols in SHAPES:
-                for impl in IMPLS:
+                for impl in IMPLS + (("numpy",) if rows * cols <= NUMPY_MAX else ()):
                     if (impl == "torch.compile" and op not in COMPILE_TARGETED and not COMPILE_ALL
                             and (rows, cols) not in COMPILE_SHAPES):
                         continue
@@ -93,9 +106,12 @@ def norm_cases():
 
 
 def reduction_cases():
-    return [pytest.param(op, dt, axis, impl, id=f"{op}-{DT_SHORT[dt]}-{shape_label(RED_SHAPE)}-axis{axis}-{impl}",
-                         marks=[pytest.mark.slow])
-            for op in ("sum_squared", "mean_abs") for dt in DTYPES for axis in (-1, 0) for impl in IMPLS]
+    """The 50M shape (slow), then "L2" (with the NumPy peer)."""
+    return [pytest.param(op, dt, shape, axis, impl,
+                         id=f"{op}-{DT_SHORT[dt]}-{shape_label(shape)}-axis{axis}-{impl}",
+                         marks=[pytest.mark.slow] if shape != L2 else [])
+            for op in ("sum_squared", "mean_abs") for dt in DTYPES for shape in RED_SHAPES for axis in (-1, 0)
+            for impl in IMPLS + (("numpy",) if shape == L2 else ())]
 
 
 # ----------------------------------------------------------------- helpers
@@ -196,6 +212,33 @@ def cp_softmax(x):
     return y if y.dtype == x.dtype else y.astype(x.dtype)
 
 
+# NumPy peers (CPU): the same chains, step for step, in NumPy.
+def _np_row_mean(v):
+    return v.mean(-1, keepdims=True, dtype=np.float32).astype(v.dtype, copy=False)
+
+
+def np_layer_norm(x, w, b):
+    xc = x - _np_row_mean(x)
+    var = (xc * xc).mean(-1, keepdims=True, dtype=np.float32)
+    rstd = (1 / np.sqrt(var + EPS_LN)).astype(x.dtype, copy=False)
+    return xc * rstd * w + b
+
+
+def np_layer_norm_relu(x, w, b):
+    return np.maximum(np_layer_norm(x, w, b), 0)
+
+
+def np_rms_norm(x, w):
+    ms = (x * x).mean(-1, keepdims=True, dtype=np.float32)
+    r = (1 / np.sqrt(ms + EPS_RMS)).astype(x.dtype, copy=False)
+    return x * r * w
+
+
+def np_softmax(x):
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return (e / e.sum(-1, keepdims=True, dtype=np.float32)).astype(x.dtype, copy=False)
+
+
 _REF: dict = {}
 
 
@@ -263,6 +306,11 @@ def test_norm(benchmark, gpu, op, dtype, rows, cols, impl):
         f = {"layer_norm": cp_layer_norm, "layer_norm_relu": cp_layer_norm_relu,
              "rms_norm": cp_rms_norm, "softmax": cp_softmax}[op]
         call = lambda: f(x, *params)  # noqa: E731
+    elif impl == "numpy":   # on host copies of the same inputs
+        f = {"layer_norm": np_layer_norm, "layer_norm_relu": np_layer_norm_relu,
+             "rms_norm": np_rms_norm, "softmax": np_softmax}[op]
+        hargs = [v.get() for v in (x, *params)]
+        call = lambda: f(*hargs)  # noqa: E731
     else:
         tx = torch.from_dlpack(x)
         targs = (tx, *(torch.from_dlpack(p) for p in params))
@@ -281,10 +329,10 @@ def test_norm(benchmark, gpu, op, dtype, rows, cols, impl):
 
     wbytes = sum(p.nbytes for p in params)
     nbytes = 2 * x.nbytes + wbytes   # x read once + y written once + weight (and bias)
-    gpu.measure(benchmark, op=name, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
-                nbytes=nbytes, out_dtype=dtype,
-                extra={"shape": [rows, cols], "elements": n, "weight_bytes": wbytes,
-                       "max_abs_err": max_abs, "max_rel_err": max_rel})
+    measure(gpu, benchmark, op=name, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+            nbytes=nbytes, out_dtype=dtype,
+            extra={"shape": [rows, cols], "elements": n, "weight_bytes": wbytes,
+                   "max_abs_err": max_abs, "max_rel_err": max_rel})
     if impl == "cufuse":
         pct, vs_compile, vs_eager = norm_targets(op, dtype, cols)
         add_target(gpu, name, dtype, n, pct, vs_compile, vs_eager)
@@ -405,6 +453,26 @@ def cp_mean_abs(x, axis):
     return cp.abs(x).mean(axis, dtype=cp.float32).astype(x.dtype, copy=False)
 
 
+def np_sum_squared(x, axis):   # the NumPy peers: the same chains
+    return (x * x).sum(axis, dtype=np.float32).astype(x.dtype, copy=False)
+
+
+def np_mean_abs(x, axis):
+    return np.abs(x).mean(axis, dtype=np.float32).astype(x.dtype, copy=False)
+
+
+def red_shape(gpu, shape, dtype):
+    """(rows, cols) of a case: RED_SHAPE, or for "L2" its 8000 columns and as
+    many rows as fit in half of this device's L2 with both outputs (one
+    element per row, axis -1; one per column, axis 0): the same shape for both
+    axes (GpuBench.l2_elements)."""
+    if shape != L2:
+        return shape
+    cols, isz = RED_SHAPE[1], np.dtype(dtype).itemsize
+    n = gpu.l2_elements(isz * (1 + 1 / cols), multiple=cols, fixed_bytes=isz * cols)
+    return n // cols, cols
+
+
 def red_reference(op, x, axis):
     key = (op, x.shape, x.dtype, axis)
     if _REF.get("key") != key:
@@ -415,13 +483,13 @@ def red_reference(op, x, axis):
     return _REF["ref"]
 
 
-@pytest.mark.parametrize("op,dtype,axis,impl", reduction_cases())
-def test_reduction(benchmark, gpu, op, dtype, axis, impl):
+@pytest.mark.parametrize("op,dtype,shape,axis,impl", reduction_cases())
+def test_reduction(benchmark, gpu, op, dtype, shape, axis, impl):
     name = f"{op}[axis{axis}]"
-    rows, cols = RED_SHAPE
-    n = rows * cols
-    benchmark.group = f"{name} {shape_label(RED_SHAPE)} {dtype}"
+    benchmark.group = f"{name} {shape_label(shape)} {dtype}"
     need_torch(gpu, impl)
+    rows, cols = red_shape(gpu, shape, dtype)
+    n = rows * cols
     gpu.copy_bandwidth()
     x = gpu.inputs(n, dtype)[0].reshape(rows, cols)
     out_shape = (rows,) if axis == -1 else (cols,)
@@ -435,6 +503,9 @@ def test_reduction(benchmark, gpu, op, dtype, axis, impl):
     elif impl == "cupy-chain":
         f = cp_sum_squared if op == "sum_squared" else cp_mean_abs
         call = lambda: f(x, axis)  # noqa: E731
+    elif impl == "numpy":   # on a host copy of the same input
+        f, hx = (np_sum_squared if op == "sum_squared" else np_mean_abs), x.get()
+        call = lambda: f(hx, axis)  # noqa: E731
     else:
         tx = torch.from_dlpack(x)
         f = T_RED[(op, axis)]
@@ -452,14 +523,14 @@ def test_reduction(benchmark, gpu, op, dtype, axis, impl):
 
     ceiling = read_ceiling(gpu) if READ_BASIS != "half-copy" else {}
     nbytes = x.nbytes + out_nbytes   # x read once + the small output written once
-    row = gpu.measure(benchmark, op=name, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
-                      nbytes=nbytes, out_dtype=dtype,
-                      extra={"shape": [rows, cols], "axis": axis, "elements": n,
-                             "max_abs_err": max_abs, "max_rel_err": max_rel,
-                             "read_ceiling_GBps": ceiling.get("GBps"), "read_basis": READ_BASIS})
-    if ceiling:
+    row = measure(gpu, benchmark, op=name, dtype=dtype, n=n, impl=impl, call=call, stream=stream,
+                  nbytes=nbytes, out_dtype=dtype,
+                  extra={"shape": [rows, cols], "axis": axis, "elements": n, "size_id": shape_label(shape),
+                         "max_abs_err": max_abs, "max_rel_err": max_rel,
+                         "read_ceiling_GBps": ceiling.get("GBps"), "read_basis": READ_BASIS})
+    if ceiling and impl != "numpy":   # a device figure: not for the CPU peer
         row["pct_of_read_ceiling"] = 100.0 * row["GBps"] / ceiling["GBps"]
         benchmark.extra_info["pct_of_read_ceiling"] = row["pct_of_read_ceiling"]
         benchmark.extra_info["read_ceiling"] = dict(ceiling)
-    if impl == "cufuse":
+    if impl == "cufuse" and shape != L2:   # the issue's targets are for the 50M shape
         add_target(gpu, name, dtype, n, red_target_pct(gpu), None, RED_VS_EAGER)

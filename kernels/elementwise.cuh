@@ -42,8 +42,9 @@ constexpr int kMaxOperands = 4;  // the output plus up to three inputs
 //      stride[k] holds, instead of strides, {pack, div, mod, magic(div),
 //      magic(mod)}, pack 1 when the operand's pack is V consecutive elements
 //      and 0 when it is one value repeated (as a stride of 0 along dim 0 says
-//      in mode 1). No per-dim arithmetic: bias_gelu with a row bias went from
-//      65% to 93% of copy (float32, 50M, H200; bench/NOTES.md).
+//      in mode 1). No per-dim arithmetic and, in kernels of their own, at
+//      most 32 registers: bias_gelu with a row bias went from 65% to 91% of
+//      copy (float32, 50M, H200; bench/NOTES.md).
 // N operands: the hand-written kernels use kMaxOperands; a generated
 // (cufuse.fuse) kernel uses its own operand count.
 template <int N> struct LayoutT {
@@ -95,9 +96,8 @@ __device__ __forceinline__ long long decode_operands(const Tin* const (&in)[NIN]
 #pragma unroll
     for (int k = 0; k < NIN; ++k) {
         // A call has at least one array (cufuse/_arrays.py checks), so the one
-        // input of a unary op never is a scalar: known at compile time, no
-        // scalar state is live in its kernels (gelu_dropout float32: 44 -> 29
-        // registers, which lets 8 blocks of 256 threads fit on an SM).
+        // input of a unary op never is a scalar: known at compile time, so no
+        // scalar state is live in its kernels.
         is_s[k] = NIN > 1 && ((nm >> (kScalarShift + k)) & 1);
         sc[k] = is_s[k] ? C(scalar_to_compute<Tin>(__longlong_as_double(reinterpret_cast<long long>(in[k])))) : C(0);
     }
@@ -156,7 +156,7 @@ template <typename T, int V> __device__ __forceinline__ void store_part(T* p, co
 // the pack's elements, e.g. one Philox call per 4 dropout elements): its
 // per-element operator() is the expensive form, so the tail (n % V) and
 // misaligned operands go through pack() too, with element loads and stores.
-// One instance of the op per kernel: gelu_dropout float32 44 -> 30 registers.
+// One instance of the op per kernel: gelu_dropout float32 44 -> 28 registers (ptxas, sm_90).
 template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_contiguous_packed(const Op& op, Tout* out, const Tin* const (&in)[NIN],
                                                       long long nm) {

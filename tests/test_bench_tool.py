@@ -99,6 +99,41 @@ def test_cli_from_saved_summary(tmp_path):
     assert "100.0%" in out and "skipped peer cupy.fuse: why not" in out and "1.50x" in out
 
 
+def _row(op, n, impl, gpu_us, dtype="float32", **kw):
+    return {"op": op, "dtype": dtype, "n": n, "impl": impl, "gpu_us": gpu_us, "gpu_q1_us": gpu_us * 0.9,
+            "gpu_q3_us": gpu_us * 1.1, "host_us": gpu_us, "GBps": 1.0, "pct_of_copy": 1.0, "regime": "L2", **kw}
+
+
+def test_report_numpy_rows_and_device_sized_l2_rows():
+    """NumPy CPU rows of norm ops and reductions, and "L2" rows whose n comes from
+    the device's L2 (not a round number), group and sort by n like the others."""
+    l2_n = 3_271_680   # bias_gelu float32 on a 50 MiB L2
+    data = {"copy": {"GBps": 4000.0}, "bandwidth": [
+        _row("layer_norm[4096x768]", 4096 * 768, "cufuse", 10.0),
+        _row("layer_norm[4096x768]", 4096 * 768, "numpy (CPU)", 6000.0, timer="host"),
+        _row("layer_norm[16384x1024]", 16384 * 1024, "cufuse", 30.0, regime="DRAM"),
+        _row("sum_squared[axis0]", 818 * 8000, "cufuse", 8.0, size_id="L2"),
+        _row("sum_squared[axis0]", 818 * 8000, "numpy (CPU)", 2700.0, size_id="L2", timer="host"),
+        _row("sum_squared[axis0]", 50_000_000, "cufuse", 70.0, regime="DRAM"),
+        _row("bias_gelu[none]", 50_000_000, "cufuse", 130.0, regime="DRAM"),
+        _row("bias_gelu[none]", l2_n, "cufuse", 12.0, size_id="L2"),
+        _row("bias_gelu[none]", l2_n, "torch-eager", 24.0, size_id="L2"),
+        _row("bias_gelu[none]", 1_000_000, "numpy (CPU)", 9000.0, timer="host"),
+        _row("bias_gelu[none]", 1_000_000, "cufuse", 6.0),
+    ]}
+    lines = bench.report(data)
+    text = "\n".join(lines)
+    assert "== layer_norm" in text and "== sum_squared[axis0]" in text and "== bias_gelu[none]" in text
+    assert "600.00x" in text      # layer_norm numpy (CPU) µs / cufuse µs, same shape
+    assert "337.50x" in text      # sum_squared "L2" numpy / cufuse, same n
+    assert "1500.00x" in text and "2.00x" in text
+    gelu = lines[lines.index("== bias_gelu[none]"):]
+    sizes = [ln.split()[1] for ln in gelu[4:] if ln.startswith("float32")]
+    assert sizes == ["1M", "1M", str(l2_n), str(l2_n), "50M"], sizes   # sorted by n, the device's n as is
+    red = lines[lines.index("== sum_squared[axis0]"):]
+    assert [ln.split()[1] for ln in red[4:7]] == ["6544K", "6544K", "50M"]
+
+
 def test_cli_from_bad_file(tmp_path):
     f = tmp_path / "bad.json"
     f.write_text("[1, 2]")
