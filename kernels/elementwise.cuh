@@ -156,7 +156,8 @@ template <typename T, int V> __device__ __forceinline__ void store_part(T* p, co
 // the pack's elements, e.g. one Philox call per 4 dropout elements): its
 // per-element operator() is the expensive form, so the tail (n % V) and
 // misaligned operands go through pack() too, with element loads and stores.
-// One instance of the op per kernel: gelu_dropout float32 44 -> 28 registers (ptxas, sm_90).
+// One instance of the op per kernel: gelu_dropout float32 44 -> 28 registers
+// (ptxas, sm_90).
 template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_contiguous_packed(const Op& op, Tout* out, const Tin* const (&in)[NIN],
                                                       long long nm) {
