@@ -182,61 +182,43 @@ def t_softmax(x):
     return torch.softmax(x, -1)
 
 
-# CuPy chains: row statistics accumulated in float32 (explicit dtype=, then the small
+# The unfused chains, written once for CuPy (GPU peer) and NumPy (CPU peer):
+# row statistics accumulated in float32 (explicit dtype=, then the small
 # (rows, 1) result cast back), the full-size steps in x's dtype.
-def _row_mean(v):
-    m = v.mean(-1, keepdims=True, dtype=cp.float32)
-    return m if m.dtype == v.dtype else m.astype(v.dtype)
+def _row_mean(xp, v):
+    return v.mean(-1, keepdims=True, dtype=xp.float32).astype(v.dtype, copy=False)
 
 
-def cp_layer_norm(x, w, b):
-    xc = x - _row_mean(x)
-    var = (xc * xc).mean(-1, keepdims=True, dtype=cp.float32)
-    rstd = (1 / cp.sqrt(var + EPS_LN)).astype(x.dtype, copy=False)
+def _layer_norm(xp, x, w, b):
+    xc = x - _row_mean(xp, x)
+    var = (xc * xc).mean(-1, keepdims=True, dtype=xp.float32)
+    rstd = (1 / xp.sqrt(var + EPS_LN)).astype(x.dtype, copy=False)
     return xc * rstd * w + b
 
 
-def cp_layer_norm_relu(x, w, b):
-    return cp.maximum(cp_layer_norm(x, w, b), 0)
-
-
-def cp_rms_norm(x, w):
-    ms = (x * x).mean(-1, keepdims=True, dtype=cp.float32)
-    r = (1 / cp.sqrt(ms + EPS_RMS)).astype(x.dtype, copy=False)
+def _rms_norm(xp, x, w):
+    ms = (x * x).mean(-1, keepdims=True, dtype=xp.float32)
+    r = (1 / xp.sqrt(ms + EPS_RMS)).astype(x.dtype, copy=False)
     return x * r * w
 
 
-def cp_softmax(x):
-    e = cp.exp(x - x.max(-1, keepdims=True))
-    y = e / e.sum(-1, keepdims=True, dtype=cp.float32)  # a float16 row sum can pass 65504
-    return y if y.dtype == x.dtype else y.astype(x.dtype)
+def _softmax(xp, x):
+    e = xp.exp(x - x.max(-1, keepdims=True))
+    # a float16 row sum can pass 65504
+    return (e / e.sum(-1, keepdims=True, dtype=xp.float32)).astype(x.dtype, copy=False)
 
 
-# NumPy peers (CPU): the same chains, step for step, in NumPy.
-def _np_row_mean(v):
-    return v.mean(-1, keepdims=True, dtype=np.float32).astype(v.dtype, copy=False)
+def _chains(xp):
+    """layer_norm, layer_norm_relu, rms_norm, softmax on array module ``xp``."""
+    return (lambda x, w, b: _layer_norm(xp, x, w, b),
+            lambda x, w, b: xp.maximum(_layer_norm(xp, x, w, b), 0),
+            lambda x, w: _rms_norm(xp, x, w),
+            lambda x: _softmax(xp, x))
 
 
-def np_layer_norm(x, w, b):
-    xc = x - _np_row_mean(x)
-    var = (xc * xc).mean(-1, keepdims=True, dtype=np.float32)
-    rstd = (1 / np.sqrt(var + EPS_LN)).astype(x.dtype, copy=False)
-    return xc * rstd * w + b
+cp_layer_norm, cp_layer_norm_relu, cp_rms_norm, cp_softmax = _chains(cp)  # cp is None without a GPU: never called
+np_layer_norm, np_layer_norm_relu, np_rms_norm, np_softmax = _chains(np)
 
-
-def np_layer_norm_relu(x, w, b):
-    return np.maximum(np_layer_norm(x, w, b), 0)
-
-
-def np_rms_norm(x, w):
-    ms = (x * x).mean(-1, keepdims=True, dtype=np.float32)
-    r = (1 / np.sqrt(ms + EPS_RMS)).astype(x.dtype, copy=False)
-    return x * r * w
-
-
-def np_softmax(x):
-    e = np.exp(x - x.max(-1, keepdims=True))
-    return (e / e.sum(-1, keepdims=True, dtype=np.float32)).astype(x.dtype, copy=False)
 
 
 _REF: dict = {}
