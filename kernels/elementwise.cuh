@@ -379,16 +379,7 @@ __device__ __forceinline__ void run_tiled(const Op& op, Tout* out, const Tin* co
 // so F does the typed loads and stores (load_w/store_w); the traversal, the
 // same as run_contiguous/run_strided above, lives here.
 template <typename T, int W> __device__ __forceinline__ Pack<T, W> load_w(const void* base, long long off, bool bc) {
-    const T* p = static_cast<const T*>(base) + off;
-    Pack<T, W> x;
-    if (W == 1 || bc) {
-        const T v = *p;
-#pragma unroll
-        for (int j = 0; j < W; ++j) x.v[j] = v;
-    } else {
-        x = load_pack(reinterpret_cast<const Pack<T, W>*>(p));
-    }
-    return x;
+    return load_or_bcast<T, W>(static_cast<const T*>(base) + off, W == 1 || bc);
 }
 template <typename T, int W> __device__ __forceinline__ void store_w(void* base, long long off, const Pack<T, W>& y) {
     T* p = static_cast<T*>(base) + off;

@@ -359,7 +359,7 @@ def strided_layout(nops, cshape, parts, vec, n, nout=1):
     they fit, else one element per thread (0). A thread per pack, not per
     element: bias_gelu with a (1024,) bias at 50M went from 168 to 154 µs
     (float32) on an H200 with packs, and to 105 µs with tiles."""
-    tiles = _tiles(cshape, parts, vec, nout)
+    tiles = _tiles(cshape, parts, vec, n, nout)
     if tiles is not None:
         L = layout(nops, cshape, [], 2)
         for k, row in enumerate(tiles):
@@ -371,7 +371,7 @@ def strided_layout(nops, cshape, parts, vec, n, nout=1):
     return layout(nops, cshape, strides, 1)[()], n // vec
 
 
-def _tiles(cshape, parts, vec, nout):
+def _tiles(cshape, parts, vec, n, nout):
     """Per operand [pack, div, mod, magic(div), magic(mod)] for tile mode, or
     None. Operand k's element for logical index i is (i / div) % mod: the
     outputs are C-contiguous (div 1, mod n) and each input's
@@ -379,7 +379,6 @@ def _tiles(cshape, parts, vec, nout):
     it is contiguous. A pack of ``vec`` elements then reads ``vec``
     consecutive elements (div 1, and the block a multiple of ``vec`` long,
     aligned) or one (div a multiple of ``vec``)."""
-    n = int(np.prod(cshape))
     if n % vec or n >= 2**31:  # the kernels index tiles in 32 bits
         return None
     if any(p is None for p in parts):
