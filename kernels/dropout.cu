@@ -3,16 +3,16 @@
 // (Philox4x32-10 in common.cuh), so the NumPy fallback draws the same one.
 #include "elementwise.cuh"
 
-// dropout(gelu(x)): element i is kept iff word i % 4 of Philox4x32-10 at
+// dropout(gelu(x)), gelu to the precision of the output type T: element i is kept iff word i % 4 of Philox4x32-10 at
 // counter i / 4 under key `seed` is >= threshold (= floor(p * 2**32)); kept
 // values are scaled by 1 / (1 - p).
-template <bool Tanh> struct GeluDropout {
+template <bool Tanh, typename T> struct GeluDropout {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;  // one Philox call serves 4 consecutive elements
     unsigned long long seed, threshold;
     double scale;
     template <typename C> __device__ __forceinline__ C keep(C x, unsigned w) const {
-        const C g = Tanh ? cufuse::math::gelu_tanh(x) : cufuse::math::gelu_erf(x);
+        const C g = Tanh ? cufuse::math::gelu_tanh(x) : cufuse::math::gelu_erf_to<T>(x);
         return w >= threshold ? g * static_cast<C>(scale) : C(0);
     }
     template <typename C> __device__ __forceinline__ C operator()(long long i, C x) const {

@@ -35,10 +35,11 @@ struct Fma {
     }
 };
 
-// gelu(x + bias), PyTorch's erf definition / its tanh approximation
-struct BiasGeluErf {
+// gelu(x + bias), PyTorch's erf definition (to the precision of the output
+// type T) / its tanh approximation
+template <typename T> struct BiasGeluErf {
     template <typename C> __device__ __forceinline__ C operator()(C x, C b) const {
-        return cufuse::math::gelu_erf(x + b);
+        return cufuse::math::gelu_erf_to<T>(x + b);
     }
 };
 struct BiasGeluTanh {

@@ -74,7 +74,7 @@ def test_load_source_inlines_local_includes_once():
 
 
 _EXPR = re.compile(r"(ew[123](?:_strided|_tiled)?|norm_rows(?:_cluster|_stream)?|reduce_(?:rows|cols))"
-                   r"<(\w+)(?:<\w+>)?, ([\w ]+)(?:, [\w ]+)*>")
+                   r"<(\w+)(?:<[\w ,]+>)?, ([\w ]+)(?:, [\w ]+)*>")
 _CTYPE_NAMES = {"__half": "float16", "float": "float32", "double": "float64", "signed char": "int8"}
 
 
@@ -95,7 +95,7 @@ def test_registry_has_every_op_and_dtype():
             assert re.search(rf"__global__ void [^;{{]*?\b{kernel}\(", src), expr
             assert f"struct {functor}" in src, expr
             if kernel.startswith("ew"):
-                out_ctype, in_ctype = re.fullmatch(r"\w+<[\w<>]+, ([\w ]+), ([\w ]+).*>", expr).groups()
+                out_ctype, in_ctype = re.fullmatch(r"\w+<\w+(?:<[\w ,]+>)?, ([\w ]+), ([\w ]+).*>", expr).groups()
                 expected = names[in_ctype] if in_ctype == out_ctype else f"{names[in_ctype]}->{names[out_ctype]}"
                 assert dtype == expected, expr
             labels.setdefault(label, set()).add(dtype)

@@ -29,7 +29,7 @@ _CALL = {  # ops written as a call on compute-typed operands
     "log1p": "cufuse::math::log1p", "expm1": "cufuse::math::expm1", "sqrt": "cufuse::math::sqrt",
     "rsqrt": "cufuse::math::rsqrt", "sin": "cufuse::math::sin", "cos": "cufuse::math::cos",
     "tanh": "cufuse::math::tanh", "sigmoid": "cufuse::math::sigmoid", "erf": "cufuse::math::erf",
-    "gelu": "cufuse::math::gelu_erf", "gelu_tanh": "cufuse::math::gelu_tanh", "silu": "cufuse::math::silu",
+    "gelu_tanh": "cufuse::math::gelu_tanh", "silu": "cufuse::math::silu",
     "softplus": "cufuse::math::softplus", "abs": "cufuse::math::abs", "relu": "cufuse::math::relu",
     "round": "cufuse::math::rint", "floor": "cufuse::math::floor", "ceil": "cufuse::math::ceil",
     "floordiv": "cufuse::math::floordiv", "mod": "cufuse::math::pymod", "pow": "cufuse::math::power",
@@ -58,6 +58,8 @@ def _expr(g, i, node, names):
         return f"(!{a[0]})" if node.dtype == np.bool_ else f"static_cast<{c}>(~{a[0]})"
     if op == "where":
         return f"({a[0]} ? {a[1]} : {a[2]})"
+    if op == "gelu":  # erf form, to the precision of its result's type (common.cuh)
+        return f"cufuse::math::gelu_erf_to<{storage(node.dtype)}>({a[0]})"
     if op in _CALL:
         return f"{_CALL[op]}({', '.join(a)})"
     raise AssertionError(f"no code for {op}")  # graph.py only makes the ops above

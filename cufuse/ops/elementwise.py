@@ -511,14 +511,20 @@ fma = _fma.public("qkv", "q * k + v, fused (a fused multiply-add): one pass over
 _SQRT_2_OVER_PI = 0.79788456080286535588
 
 
-def _erf(v):
-    """erf on NumPy arrays: SciPy's when installed, else math.erf per element."""
+def _special(name, v):
+    """erf / erfc on NumPy arrays: SciPy's when installed, else math's per element."""
     try:
-        from scipy.special import erf
+        import scipy.special as lib
     except ImportError:
         import math
-        erf = np.frompyfunc(math.erf, 1, 1)
-    return np.asarray(erf(v), dtype=v.dtype)
+        f = np.frompyfunc(getattr(math, name), 1, 1)
+    else:
+        f = getattr(lib, name)
+    return np.asarray(f(v), dtype=v.dtype)  # (math's: per element, in float64)
+
+
+def _erf(v):
+    return _special("erf", v)
 
 
 def gelu_numpy(v, approximate):
@@ -527,7 +533,12 @@ def gelu_numpy(v, approximate):
     if approximate == "tanh":
         c, k = v.dtype.type(_SQRT_2_OVER_PI), v.dtype.type(0.044715)
         return half * v * (one + np.tanh(c * (v + k * v * v * v)))
-    return half * v * (one + _erf(v * v.dtype.type(0.70710678118654752440)))
+    # v Phi(v) with Phi(v) = erfc(-v / sqrt 2) / 2, which keeps its relative
+    # accuracy in the left tail, where 1 + erf(v / sqrt 2) cancels (as the
+    # kernels). erfc's argument in float64: rounding it to float32 would cost
+    # 2 z**2 ulps of erfc(z) (1e-5 relative at v = -12).
+    e = _special("erfc", v.astype(np.float64) * -0.70710678118654752440).astype(v.dtype)
+    return half * v * e
 
 
 _APPROXIMATE = ("none", "tanh")
@@ -546,12 +557,14 @@ def _dropout_numpy(x, *, approximate, seed, threshold, scale):
 
 
 _bias_gelu_ops = {
-    False: ElementwiseOp("bias_gelu", "BiasGeluErf", 2, lambda x, b: gelu_numpy(x + b, "none")),
+    False: ElementwiseOp("bias_gelu", lambda i, o: f"BiasGeluErf<{R.CTYPES[o]}>", 2,
+                         lambda x, b: gelu_numpy(x + b, "none")),
     True: ElementwiseOp("bias_gelu", "BiasGeluTanh", 2, lambda x, b: gelu_numpy(x + b, "tanh")),
 }
 _bias_gelu = {t: op.public("xb", "") for t, op in _bias_gelu_ops.items()}
 _dropout_ops = {
-    t: ElementwiseOp("gelu_dropout", f"GeluDropout<{'true' if t else 'false'}>", 1, _dropout_numpy,
+    t: ElementwiseOp("gelu_dropout", lambda i, o, t=t: f"GeluDropout<{'true' if t else 'false'}, {R.CTYPES[o]}>",
+                     1, _dropout_numpy,
                      params=("unsigned long long", "unsigned long long", "double"), indexed=True, family="dropout")
     for t in (False, True)
 }
