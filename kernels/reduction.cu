@@ -87,11 +87,11 @@ __global__ void __launch_bounds__(512) reduce_rows(Tout* out, A* partial, const 
 }
 
 // Column reduction over x[outer][R][inner]: a block of 256 threads, (BX, BY)
-// = (256, 1) or (32, 8); threadIdx.x picks a pack of `vec` columns (vec is
-// the pack width when inner and the base are pack aligned, else 1),
-// threadIdx.y a phase of the rows of chunk blockIdx.y. Wide rows take
-// (256, 1): every row step of a block reads 4 KB in one piece. Writes
-// out[o * inner + c] (one chunk) or partial[(chunk * outer + o) * inner + c].
+// from the host (cufuse/ops/reduction.py: _COL_BLOCK); threadIdx.x picks a
+// pack of `vec` columns (vec is the pack width when inner and the base are
+// pack aligned, else 1), threadIdx.y a phase of the rows of chunk
+// blockIdx.y. Writes out[o * inner + c] (one chunk) or
+// partial[(chunk * outer + o) * inner + c].
 template <int V, typename Map, typename Tin, typename A, typename Tout>
 __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Tin* x, long long outer, long long R,
                                                  long long inner, long long chunk, double scale) {
