@@ -80,17 +80,23 @@ def need_torch(gpu, impl):
         gpu.skip(impl, TORCH_REASON)
 
 
-def first_call(gpu, impl, call):
-    """The correctness call (for torch.compile it also compiles, untimed; a
-    compile failure skips that peer)."""
+# Peers whose first call traces and compiles: a failure there (a construct
+# the compiler does not take) skips that peer with the reason.
+COMPILED_PEERS = ("torch.compile", "cupy.fuse")
+
+
+def first_call(gpu, impl, call, what=None):
+    """The correctness call (for the COMPILED_PEERS it also compiles, untimed;
+    a failure to compile skips that peer, labelled "impl (what)" in the
+    summary); a wrong result still fails the checks that follow."""
     try:
         res = call()
         gpu.sync()
     except Exception as e:
-        if impl != "torch.compile":
+        if impl not in COMPILED_PEERS:
             raise
         msg = str(e).splitlines()[0][:160] if str(e) else ""
-        gpu.skip(impl, f"torch.compile failed: {type(e).__name__}: {msg}")
+        gpu.skip(impl if what is None else f"{impl} ({what})", f"{impl} failed: {type(e).__name__}: {msg}")
     return res
 
 

@@ -8,16 +8,20 @@
 x is a (N // 1024, 1024) C-contiguous array (N = 50M or 1M nominal: 49,999,872
 or 999,424 elements; or "L2": N from the device's L2 size at run time, so that
 x, the output and the small operands fill at most half of it), float32 or
-float16. cufuse (out=) against the CuPy ufunc chain, torch eager and
-torch.compile, each peer skipped on its own when it is unavailable, and at 1M
-NumPy on the CPU ("numpy (CPU)"). Same method as test_bench_elementwise.py (see
-bench/README.md); the issue's targets go to the summary as met/MISSED and never
-fail a test.
+float16. cufuse (out=) against the CuPy ufunc chain, cupy.fuse of that chain,
+torch eager and torch.compile, each peer skipped on its own when it is
+unavailable (or, for cupy.fuse, when this CuPy cannot trace or compile the
+chain: the summary says why), and at 1M NumPy on the CPU ("numpy (CPU)").
+gelu_dropout has no cupy.fuse peer (cupy.fuse has no random numbers; the mask
+is cufuse's own Philox stream) and no CuPy chain. Same method as
+test_bench_elementwise.py (see bench/README.md); the issue's targets
+go to the summary as met/MISSED and never fail a test.
 
 Run from the repository root:  PYTHONPATH=$PWD python3 -m pytest bench/test_bench_fused.py --benchmark-only -q
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -34,7 +38,7 @@ pytestmark = _common.pytestmark
 COLS = 1024
 SIZES = (50_000_000, 1_000_000, L2)   # nominal; the arrays hold (N // COLS) * COLS elements
 DTYPES = ("float32", "float16")
-IMPLS = ("cufuse", "cupy-chain", "torch-eager", "torch.compile")
+IMPLS = ("cufuse", "cupy-chain", "cupy.fuse", "torch-eager", "torch.compile")
 # The CPU peer (NumPy on host copies) up to this size, as test_bench_elementwise.py:
 # the 1M case only (not "L2", whose size is known only at run time; not 50M).
 NUMPY_MAX = 1_000_000
@@ -208,7 +212,7 @@ def cp_bias_gelu(x, b, approximate):
         g = 0.5 * v * (1 + cp.tanh(0.7978845608028654 * (v + 0.044715 * v * v * v)))
     else:
         g = 0.5 * v * (1 + cupy_erf()(v * 0.7071067811865476))
-    return g if g.dtype == x.dtype else g.astype(x.dtype)  # erf of float16 may come back float32
+    return g if g.dtype == x.dtype else g.astype(x.dtype)  # erf of float16 comes back float64 (CuPy 14: e->d)
 
 
 def cp_quant(x, s, z):
@@ -217,6 +221,35 @@ def cp_quant(x, s, z):
 
 def cp_dequant(q, s, z, dtype):
     return (q.astype(dtype) - z) * s
+
+
+# ------------------------------------------------------ cupy.fuse peers
+# The CuPy chains above (ufuncs and astype only) traced by cupy.fuse into one
+# kernel each, so that nothing is written twice: the same ufuncs in the same
+# dtypes (float16 arithmetic in float16; erf of float16 in float64, cast back).
+# A chain's Python argument (approximate, the output dtype) is bound with
+# functools.partial, one fused function per value; scale and zero point stay
+# arguments (Python floats per tensor, (rows, 1) or (cols,) arrays per channel).
+_FUSED: dict = {}
+
+
+def fused_chain(gpu, chain, arg=None):
+    """cupy.fuse of the CuPy chain of ``chain`` ("bias_gelu", "quantize",
+    "dequantize"), its Python argument bound to ``arg``; cached per (chain, arg)."""
+    if not hasattr(cp, "fuse"):
+        gpu.skip("cupy.fuse", "this CuPy has no cupy.fuse")
+    key = (chain, arg)
+    if key not in _FUSED:
+        if chain == "bias_gelu":
+            fn = functools.partial(cp_bias_gelu, approximate=arg)
+        elif chain == "dequantize":
+            fn = functools.partial(cp_dequant, dtype=arg)
+        else:
+            fn = cp_quant
+        # kernel_name: the generated kernel's name (a partial has no __name__)
+        name = f"bench_{chain}" + ("" if arg is None else f"_{arg}")
+        _FUSED[key] = cp.fuse(kernel_name=name)(fn)
+    return _FUSED[key]
 
 
 # ------------------------------------------------------ NumPy peers (CPU)
@@ -259,9 +292,9 @@ def add_target(gpu, op, dtype, n, family, float_dtype):
                             "min_vs_compile": None, "min_vs_eager": None})
 
 
-def first_call(gpu, impl, call):
-    """_common.first_call, the result as a CuPy array."""
-    return as_cupy(_first_call(gpu, impl, call))
+def first_call(gpu, impl, call, op):
+    """_common.first_call for ``op``, the result as a CuPy array."""
+    return as_cupy(_first_call(gpu, impl, call, op))
 
 
 # ----------------------------------------------------------------- bias_gelu
@@ -285,10 +318,14 @@ def test_bias_gelu(benchmark, gpu, n, dtype, approximate, impl):
         call = lambda: cufuse.bias_gelu(xh, bh, approximate)  # noqa: E731
         if approximate == "none":
             extra["numpy_erf"] = numpy_erf()
-    elif impl == "cupy-chain":
+    elif impl in ("cupy-chain", "cupy.fuse"):
         if approximate == "none" and isinstance(cupy_erf(), Exception):
-            gpu.skip("cupy-chain (erf)", f"cupyx.scipy.special.erf unavailable: {cupy_erf()}")
-        call = lambda: cp_bias_gelu(x, b, approximate)  # noqa: E731
+            gpu.skip(f"{impl} (erf)", f"cupyx.scipy.special.erf unavailable: {cupy_erf()}")
+        if impl == "cupy-chain":
+            call = lambda: cp_bias_gelu(x, b, approximate)  # noqa: E731
+        else:
+            f = fused_chain(gpu, "bias_gelu", approximate)
+            call = lambda: f(x, b)  # noqa: E731
     else:
         tx, tb = torch.from_dlpack(x), torch.from_dlpack(b)
         assert tx.dtype == torch_dtype(dtype)
@@ -297,7 +334,7 @@ def test_bias_gelu(benchmark, gpu, n, dtype, approximate, impl):
         call = lambda: f(tx, tb)  # noqa: E731
         stream = torch_stream(gpu)
 
-    res = first_call(gpu, impl, call)
+    res = first_call(gpu, impl, call, op)
     assert res.shape == x.shape and res.dtype == x.dtype, (res.shape, res.dtype)
     idx = sample_index(x.size)
     xs = x.ravel()[idx].get().astype(np.float64)
@@ -358,9 +395,10 @@ def test_quantize(benchmark, gpu, n, dtype, mode, impl):
             call = lambda: cufuse.quantize_int8(x, Q_SCALE, Q_ZP, out=out)  # noqa: E731
         else:
             call = lambda: cufuse.quantize_int8(x, kw["scale"], kw["zero_point"], axis=kw["axis"], out=out)  # noqa: E731
-    elif impl == "cupy-chain":
+    elif impl in ("cupy-chain", "cupy.fuse"):
         s, z = peer_sz(mode, peer)
-        call = lambda: cp_quant(x, s, z)  # noqa: E731
+        f = cp_quant if impl == "cupy-chain" else fused_chain(gpu, "quantize")
+        call = lambda: f(x, s, z)  # noqa: E731
     elif impl == "numpy":   # the same chain on host copies, parameters in x's dtype
         xh, (s, z) = x.get(), peer_sz(mode, peer, host=True)
         call = lambda: np_quant(xh, s, z)  # noqa: E731
@@ -375,7 +413,7 @@ def test_quantize(benchmark, gpu, n, dtype, mode, impl):
         call = lambda: f(*args)  # noqa: E731
         stream = torch_stream(gpu)
 
-    res = first_call(gpu, impl, call)
+    res = first_call(gpu, impl, call, op)
     assert res.shape == x.shape and res.dtype == np.int8, (res.shape, res.dtype)
     idx = sample_index(x.size)
     idx_h = idx.get()
@@ -430,6 +468,10 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
     elif impl == "cupy-chain":
         s, z = peer_sz(mode, peer)
         call = lambda: cp_dequant(q, s, z, dtype)  # noqa: E731
+    elif impl == "cupy.fuse":   # the output dtype bound: one fused function per dtype
+        s, z = peer_sz(mode, peer)
+        f = fused_chain(gpu, "dequantize", dtype)
+        call = lambda: f(q, s, z)  # noqa: E731
     elif impl == "numpy":   # the same chain on host copies, parameters in the output dtype
         qh, (s, z) = q.get(), peer_sz(mode, peer, host=True)
         call = lambda: np_dequant(qh, s, z, dtype)  # noqa: E731
@@ -444,7 +486,7 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
         call = lambda: f(*args)  # noqa: E731
         stream = torch_stream(gpu)
 
-    res = first_call(gpu, impl, call)
+    res = first_call(gpu, impl, call, op)
     assert res.shape == q.shape and res.dtype == np.dtype(dtype), (res.shape, res.dtype)
     idx = sample_index(q.size)
     s64, z64 = ref_params(idx.get())
@@ -463,6 +505,9 @@ def test_dequantize(benchmark, gpu, n, dtype, mode, impl):
 # ----------------------------------------------------------------- gelu_dropout
 @pytest.mark.parametrize("n,dtype,variant,impl", cases(("p0.1",), impls=("cufuse", "torch-eager", "torch.compile")))
 def test_gelu_dropout(benchmark, gpu, n, dtype, variant, impl):
+    """No cupy.fuse peer: cupy.fuse has no random numbers (the mask is
+    cufuse's own Philox stream, the same bits as its NumPy fallback; torch
+    draws its own). No CuPy chain either."""
     op = "gelu_dropout"
     size = size_id(n)
     benchmark.group = f"{op} {size} {dtype}"
@@ -486,7 +531,7 @@ def test_gelu_dropout(benchmark, gpu, n, dtype, variant, impl):
         call = lambda: f(tx)  # noqa: E731
         stream = torch_stream(gpu)
 
-    res = first_call(gpu, impl, call)
+    res = first_call(gpu, impl, call, op)
     assert res.shape == x.shape and res.dtype == x.dtype, (res.shape, res.dtype)
     what = f"{op} {dtype} {impl}"
     # Kept fraction over the whole array, within 5 sigma of 1 - p (a gelu

@@ -1,9 +1,9 @@
 """Benchmarks of cufuse's row normalizations, softmax and reductions (issue 4).
 
 * test_norm: layer_norm (weight, bias), layer_norm_relu (weight, bias),
-  rms_norm (weight) and softmax (axis -1) on (rows, cols) C-contiguous arrays,
-  shapes 4096x768, 16384x1000, 16384x1024, 8192x4096, 4096x16384, 1024x65536,
-  256x262144, float32 and float16.
+  rms_norm (weight), softmax and log_softmax (axis -1) on (rows, cols)
+  C-contiguous arrays, shapes 4096x768, 16384x1000, 16384x1024, 8192x4096,
+  4096x16384, 1024x65536, 256x262144, float32 and float16.
 * test_reduction: sum_squared and mean_abs over axis -1 and axis 0 of a
   6250x8000 array (exactly 50M elements) and of an "L2" array (8000 columns,
   as many rows as fit in half of the device's L2, read at run time), float32
@@ -12,7 +12,11 @@
 cufuse (out=) against the CuPy chain, torch eager and torch.compile, each peer
 skipped on its own when unavailable, and NumPy on the CPU ("numpy (CPU)": the
 CuPy chain's steps on host copies) at 4096x768 and at the reductions' "L2"
-size (see NUMPY_MAX). Same method as test_bench_elementwise.py
+size (see NUMPY_MAX). The reductions also against cupy.fuse (one sum over the
+axis with elementwise steps around it); the norms and softmaxes have no
+cupy.fuse peer (a row statistic broadcast back over its row: after its one
+reduction, cupy.fuse's steps see the reduced values only, never x again).
+Same method as test_bench_elementwise.py
 and test_bench_fused.py (CUDA-event medians, L2 flushed, % of the same run's
 copy bandwidth; see bench/README.md). Every result is checked on every element,
 on the same inputs, against a float64 CuPy reference before it is timed. The
@@ -21,7 +25,7 @@ a test.
 
 Run from the repository root:  PYTHONPATH=$PWD python3 -m pytest bench/test_bench_norm.py --benchmark-only -q
 Environment: CUFUSE_BENCH_NORM_COMPILE=all times torch.compile at every shape for
-layer_norm and softmax too (default: only at COMPILE_SHAPES, see below);
+layer_norm, softmax and log_softmax too (default: only at COMPILE_SHAPES, see below);
 CUFUSE_BENCH_READ_BASIS=half-copy uses the "read bandwidth = copy GB/s / 2"
 reading of the reductions' target (default: a measured read ceiling, see read_ceiling).
 """
@@ -46,6 +50,7 @@ RED_SHAPE = (6250, 8000)   # 50,000,000 elements exactly
 RED_SHAPES = (RED_SHAPE, L2)   # "L2": RED_SHAPE's 8000 columns, rows from the device (red_shape)
 DTYPES = ("float32", "float16")
 IMPLS = ("cufuse", "cupy-chain", "torch-eager", "torch.compile")
+RED_IMPLS = ("cufuse", "cupy-chain", "cupy.fuse", "torch-eager", "torch.compile")   # the reductions'
 # The CPU peer (NumPy, the CuPy chain's steps on host copies) where its time stays
 # reasonable (a float16 NumPy chain runs ~10 ns per element and step): the norms at
 # shapes up to 4M elements (only 4096x768, 3.1M) and the reductions at "L2" (~6.5M
@@ -59,20 +64,23 @@ TOL = {"float32": (1e-4, 1e-4), "float16": (1e-2, 2e-2)}
 # softmax values are ~1/cols (down to ~1e-8 at 262144 columns): a tiny atol, so the
 # check stays relative; in float16 most of them are subnormal (spacing 2^-24).
 TOL_SOFTMAX = {"float32": (1e-4, 1e-10), "float16": (1e-2, 2.0 ** -23)}
+# (log_softmax's values, about -2 to -20 here, are checked with TOL.)
 # Sums of ~8000 squares / means of ~6250 |x|: relative checks (float16: the output's rounding).
 TOL_RED = {"float32": (1e-4, 1e-6), "float16": (2e-3, 1e-3)}
 
 # torch.compile(dynamic=False) recompiles for every (function, dtype, shape): ~1-2 s of
 # Inductor/Triton work each, the bulk of this file's run time. It is run at every shape
 # for the ops with a torch.compile target (layer_norm_relu, rms_norm) and for the
-# reductions; layer_norm and softmax (no torch.compile target) get it at these three
-# shapes only (short, long, very long rows), or everywhere with CUFUSE_BENCH_NORM_COMPILE=all.
+# reductions; layer_norm, softmax and log_softmax (no torch.compile target) get it
+# at these three shapes only (short, long, very long rows), or everywhere with
+# CUFUSE_BENCH_NORM_COMPILE=all.
 COMPILE_SHAPES = ((16384, 1024), (4096, 16384), (256, 262144))
 COMPILE_ALL = os.environ.get("CUFUSE_BENCH_NORM_COMPILE", "").lower() == "all"
-NORMS = ("layer_norm", "layer_norm_relu", "rms_norm", "softmax")
+NORMS = ("layer_norm", "layer_norm_relu", "rms_norm", "softmax", "log_softmax")
 COMPILE_TARGETED = ("layer_norm_relu", "rms_norm")
 
-# ---- the issue's targets (judged in the summary, never enforced)
+# ---- the issue's targets (judged in the summary, never enforced); log_softmax
+# (not an op of issue 4) has none: not in NORM_RATIOS, no entry in the Targets table.
 PCT_F32, PCT_F16, PCT_HUGE = 80.0, 75.0, 65.0   # % of copy: 1024 <= cols <= 65536; cols = 262144
 NORM_RATIOS = {  # op: (min vs torch.compile, min vs torch eager for float32, for float16)
     "layer_norm": (None, None, None),
@@ -111,7 +119,7 @@ def reduction_cases():
                          id=f"{op}-{DT_SHORT[dt]}-{shape_label(shape)}-axis{axis}-{impl}",
                          marks=[pytest.mark.slow] if shape != L2 else [])
             for op in ("sum_squared", "mean_abs") for dt in DTYPES for shape in RED_SHAPES for axis in (-1, 0)
-            for impl in IMPLS + (("numpy",) if shape == L2 else ())]
+            for impl in RED_IMPLS + (("numpy",) if shape == L2 else ())]
 
 
 # ----------------------------------------------------------------- helpers
@@ -182,6 +190,10 @@ def t_softmax(x):
     return torch.softmax(x, -1)
 
 
+def t_log_softmax(x):
+    return torch.log_softmax(x, -1)
+
+
 # The unfused chains, written once for CuPy (GPU peer) and NumPy (CPU peer):
 # row statistics accumulated in float32 (explicit dtype=, then the small
 # (rows, 1) result cast back), the full-size steps in x's dtype.
@@ -208,16 +220,25 @@ def _softmax(xp, x):
     return (e / e.sum(-1, keepdims=True, dtype=xp.float32)).astype(x.dtype, copy=False)
 
 
+def _log_softmax(xp, x):
+    s = x - x.max(-1, keepdims=True)
+    # the row's log-sum-exp from a float32 sum (a float16 one can pass 65504), cast back
+    lse = xp.log(xp.exp(s).sum(-1, keepdims=True, dtype=xp.float32)).astype(x.dtype, copy=False)
+    return s - lse
+
+
 def _chains(xp):
-    """layer_norm, layer_norm_relu, rms_norm, softmax on array module ``xp``."""
+    """layer_norm, layer_norm_relu, rms_norm, softmax, log_softmax on array module ``xp``."""
     return (lambda x, w, b: _layer_norm(xp, x, w, b),
             lambda x, w, b: xp.maximum(_layer_norm(xp, x, w, b), 0),
             lambda x, w: _rms_norm(xp, x, w),
-            lambda x: _softmax(xp, x))
+            lambda x: _softmax(xp, x),
+            lambda x: _log_softmax(xp, x))
 
 
-cp_layer_norm, cp_layer_norm_relu, cp_rms_norm, cp_softmax = _chains(cp)  # cp is None without a GPU: never called
-np_layer_norm, np_layer_norm_relu, np_rms_norm, np_softmax = _chains(np)
+# cp is None without a GPU: never called then
+cp_layer_norm, cp_layer_norm_relu, cp_rms_norm, cp_softmax, cp_log_softmax = _chains(cp)
+np_layer_norm, np_layer_norm_relu, np_rms_norm, np_softmax, np_log_softmax = _chains(np)
 
 
 
@@ -231,9 +252,10 @@ def norm_reference(op, x, w, b):
     if _REF.get("key") != key:
         _REF.clear()
         x64 = x.astype(cp.float64)
-        if op == "softmax":
-            e = cp.exp(x64 - x64.max(-1, keepdims=True))
-            ref = e / e.sum(-1, keepdims=True)
+        if op in ("softmax", "log_softmax"):
+            s = x64 - x64.max(-1, keepdims=True)
+            e = cp.exp(s)
+            ref = e / e.sum(-1, keepdims=True) if op == "softmax" else s - cp.log(e.sum(-1, keepdims=True))
         elif op == "rms_norm":
             ref = x64 / cp.sqrt((x64 * x64).mean(-1, keepdims=True) + EPS_RMS) * w.astype(cp.float64)
         else:
@@ -247,7 +269,10 @@ def norm_reference(op, x, w, b):
 
 
 def norm_targets(op, dtype, cols):
-    """(min % of copy, min vs torch.compile, min vs torch eager) of the issue."""
+    """(min % of copy, min vs torch.compile, min vs torch eager) of the issue
+    (none for an op outside NORM_RATIOS: log_softmax)."""
+    if op not in NORM_RATIOS:
+        return None, None, None
     if cols == 262144:
         pct = PCT_HUGE
     elif 1024 <= cols <= 65536:
@@ -272,7 +297,8 @@ def test_norm(benchmark, gpu, op, dtype, rows, cols, impl):
     x = a.reshape(rows, cols)
     w = (1 + 0.5 * wa[:cols]).astype(dtype)  # weight around 1, bias around 0 (fresh arrays)
     b = (0.5 * ba[:cols]).astype(dtype)
-    params = {"layer_norm": (w, b), "layer_norm_relu": (w, b), "rms_norm": (w,), "softmax": ()}[op]
+    params = {"layer_norm": (w, b), "layer_norm_relu": (w, b), "rms_norm": (w,), "softmax": (),
+              "log_softmax": ()}[op]
     eps = EPS_RMS if op == "rms_norm" else EPS_LN
 
     stream = cp.cuda.get_current_stream()
@@ -280,24 +306,24 @@ def test_norm(benchmark, gpu, op, dtype, rows, cols, impl):
     if impl == "cufuse":
         f = getattr(cufuse, op)
         out = cp.empty_like(x)
-        if op == "softmax":
+        if op in ("softmax", "log_softmax"):
             call = lambda: f(x, axis=-1, out=out)  # noqa: E731
         else:
             call = lambda: f(x, cols, *params, eps=eps, out=out)  # noqa: E731
     elif impl == "cupy-chain":
         f = {"layer_norm": cp_layer_norm, "layer_norm_relu": cp_layer_norm_relu,
-             "rms_norm": cp_rms_norm, "softmax": cp_softmax}[op]
+             "rms_norm": cp_rms_norm, "softmax": cp_softmax, "log_softmax": cp_log_softmax}[op]
         call = lambda: f(x, *params)  # noqa: E731
     elif impl == "numpy":   # on host copies of the same inputs
         f = {"layer_norm": np_layer_norm, "layer_norm_relu": np_layer_norm_relu,
-             "rms_norm": np_rms_norm, "softmax": np_softmax}[op]
+             "rms_norm": np_rms_norm, "softmax": np_softmax, "log_softmax": np_log_softmax}[op]
         hargs = [v.get() for v in (x, *params)]
         call = lambda: f(*hargs)  # noqa: E731
     else:
         tx = torch.from_dlpack(x)
         targs = (tx, *(torch.from_dlpack(p) for p in params))
         f = {"layer_norm": t_layer_norm, "layer_norm_relu": t_layer_norm_relu,
-             "rms_norm": t_rms_norm, "softmax": t_softmax}[op]
+             "rms_norm": t_rms_norm, "softmax": t_softmax, "log_softmax": t_log_softmax}[op]
         f = f if impl == "torch-eager" else compiled(f)
         call = lambda: f(*targs)  # noqa: E731
         stream = torch_stream(gpu)
@@ -443,6 +469,35 @@ def np_mean_abs(x, axis):
     return np.abs(x).mean(axis, dtype=np.float32).astype(x.dtype, copy=False)
 
 
+# The cupy.fuse peers: the chains above as one reduction kernel. cupy.fuse takes
+# one reduction (cp.sum over an axis) with elementwise steps before and after it;
+# its tracer has no .sum/.mean array methods and no mean, and drops cp.sum's
+# dtype= (a float16 sum with dtype=float32 comes back float16). So they are
+# written here: the elementwise step in x's dtype, cast to float32 before the sum
+# (the chains' float32 accumulation), the mean as sum / count in float32, the
+# result cast back to x's dtype. axis and count are Python constants: one fused
+# function per (op, axis, count).
+_FUSED: dict = {}
+
+
+def fused_reduction(gpu, op, axis, count):
+    """cupy.fuse of ``op`` over ``axis`` (>= 0) of a 2-D array, ``count``
+    elements per output (mean_abs's divisor); cached."""
+    if not hasattr(cp, "fuse"):
+        gpu.skip("cupy.fuse", "this CuPy has no cupy.fuse")
+    key = (op, axis, count)
+    if key not in _FUSED:
+        if op == "sum_squared":
+            def fn(x):
+                return cp.sum((x * x).astype(cp.float32, copy=False), axis=axis).astype(x.dtype, copy=False)
+        else:
+            def fn(x):
+                s = cp.sum(cp.abs(x).astype(cp.float32, copy=False), axis=axis)
+                return (s / float(count)).astype(x.dtype, copy=False)
+        _FUSED[key] = cp.fuse(kernel_name=f"bench_{op}_axis{axis}")(fn)
+    return _FUSED[key]
+
+
 def red_shape(gpu, shape, dtype):
     """(rows, cols) of a case: RED_SHAPE, or for "L2" its 8000 columns and as
     many rows as fit in half of this device's L2 with both outputs (one
@@ -485,6 +540,9 @@ def test_reduction(benchmark, gpu, op, dtype, shape, axis, impl):
     elif impl == "cupy-chain":
         f = cp_sum_squared if op == "sum_squared" else cp_mean_abs
         call = lambda: f(x, axis)  # noqa: E731
+    elif impl == "cupy.fuse":
+        f = fused_reduction(gpu, op, axis % x.ndim, x.shape[axis])
+        call = lambda: f(x)  # noqa: E731
     elif impl == "numpy":   # on a host copy of the same input
         f, hx = (np_sum_squared if op == "sum_squared" else np_mean_abs), x.get()
         call = lambda: f(hx, axis)  # noqa: E731
@@ -495,7 +553,7 @@ def test_reduction(benchmark, gpu, op, dtype, shape, axis, impl):
         call = lambda: f(tx)  # noqa: E731
         stream = torch_stream(gpu)
 
-    res = first_call(gpu, impl, call)
+    res = first_call(gpu, impl, call, name)
     res = out if out is not None else as_cupy(res)
     assert res.shape == out_shape and res.dtype == x.dtype, (res.shape, res.dtype)
     rtol, atol = TOL_RED[dtype]

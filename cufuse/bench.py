@@ -256,6 +256,7 @@ TRAFFIC = {
     "layer_norm_relu": ("CuPy layer norm chain, then maximum(., 0)", 8, 14, 2),
     "rms_norm": ("CuPy x * x, mean, * r, * w", 4, 7, 2),
     "softmax": ("CuPy max, x - m, exp, sum, divide", 5, 8, 2),
+    "log_softmax": ("CuPy max, x - m, exp, sum, log (per row), subtract", 5, 8, 2),
 }
 
 

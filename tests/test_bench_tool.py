@@ -134,6 +134,36 @@ def test_report_numpy_rows_and_device_sized_l2_rows():
     assert [ln.split()[1] for ln in red[4:7]] == ["6544K", "6544K", "50M"]
 
 
+def test_report_log_softmax_and_cupy_fuse_rows():
+    """log_softmax is its own group with its own memory-traffic line (not
+    softmax's), and cupy.fuse rows (fused ops, reductions) sit beside the other
+    peers with their speedup."""
+    data = {"copy": {"GBps": 4000.0}, "bandwidth": [
+        _row("softmax[4096x768]", 4096 * 768, "cufuse", 10.0),
+        _row("log_softmax[4096x768]", 4096 * 768, "cufuse", 10.0),
+        _row("log_softmax[4096x768]", 4096 * 768, "cupy-chain", 45.0),
+        _row("log_softmax[4096x768]", 4096 * 768, "torch-eager", 12.5),
+        _row("sum_squared[axis-1]", 50_000_000, "cufuse", 70.0, regime="DRAM"),
+        _row("sum_squared[axis-1]", 50_000_000, "cupy.fuse", 105.0, regime="DRAM"),
+        _row("quantize_int8[axis0]", 50_000_000, "cufuse", 100.0, regime="DRAM"),
+        _row("quantize_int8[axis0]", 50_000_000, "cupy.fuse", 130.0, regime="DRAM"),
+    ]}
+    lines = bench.report(data)
+    sm, lsm = lines.index("== softmax"), lines.index("== log_softmax")
+    assert "divide" in lines[sm + 1] and "subtract" not in lines[sm + 1]
+    assert lines[lsm + 1].startswith("memory traffic: CuPy max, x - m, exp, sum, log")
+    assert "5 kernels and 8 passes over memory; cufuse 1 kernel and 2" in lines[lsm + 1]
+
+    def rows(header):   # (impl, cufuse speedup) of a group's table
+        i = lines.index(header) + 4
+        j = lines.index("", i)
+        return [(ln.split()[3], ln.split()[9]) for ln in lines[i:j]]
+
+    assert rows("== log_softmax") == [("cufuse", "1.00x"), ("cupy-chain", "4.50x"), ("torch-eager", "1.25x")]
+    assert rows("== sum_squared[axis-1]") == [("cufuse", "1.00x"), ("cupy.fuse", "1.50x")]
+    assert rows("== quantize_int8[axis0]") == [("cufuse", "1.00x"), ("cupy.fuse", "1.30x")]
+
+
 def test_cli_from_bad_file(tmp_path):
     f = tmp_path / "bad.json"
     f.write_text("[1, 2]")
