@@ -9,8 +9,9 @@
 * test_fuse_latency: host time per call at 100K float32 (fused add_mul_exp vs
   the hand-written one, plus a bare RawKernel). Target: fused <= 1.3x.
 * test_fuse_foreach: 64 pairs of 100K float32 arrays, ``f.foreach(xs, ys)`` in
-  one call vs 64 calls of ``f``, with and without ``out=``; wall time per
-  round with a synchronize after each round. Target: >= 8x.
+  one call vs 64 calls of ``f``, with and without ``out=``, and a
+  ``f.foreach_plan(xs, ys, out=...)`` made once and called each round; wall
+  time per round with a synchronize after each round. Target: >= 8x.
 * test_fuse_adam: one fused Adam step (``adam.foreach(..., out=(p, m, v))``)
   over 100 float32 torch CUDA tensors of 1K to 4M elements, against
   ``torch.optim.Adam(fused=True)`` (target >= 1.0x) and the eager
@@ -517,8 +518,9 @@ def test_fuse_foreach(benchmark, fuse_report):
     X, Y, _ = gpu.inputs(L * n, "float32")
     xs = [X[i * n:(i + 1) * n] for i in range(L)]   # contiguous views: one launch for all items
     ys = [Y[i * n:(i + 1) * n] for i in range(L)]
-    O1, O2, O3 = (cp.empty(L * n, cp.float32) for _ in range(3))
+    O1, O2, O3, O4 = (cp.empty(L * n, cp.float32) for _ in range(4))
     outs1 = [O1[i * n:(i + 1) * n] for i in range(L)]
+    outs4 = [O4[i * n:(i + 1) * n] for i in range(L)]
     outs2 = [O2[i * n:(i + 1) * n] for i in range(L)]
     outs3 = [O3[i * n:(i + 1) * n] for i in range(L)]
     pairs = list(zip(xs, ys))
@@ -539,6 +541,7 @@ def test_fuse_foreach(benchmark, fuse_report):
     fns = {"foreach": lambda: f.foreach(xs, ys),
            "loop (64 calls)": loop,
            "foreach, out=": lambda: f.foreach(xs, ys, out=outs1),
+           "foreach plan, out=": f.foreach_plan(xs, ys, out=outs4),
            "loop (64 calls), out=": loop_out,
            "hand-written loop, out=": hand_loop_out}
 
@@ -552,7 +555,8 @@ def test_fuse_foreach(benchmark, fuse_report):
     assert all(r.shape == (n,) and r.dtype == np.float32 for r in res)
     check_float(f"{bench} foreach", cp.concatenate([as_cupy(r) for r in res]), ref, "float32")
     check_float(f"{bench} loop", cp.concatenate(loop()), ref, "float32")
-    for name, o in (("foreach, out=", O1), ("loop (64 calls), out=", O2), ("hand-written loop, out=", O3)):
+    for name, o in (("foreach, out=", O1), ("foreach plan, out=", O4), ("loop (64 calls), out=", O2),
+                    ("hand-written loop, out=", O3)):
         poison(o)
         fns[name]()
         gpu.sync()
@@ -581,8 +585,11 @@ def test_fuse_foreach(benchmark, fuse_report):
     b2b_out = us_b2b["loop (64 calls), out="] / us_b2b["foreach, out="]
     add_target(bench, "64 calls / foreach (wall per synchronized round)", r_new, ">=", T_FOREACH)
     add_target(bench, "64 calls / foreach, both out= (wall per synchronized round)", r_out, ">=", T_FOREACH)
+    r_plan = us["loop (64 calls), out="] / us["foreach plan, out="]
+    add_target(bench, "64 calls / foreach plan, both out= (wall per synchronized round)", r_plan, ">=", T_FOREACH)
     notes = {"foreach": f"{launches} launch(es) per call; back to back: loop/foreach {b2b_new:.2f}x",
-             "foreach, out=": f"no allocation; back to back: loop/foreach {b2b_out:.2f}x"}
+             "foreach, out=": f"no allocation; back to back: loop/foreach {b2b_out:.2f}x",
+             "foreach plan, out=": "f.foreach_plan(xs, ys, out=...) made once, called each round"}
     for k in fns:
         add_row(bench, k, us[k], timings[k]["gpu_us"],
                 f"back to back {us_b2b[k]:.1f} µs" + (f"; {notes[k]}" if k in notes else ""))
@@ -590,7 +597,7 @@ def test_fuse_foreach(benchmark, fuse_report):
                                  **{f"wall_us_synced[{k}]": v for k, v in us.items()},
                                  **{f"wall_us_back_to_back[{k}]": v for k, v in us_b2b.items()},
                                  **{f"gpu_us[{k}]": t["gpu_us"] for k, t in timings.items()},
-                                 "loop_vs_foreach": r_new, "loop_vs_foreach_out": r_out,
+                                 "loop_vs_foreach": r_new, "loop_vs_foreach_out": r_out, "loop_vs_foreach_plan": r_plan,
                                  "loop_vs_foreach_back_to_back": b2b_new, "loop_vs_foreach_out_back_to_back": b2b_out})
 
 

@@ -920,22 +920,32 @@ def test_foreach_in_place(backend):
                      FUNC_TOL[F32], err_msg=f"item {i}")
 
 
-def test_foreach_adam(backend):
-    """The spec's Adam example, in place, 3 steps, against a float64 Adam."""
+def _adam():
+    """The spec's Adam example as a fused function."""
     @cufuse.fuse
     def adam(p, g, m, v, lr, b1, b2, eps, bc1, bc2):
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
         p = p - lr * (m / bc1) / (cufuse.sqrt(v / bc2) + eps)
         return p, m, v
+    return adam
 
-    shapes = _foreach_shapes([(16, 33)])
-    rng = np.random.default_rng(200)
+
+def _adam_state(backend, shapes, rng):
+    """(params, ms, vs) as NumPy float32, their backend arrays, and float64 copies."""
     params = [rng.standard_normal(s).astype(F32) for s in shapes]
     ms = [(rng.standard_normal(s) * 0.1).astype(F32) for s in shapes]
     vs = [(rng.uniform(0.0, 0.01, s)).astype(F32) for s in shapes]
-    pa, ma, va = ([backend.asarray(a) for a in lst] for lst in (params, ms, vs))
-    ref = [[a.astype(np.float64) for a in lst] for lst in (params, ms, vs)]
+    arrays = [[backend.asarray(a) for a in lst] for lst in (params, ms, vs)]
+    return params, arrays, [[a.astype(np.float64) for a in lst] for lst in (params, ms, vs)]
+
+
+def test_foreach_adam(backend):
+    """The spec's Adam example, in place, 3 steps, against a float64 Adam."""
+    adam = _adam()
+    shapes = _foreach_shapes([(16, 33)])
+    rng = np.random.default_rng(200)
+    params, (pa, ma, va), ref = _adam_state(backend, shapes, rng)
     lr, b1, b2, eps = 1e-3, 0.9, 0.999, 1e-8
     for t in range(1, 4):
         grads = [rng.standard_normal(s).astype(F32) for s in shapes]
@@ -978,6 +988,80 @@ def test_foreach_one_launch(name):
         assert stats(f)["launches"] - before == 1
     for i, (got, x, y) in enumerate(zip(res, xs, ys)):
         assert_close(backend.to_numpy(got), x.astype(np.float64) * 1.5 + y, F32, FUNC_TOL[F32], err_msg=f"item {i}")
+
+
+def test_foreach_plan(backend):
+    """f.foreach_plan checks once and runs nothing; each call applies the
+    function with that call's scalars (no retrace, no recompile; one launch
+    on the GPU), in place too (the Adam of test_foreach_adam, 3 steps), and
+    the plan keeps its own arrays when the lists change afterwards."""
+    adam = _adam()
+    shapes = _foreach_shapes([(16, 33)])
+    rng = np.random.default_rng(205)
+    params, (pa, ma, va), ref = _adam_state(backend, shapes, rng)
+    grads = [rng.standard_normal(s).astype(F32) for s in shapes]
+    ga = [backend.asarray(g) for g in grads]
+    lr, b1, b2, eps = 1e-3, 0.9, 0.999, 1e-8
+    plists = (list(pa), list(ma), list(va))
+    step = adam.foreach_plan(pa, ga, ma, va, lr, b1, b2, eps, 1.0, 1.0, out=plists)
+    assert "6 scalars" not in repr(step) and "[5, 6, 7, 8, 9, 10]" in repr(step)
+    for i, p in enumerate(params):      # planning ran nothing
+        assert np.array_equal(backend.to_numpy(pa[i]), p), f"item {i} changed before the plan was called"
+    pa_list, plists[0][0] = plists[0][0], None   # a later change to the lists does not reach the plan
+    before = stats(adam)
+    for t in range(1, 4):
+        bc1, bc2 = 1 - b1 ** t, 1 - b2 ** t
+        res = step(lr, b1, b2, eps, bc1, bc2)
+        assert len(res) == len(shapes) and res[0][0] is pa_list and res[2][1] is ma[2]
+        for i in range(len(shapes)):
+            ref[0][i], ref[1][i], ref[2][i] = adam_reference(ref[0][i], grads[i], ref[1][i], ref[2][i],
+                                                             lr, b1, b2, eps, bc1, bc2)
+        if t == 1:   # (NumPy runs item by item: its first call traces the 2-D item's signature)
+            first = stats(adam)
+    after = stats(adam)
+    assert after["traces"] == first["traces"] and after["compiles"] == first["compiles"]
+    if backend.gpu:
+        backend.synchronize()
+        assert after["launches"] - before["launches"] == 3
+        assert after["traces"] == before["traces"] and after["compiles"] == before["compiles"]
+    for i in range(len(shapes)):
+        for name, arr, r in zip("pmv", (pa, ma, va), ref):
+            assert_close(backend.to_numpy(arr[i]), r[i], F32, ADAM_TOL, err_msg=f"{name}[{i}] {shapes[i]}")
+    assert not np.allclose(backend.to_numpy(pa[5]), params[5])   # it moved
+
+    # one output, no scalars; an empty list
+    f = cufuse.fuse(lambda x, y: x * y)
+    (xs, ys), (xa, ya) = _foreach_lists(backend, F32, shapes, 206, 2)
+    out = [poisoned(backend, s, F32) for s in shapes]
+    res = f.foreach_plan(xa, ya, out=out)()
+    assert [r is o for r, o in zip(res, out)] == [True] * len(shapes)
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        assert_close(backend.to_numpy(out[i]), x.astype(np.float64) * y, F32, FUNC_TOL[F32], err_msg=f"out[{i}]")
+    assert f.foreach_plan([], [], out=[])() == []
+
+
+def test_foreach_plan_errors(backend):
+    (xs, ys), (xa, ya) = _foreach_lists(backend, F32, [(5,), (7,), (9,)], 215, 2)
+    f = cufuse.fuse(lambda x, y, s: x * s + y)
+    out = [poisoned(backend, x.shape, F32) for x in xs]
+    with pytest.raises(TypeError, match="out"):
+        f.foreach_plan(xa, ya, 2.0)                              # out= is required
+    with pytest.raises(TypeError, match="out= is required"):
+        f.foreach_plan(xa, ya, 2.0, out=None)
+    with pytest.raises((TypeError, ValueError)):
+        f.foreach_plan(xa, ya[:2], 2.0, out=out)                 # list lengths differ
+    plan = f.foreach_plan(xa, ya, 2.0, out=out)
+    with pytest.raises(TypeError, match="takes 1 scalar"):
+        plan()
+    with pytest.raises(TypeError, match="planned as float"):
+        plan(2)                                                  # another scalar kind: another signature
+    for o in out:                                                # nothing ran
+        assert np.isnan(backend.to_numpy(o)).all()
+    if backend.gpu:  # an item that cannot join the one launch (non-contiguous) is refused, and named
+        xb = list(xa)
+        xb[1] = backend_view(backend, rand((7,), F32, 216), "S")
+        with pytest.raises(ValueError, match=r"item\(s\) \[1\]"):
+            f.foreach_plan(xb, ya, 2.0, out=out)
 
 
 # =============================================================================

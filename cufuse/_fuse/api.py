@@ -407,22 +407,12 @@ class Fused:
         ``out``: a list of L arrays, or for several outputs a tuple of such
         lists; they may be the inputs themselves (an in-place update). On the
         GPU every C-contiguous, 16-byte-aligned item runs in ONE launch; any
-        other item runs as its own call.
+        other item runs as its own call. For the same call repeated (an
+        optimizer step), ``foreach_plan`` checks once and launches for less.
         """
-        name = self._name
-        list_pos = [p for p, a in enumerate(args) if isinstance(a, (list, tuple))]
-        if not list_pos:
-            raise TypeError(f"cufuse.{name}.foreach: at least one argument must be a list of arrays")
-        lens = sorted({len(args[p]) for p in list_pos})
-        if len(lens) > 1:
-            raise ValueError(f"cufuse.{name}.foreach: the lists have different lengths {lens}")
-        count = lens[0]
+        list_pos, count = self._foreach_lists(args, "foreach")
         if count == 0:
             return []
-
-        def item(i):
-            return tuple(a[i] if p in list_pos else a for p, a in enumerate(args))
-
         key = None
         if out is not None:
             # The same arrays as a previous call (an optimizer step): its checked
@@ -441,25 +431,12 @@ class Fused:
                     a.data_ptr() for a in itertools.chain(*[args[p] for p in list_pos], *outs_)]):
                 sig, plan, kind, device = ent[2:]
                 if plan is not None:
-                    self._launch_table(kind, device, plan, sig.param_values(item(0)))
+                    self._launch_table(kind, device, plan, sig.param_values(_item(args, list_pos, 0)))
                 if sig.graph.tuple_out:
                     return [tuple(ol[i] for ol in outs_) for i in range(count)]
                 return list(outs_[0])
 
-        kind, spec, _, device = self._classify(item(0))
-        for p, s in enumerate(spec):
-            if s[0] == "scalar" and p in list_pos:
-                raise TypeError(f"cufuse.{name}.foreach: argument {p + 1} is a list of scalars; a scalar is shared "
-                                "by every item: pass one scalar")
-            if s[0] == "array" and p not in list_pos:
-                raise TypeError(f"cufuse.{name}.foreach: argument {p + 1} is an array; pass arrays as lists, "
-                                "one per item")
-        # One signature for every item: arrays taken as 1-d.
-        sig = self._signature(tuple(("array", s[1], 1) if s[0] == "array" else s for s in spec), len(args))
-        if sig.graph.reduction:
-            raise ValueError(f"cufuse.{name}.foreach: reductions are not supported in foreach; call the "
-                             "function on each array")
-        out_lists = self._foreach_outs(out, count, len(sig.out_dtypes), sig.graph.tuple_out)
+        kind, device, sig, out_lists = self._foreach_signature(args, list_pos, out, count, "foreach")
 
         def item_out(i):
             if out_lists is None:
@@ -467,15 +444,15 @@ class Fused:
             return tuple(ol[i] for ol in out_lists) if sig.graph.tuple_out else out_lists[0][i]
 
         if kind not in A.GPU_KINDS:
-            return [self._call(item(i), item_out(i)) for i in range(count)]
+            return [self._call(_item(args, list_pos, i), item_out(i)) for i in range(count)]
         lists = [args[p] for p in list_pos]
-        params = sig.param_values(item(0))
+        params = sig.param_values(_item(args, list_pos, 0))
         fast, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, params)
         results = [None] * count
         for i, outs in fast:
             results[i] = tuple(outs) if sig.graph.tuple_out else outs[0]
         for i in slow:  # full checks (and their errors), one launch each
-            results[i] = self._call(item(i), item_out(i))
+            results[i] = self._call(_item(args, list_pos, i), item_out(i))
         if key is not None and not slow:
             if len(self._plans) >= _PLANS_MAX:
                 self._plans.clear()
@@ -489,6 +466,70 @@ class Fused:
             self._plans[key] = ([weakref.ref(a, drop) for a in flat], ptrs, sig, plan, kind, device)
         return results
 
+    def foreach_plan(self, *args, out):
+        """Check a ``foreach`` call once and keep its launch: returns a
+        ``ForeachPlan``; calling it, ``plan(*scalars)``, applies the function
+        again to the same arrays, with new values for the scalar arguments (in
+        their order; none if the call has none), and returns ``out`` as
+        ``foreach`` does. Nothing runs until the plan is called.
+
+        Meant for a step repeated on the same arrays (an optimizer's), where
+        ``foreach`` itself re-checks every array each call. The plan holds its
+        arrays (lists changed afterwards do not change it). ``out`` is
+        required. On the GPU every item must join the one launch
+        (C-contiguous, 16-byte aligned, each output an input itself or apart
+        from them), else ValueError names the items that cannot. torch tensors
+        are checked to still be on the same storage at each call.
+        """
+        list_pos, count = self._foreach_lists(args, "foreach_plan")
+        if out is None:
+            raise TypeError(f"cufuse.{self._name}.foreach_plan: out= is required (a plan writes into fixed "
+                            "outputs); got None")
+        outs_ = out if isinstance(out, tuple) and out and isinstance(out[0], (list, tuple)) else (out,)
+        if count == 0:
+            return ForeachPlan(self, args, out, list_pos, None)
+        kind, device, sig, out_lists = self._foreach_signature(args, list_pos, out, count, "foreach_plan")
+        if kind not in A.GPU_KINDS:  # NumPy: each call is a foreach call
+            return ForeachPlan(self, args, out, list_pos, None)
+        lists = [args[p] for p in list_pos]
+        _, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, None)
+        if slow:
+            raise ValueError(f"cufuse.{self._name}.foreach_plan: item(s) {slow[:8]}{' ...' if len(slow) > 8 else ''} "
+                             "cannot join the one launch (every array C-contiguous, 16-byte aligned, of its "
+                             "item's shape and the signature's dtype, on one device; each output an input "
+                             "itself or apart from them): use foreach for such lists")
+        flat = list(itertools.chain(*lists, *outs_))
+        ptrs = [a.data_ptr() for a in flat] if kind == A.TORCH_CUDA else None
+        return ForeachPlan(self, args, out, list_pos, (sig, plan, kind, device, flat, ptrs))
+
+    def _foreach_lists(self, args, what):
+        """(positions of the list arguments, their common length)."""
+        list_pos = [p for p, a in enumerate(args) if isinstance(a, (list, tuple))]
+        if not list_pos:
+            raise TypeError(f"cufuse.{self._name}.{what}: at least one argument must be a list of arrays")
+        lens = sorted({len(args[p]) for p in list_pos})
+        if len(lens) > 1:
+            raise ValueError(f"cufuse.{self._name}.{what}: the lists have different lengths {lens}")
+        return list_pos, lens[0]
+
+    def _foreach_signature(self, args, list_pos, out, count, what):
+        """(kind, device, signature, output lists or None) of a foreach call,
+        from its first item; raises for scalars in lists, bare arrays, reductions."""
+        kind, spec, _, device = self._classify(_item(args, list_pos, 0))
+        for p, s in enumerate(spec):
+            if s[0] == "scalar" and p in list_pos:
+                raise TypeError(f"cufuse.{self._name}.{what}: argument {p + 1} is a list of scalars; a scalar is "
+                                "shared by every item: pass one scalar")
+            if s[0] == "array" and p not in list_pos:
+                raise TypeError(f"cufuse.{self._name}.{what}: argument {p + 1} is an array; pass arrays as "
+                                "lists, one per item")
+        # One signature for every item: arrays taken as 1-d.
+        sig = self._signature(tuple(("array", s[1], 1) if s[0] == "array" else s for s in spec), len(args))
+        if sig.graph.reduction:
+            raise ValueError(f"cufuse.{self._name}.{what}: reductions are not supported in foreach; call the "
+                             "function on each array")
+        return kind, device, sig, self._foreach_outs(out, count, len(sig.out_dtypes), sig.graph.tuple_out)
+
     def _foreach_outs(self, out, count, nout, tuple_out):
         if out is None:
             return None
@@ -501,8 +542,9 @@ class Fused:
     def _foreach_plan(self, sig, kind, dev, lists, out_lists, count, params):
         """Check every item with a few attribute reads; launch the items that
         qualify (C-contiguous, aligned, one shape, outputs either an input
-        itself or apart from them) in one kernel. Returns ([(item, outputs)],
-        [items left for a call of their own])."""
+        itself or apart from them) in one kernel (params None: no launch, for
+        a plan). Returns ([(item, outputs)], [items left for a call of their
+        own], the launch plan or None)."""
         V, dts, odts = sig.V, sig.in_dtypes, sig.out_dtypes
         is_cupy = kind == A.CUPY
         if not is_cupy:
@@ -570,7 +612,8 @@ class Fused:
     def _launch_segments(self, sig, kind, dev, rows, params):
         """One launch over every row (output pointers, input pointers, n): the
         table gains each row's first block; blocks of BLOCK threads, SEGMENT_PACKS
-        packs each. Returns (table, blocks) for _launch_table."""
+        packs each; launched now unless params is None. Returns the plan
+        (table, blocks, rows, kernel, packs per thread) for _launch_table."""
         V, B = sig.V, codegen.BLOCK * SEGMENT_PACKS
         first = 0
         for r in rows:
@@ -589,7 +632,8 @@ class Fused:
                 with stream:  # the copy is ordered before the kernel on the same stream
                     table = _TABLES[key] = cp.asarray(np.array(flat, dtype=np.int64))
         plan = (table, first, np.int32(len(rows)), sig.function("fused_segments", dev), np.int32(SEGMENT_PACKS))
-        self._launch_table(kind, dev, plan, params)
+        if params is not None:
+            self._launch_table(kind, dev, plan, params)
         return plan
 
     def _launch_table(self, kind, dev, plan, params):
@@ -601,6 +645,58 @@ class Fused:
             with R._cp.cuda.Device(dev):
                 R.launch_grid(fn, (blocks,), (codegen.BLOCK,), (table, nrows, upt, *params), stream)
         self.stats["launches"] += 1
+
+
+def _item(args, list_pos, i):
+    """The arguments of item i of a foreach call."""
+    return tuple(a[i] if p in list_pos else a for p, a in enumerate(args))
+
+
+class ForeachPlan:
+    """A ``foreach`` call checked once, for repeated calls: ``Fused.foreach_plan``."""
+
+    def __init__(self, fused, args, out, list_pos, gpu):
+        self._fused = fused
+        self._args = tuple(list(a) if p in list_pos else a for p, a in enumerate(args))  # its own lists
+        self._multi = isinstance(out, tuple) and bool(out) and isinstance(out[0], (list, tuple))
+        self._outs = tuple(list(o) for o in out) if self._multi else (list(out),)
+        self._list_pos = list_pos
+        self._scalar_pos = [p for p in range(len(args)) if p not in list_pos]
+        self._specs = [_scalar_spec(args[p]) for p in self._scalar_pos]
+        self._gpu = gpu  # (signature, launch plan or None, kind, device, arrays held, torch pointers) or None
+        count = len(self._outs[0])
+        self._result = ([tuple(ol[i] for ol in self._outs) for i in range(count)] if self._multi
+                        else list(self._outs[0]))
+
+    def __repr__(self):
+        return (f"<cufuse foreach plan of {self._fused!r}: {len(self._result)} items, scalars at arguments "
+                f"{[p + 1 for p in self._scalar_pos]}>")
+
+    def __call__(self, *scalars):
+        name = self._fused._name
+        if len(scalars) != len(self._scalar_pos):
+            raise TypeError(f"cufuse.{name} foreach plan: takes {len(self._scalar_pos)} scalar(s) (arguments "
+                            f"{[p + 1 for p in self._scalar_pos]} of the planned call), got {len(scalars)}")
+        args = self._args
+        if scalars:
+            args = list(args)
+            for p, v, spec in zip(self._scalar_pos, scalars, self._specs):
+                if _scalar_spec(v) != spec:
+                    raise TypeError(f"cufuse.{name} foreach plan: argument {p + 1} was planned as "
+                                    f"{type(self._args[p]).__name__} ({spec[1]}), got {type(v).__name__}; "
+                                    "make a new plan for another scalar type")
+                args[p] = v
+        if self._gpu is None:  # no items, or NumPy arrays: a foreach call
+            if not self._result:
+                return []
+            return self._fused.foreach(*args, out=self._outs if self._multi else self._outs[0])
+        sig, plan, kind, device, flat, ptrs = self._gpu
+        if ptrs is not None and ptrs != [a.data_ptr() for a in flat]:
+            raise RuntimeError(f"cufuse.{name} foreach plan: a tensor of the plan is no longer on the storage it "
+                               "was planned on (resized or set_); make a new plan")
+        if plan is not None:
+            self._fused._launch_table(kind, device, plan, sig.param_values(_item(args, self._list_pos, 0)))
+        return list(self._result)
 
 
 def _stream(kind, dev):
