@@ -78,6 +78,7 @@ template <typename R> struct QuantizeCh : Channels<R> {
     using compute = R;
     static constexpr bool indexed = true;
     static constexpr bool packed = true;
+    static constexpr bool one_loop = true;  // whole and partial packs in one loop (elementwise.cuh)
     using Channels<R>::Channels;
     __device__ __forceinline__ signed char operator()(long long i, R x) const {
         const long long c = this->channel(i);
@@ -96,6 +97,7 @@ template <typename R> struct DequantizeCh : Channels<R> {
     using compute = R;
     static constexpr bool indexed = true;
     static constexpr bool packed = true;
+    static constexpr bool one_loop = true;  // whole and partial packs in one loop (elementwise.cuh)
     using Channels<R>::Channels;
     __device__ __forceinline__ R operator()(long long i, R q) const {
         const long long c = this->channel(i);
