@@ -104,8 +104,9 @@ template <typename... R> __device__ __forceinline__ float horner(float u, float 
 // minimax to the log2 of Q over a in [0, 14], with float32 coefficients
 // (kernels/fit_normal_tail.py makes them). Fit error, relative, of Q:
 // D = 8 1.4e-7, D = 5 6.6e-6. rcp.approx and ex2.approx add about 3e-7, and
-// the float rounding of a**2 log2(e) / 2 about 6e-8 a**2; results below
-// 2**-126 (a > 13.2) are flushed to 0. Branch-free: ~D + 8 instructions, two
+// the float rounding of a**2 log2(e) / 2 and of the ex2 argument up to about
+// 6e-8 a**2 (emulated in float32: 1.8e-6 near a = 6, 7e-6 near a = 12.5);
+// results below 2**-126 (a > 12.95) are flushed to 0. Branch-free: ~D + 8 instructions, two
 // of them MUFU (rcp, ex2), where erff takes two branches of ~10 each.
 template <int D> __device__ __forceinline__ float normal_tail(float a) {
     static_assert(D == 8 || D == 5, "normal_tail: degree 8 or 5");
@@ -132,11 +133,13 @@ template <int D> __device__ __forceinline__ float gelu_normal(float v) {
     return v * (v < 0.0f ? q : 1.0f - q);
 }
 
-// float (also float16's compute type): measured against float64 over [-16, 16]
-// on an H200, at most 1.4e-6 relative (21 ulps, in the left tail near
-// v = -5; 3e-7 near 0) where erff's form is off by up to 6% of the value for
-// v < -3 (1 + erf cancels). bias_gelu with a row bias, 50M float32: 91% -> 98%
-// of copy (bench/NOTES.md).
+// float (also float16's compute type): measured against float64 on an H200,
+// at most 1.4e-6 relative for |v| < 5 (21 ulps, in the left tail near v = -5;
+// 3e-7 near 0), about 7e-6 near v = -12.5 (see normal_tail), where erff's
+// form is off by up to 6% of the value for v < -3 (1 + erf cancels); for
+// -13.2 < v < -12.95 the result is -0 where the exact one is a normal float
+// under 1e-37 in magnitude. bias_gelu with a row bias, 50M float32: 91% ->
+// 98% of copy (bench/NOTES.md).
 __device__ __forceinline__ float gelu_erf(float v) { return gelu_normal<8>(v); }
 
 // gelu_erf for a result stored as T. float16 keeps 11 bits, so its GELU takes

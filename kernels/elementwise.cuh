@@ -5,8 +5,9 @@
 // driver owns everything else:
 //
 //   * contiguous path: grid-stride over 16-byte packs when every pointer is
-//     aligned to 16 bytes, scalar loop otherwise; the tail (n % pack) is
-//     handled once, by the scalar loop; 64-bit indices throughout;
+//     aligned to 16 bytes; the tail (n % pack), or everything when a pointer
+//     is misaligned, element by element (packed ops: in partial packs); see
+//     run_contiguous; 64-bit indices throughout;
 //   * strided path: any layout (transposed, step-sliced, broadcast with
 //     stride 0, negative strides), dims collapsed on the host;
 //   * scalar operands travel in the pointer slot (see the calling convention

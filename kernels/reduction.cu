@@ -5,7 +5,8 @@
 //     of `tpr` threads per (row, split), the row read in 16-byte packs on its
 //     aligned window (rows.cuh), so any length and offset runs at full width;
 //   * inner > 1 (a column reduction, e.g. the first axis): reduce_cols, a
-//     warp across 32 packs of columns and 8 warps down the rows of a chunk.
+//     block of 64 packs of columns by 4 row phases down the rows of a chunk
+//     (cufuse/ops/reduction.py: _COL_BLOCK).
 // When there are too few rows (or columns) to fill the GPU, each is split in
 // `splits` chunks whose partial sums (in the accumulation type) a second
 // launch of the same kernels adds up in a fixed order: results are the same

@@ -1004,7 +1004,7 @@ def test_foreach_plan(backend):
     lr, b1, b2, eps = 1e-3, 0.9, 0.999, 1e-8
     plists = (list(pa), list(ma), list(va))
     step = adam.foreach_plan(pa, ga, ma, va, lr, b1, b2, eps, 1.0, 1.0, out=plists)
-    assert "6 scalars" not in repr(step) and "[5, 6, 7, 8, 9, 10]" in repr(step)
+    assert "scalars at arguments [5, 6, 7, 8, 9, 10]" in repr(step)
     for i, p in enumerate(params):      # planning ran nothing
         assert np.array_equal(backend.to_numpy(pa[i]), p), f"item {i} changed before the plan was called"
     pa_list, plists[0][0] = plists[0][0], None   # a later change to the lists does not reach the plan
@@ -1039,6 +1039,17 @@ def test_foreach_plan(backend):
         assert_close(backend.to_numpy(out[i]), x.astype(np.float64) * y, F32, FUNC_TOL[F32], err_msg=f"out[{i}]")
     assert f.foreach_plan([], [], out=[])() == []
 
+    # several outputs with out= a list of lists (as well as a tuple): plan and
+    # foreach's cached path give (out0[i], out1[i]) per item, call after call
+    g = cufuse.fuse(lambda x, y: (x + y, x * y))
+    o1, o2 = [poisoned(backend, s, F32) for s in shapes], [poisoned(backend, s, F32) for s in shapes]
+    for run in (g.foreach_plan(xa, ya, out=[o1, o2]), lambda: g.foreach(xa, ya, out=[o1, o2])):
+        for _ in range(2):
+            res = run()
+            assert all(isinstance(r, tuple) and r[0] is a and r[1] is b for r, a, b in zip(res, o1, o2))
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        assert_close(backend.to_numpy(o2[i]), x.astype(np.float64) * y, F32, FUNC_TOL[F32], err_msg=f"o2[{i}]")
+
 
 def test_foreach_plan_errors(backend):
     (xs, ys), (xa, ya) = _foreach_lists(backend, F32, [(5,), (7,), (9,)], 215, 2)
@@ -1048,8 +1059,12 @@ def test_foreach_plan_errors(backend):
         f.foreach_plan(xa, ya, 2.0)                              # out= is required
     with pytest.raises(TypeError, match="out= is required"):
         f.foreach_plan(xa, ya, 2.0, out=None)
-    with pytest.raises((TypeError, ValueError)):
+    with pytest.raises(ValueError, match="different lengths"):
         f.foreach_plan(xa, ya[:2], 2.0, out=out)                 # list lengths differ
+    with pytest.raises(TypeError, match="out must be a list"):
+        f.foreach_plan([], [], 2.0, out=7)
+    with pytest.raises(ValueError, match="foreach_plan: out must be a list of 3"):
+        f.foreach_plan(xa, ya, 2.0, out=out[:2])
     plan = f.foreach_plan(xa, ya, 2.0, out=out)
     with pytest.raises(TypeError, match="takes 1 scalar"):
         plan()

@@ -420,7 +420,7 @@ class Fused:
             # weak references whose callbacks drop it when any of its arrays
             # dies, so an id in its key is always the very array it was;
             # torch tensors must also still be on the same storage.
-            outs_ = out if isinstance(out, tuple) and out and isinstance(out[0], (list, tuple)) else (out,)
+            outs_ = _out_lists(out)
             try:
                 key = (tuple(map(id, itertools.chain(*[args[p] for p in list_pos], *outs_))),
                        tuple(type(a) if p not in list_pos else None for p, a in enumerate(args)), len(outs_))
@@ -485,7 +485,10 @@ class Fused:
         if out is None:
             raise TypeError(f"cufuse.{self._name}.foreach_plan: out= is required (a plan writes into fixed "
                             "outputs); got None")
-        outs_ = out if isinstance(out, tuple) and out and isinstance(out[0], (list, tuple)) else (out,)
+        if not isinstance(out, (list, tuple)):
+            raise TypeError(f"cufuse.{self._name}.foreach_plan: out must be a list of arrays, or a tuple of "
+                            f"such lists for several outputs; got {type(out).__name__}")
+        outs_ = _out_lists(out)
         if count == 0:
             return ForeachPlan(self, args, out, list_pos, None)
         kind, device, sig, out_lists = self._foreach_signature(args, list_pos, out, count, "foreach_plan")
@@ -528,15 +531,15 @@ class Fused:
         if sig.graph.reduction:
             raise ValueError(f"cufuse.{self._name}.{what}: reductions are not supported in foreach; call the "
                              "function on each array")
-        return kind, device, sig, self._foreach_outs(out, count, len(sig.out_dtypes), sig.graph.tuple_out)
+        return kind, device, sig, self._foreach_outs(out, count, len(sig.out_dtypes), sig.graph.tuple_out, what)
 
-    def _foreach_outs(self, out, count, nout, tuple_out):
+    def _foreach_outs(self, out, count, nout, tuple_out, what):
         if out is None:
             return None
         lists = tuple(out) if tuple_out else (out,)
         if len(lists) != nout or any(not isinstance(ol, (list, tuple)) or len(ol) != count for ol in lists):
-            what = f"a tuple of {nout} lists of {count} arrays" if tuple_out else f"a list of {count} arrays"
-            raise ValueError(f"cufuse.{self._name}.foreach: out must be {what}")
+            need = f"a tuple of {nout} lists of {count} arrays" if tuple_out else f"a list of {count} arrays"
+            raise ValueError(f"cufuse.{self._name}.{what}: out must be {need}")
         return lists
 
     def _foreach_plan(self, sig, kind, dev, lists, out_lists, count, params):
@@ -647,6 +650,14 @@ class Fused:
         self.stats["launches"] += 1
 
 
+def _out_lists(out):
+    """``out`` of a foreach call as a tuple of lists, one per output: several
+    outputs come as a tuple (or list) of lists, one output as a list of arrays."""
+    if isinstance(out, (list, tuple)) and out and isinstance(out[0], (list, tuple)):
+        return tuple(out)
+    return (out,)
+
+
 def _item(args, list_pos, i):
     """The arguments of item i of a foreach call."""
     return tuple(a[i] if p in list_pos else a for p, a in enumerate(args))
@@ -658,8 +669,8 @@ class ForeachPlan:
     def __init__(self, fused, args, out, list_pos, gpu):
         self._fused = fused
         self._args = tuple(list(a) if p in list_pos else a for p, a in enumerate(args))  # its own lists
-        self._multi = isinstance(out, tuple) and bool(out) and isinstance(out[0], (list, tuple))
-        self._outs = tuple(list(o) for o in out) if self._multi else (list(out),)
+        self._multi = isinstance(out, (list, tuple)) and bool(out) and isinstance(out[0], (list, tuple))
+        self._outs = tuple(list(o) for o in _out_lists(out))
         self._list_pos = list_pos
         self._scalar_pos = [p for p in range(len(args)) if p not in list_pos]
         self._specs = [_scalar_spec(args[p]) for p in self._scalar_pos]

@@ -535,10 +535,12 @@ def gelu_numpy(v, approximate):
         return half * v * (one + np.tanh(c * (v + k * v * v * v)))
     # v Phi(v) with Phi(v) = erfc(-v / sqrt 2) / 2, which keeps its relative
     # accuracy in the left tail, where 1 + erf(v / sqrt 2) cancels (as the
-    # kernels). erfc's argument in float64: rounding it to float32 would cost
-    # 2 z**2 ulps of erfc(z) (1e-5 relative at v = -12).
-    e = _special("erfc", v.astype(np.float64) * -0.70710678118654752440).astype(v.dtype)
-    return half * v * e
+    # kernels), computed in float64 and rounded once to v's dtype (rounding
+    # erfc's argument to float32 would cost 2 z**2 ulps of erfc(z): 1e-5
+    # relative at v = -12).
+    v64 = v.astype(np.float64)
+    with np.errstate(invalid="ignore"):   # -inf * 0 = NaN, as the kernels give
+        return (0.5 * v64 * _special("erfc", v64 * -0.70710678118654752440)).astype(v.dtype)
 
 
 _APPROXIMATE = ("none", "tanh")
