@@ -24,11 +24,12 @@ def compute(dt):
     return storage(G.compute_dtype(np.dtype(dt)))
 
 
-_CALL = {  # ops written as a call on compute-typed operands
+_CALL = {  # ops written as a call on compute-typed operands ({T}: the node's storage type)
     "exp": "cufuse::math::exp", "exp2": "cufuse::math::exp2", "log": "cufuse::math::log",
     "log1p": "cufuse::math::log1p", "expm1": "cufuse::math::expm1", "sqrt": "cufuse::math::sqrt",
     "rsqrt": "cufuse::math::rsqrt", "sin": "cufuse::math::sin", "cos": "cufuse::math::cos",
     "tanh": "cufuse::math::tanh", "sigmoid": "cufuse::math::sigmoid", "erf": "cufuse::math::erf",
+    "gelu": "cufuse::math::gelu_erf_to<{T}>",  # erf form, to the precision of its result (common.cuh)
     "gelu_tanh": "cufuse::math::gelu_tanh", "silu": "cufuse::math::silu",
     "softplus": "cufuse::math::softplus", "abs": "cufuse::math::abs", "relu": "cufuse::math::relu",
     "round": "cufuse::math::rint", "floor": "cufuse::math::floor", "ceil": "cufuse::math::ceil",
@@ -58,10 +59,8 @@ def _expr(g, i, node, names):
         return f"(!{a[0]})" if node.dtype == np.bool_ else f"static_cast<{c}>(~{a[0]})"
     if op == "where":
         return f"({a[0]} ? {a[1]} : {a[2]})"
-    if op == "gelu":  # erf form, to the precision of its result's type (common.cuh)
-        return f"cufuse::math::gelu_erf_to<{storage(node.dtype)}>({a[0]})"
     if op in _CALL:
-        return f"{_CALL[op]}({', '.join(a)})"
+        return f"{_CALL[op].replace('{T}', storage(node.dtype))}({', '.join(a)})"
     raise AssertionError(f"no code for {op}")  # graph.py only makes the ops above
 
 
