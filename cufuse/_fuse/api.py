@@ -26,6 +26,11 @@ _TABLES: dict = {}       # horizontal launch tables on the device, by content
 _TABLES_MAX = 64
 _FAST_MAX = 256          # entries of a Fused's per-shape fast-path cache
 _PLANS_MAX = 8           # foreach launch plans kept per Fused
+# An object's address (rotated; distinct for live objects), for the keys of
+# foreach's plans. Not id(): id() raises an audit event, and once a Python
+# audit hook is installed (torch.compile installs one) the key of 192 arrays
+# took 30 µs instead of 5 (Python 3.12, H200 host); this takes ~10 either way.
+_address = object.__hash__
 # Packs per thread of the horizontal kernel. GPU µs for 64 x 100K float32 /
 # for 100 sets of 1K-4M (H200; one contiguous call over as many elements:
 # 23.3 / 189.3): 1 pack 31.2 / 219.3, 2: 27.8 / 200.5, 4: 27.0 / 196.3,
@@ -101,7 +106,7 @@ class Fused:
         self.__name__ = name or getattr(fn, "__name__", "fused")
         # traces; kernel modules compiled, loaded from disk, or shared with another Fused of
         # the same structure in this process; launches (GPU)
-        self.stats = {"traces": 0, "compiles": 0, "disk_loads": 0, "shared": 0, "launches": 0}
+        self.stats = {"traces": 0, "compiles": 0, "disk_loads": 0, "shared": 0, "launches": 0, "foreach_checks": 0}
         self._sigs: dict = {}
         self._fast: dict = {}
         self._plans: dict = {}
@@ -191,7 +196,10 @@ class Fused:
         except TypeError:  # an unhashable argument: the general path says what is wrong
             ent = None
         if ent is not None and ent[0] == self._get_device():
-            dev, fn, odts, shape, n, grid, sig, tdev = ent
+            dev, fn, odts, shape, gb, sig, tdev, in_pos, tail, n = ent
+            if tail is None:  # scalar arguments: this call's values
+                tail = (n, *[conv(args[i]) if i >= 0 else c for i, conv, c in sig.params])
+            ins = args if in_pos is None else [args[i] for i in in_pos]
             if tdev is not None:  # torch: raw pointers on torch's current stream
                 if out is not None:
                     return self._call(args, out)
@@ -199,22 +207,18 @@ class Fused:
                 outs = [empty(shape, dtype=dt, device=tdev) for dt in odts]
                 raw = E._TORCH[2](dev)
                 stream = E._TORCH_STREAMS.get(raw) or E._torch_stream_for(raw, dev)
-                fn((grid,), (codegen.BLOCK,), (*[o.data_ptr() for o in outs],
-                                               *[args[i].data_ptr() for i in sig.in_pos], n,
-                                               *[conv(args[i]) if i >= 0 else c for i, conv, c in sig.params]),
-                   0, stream)
+                fn(*gb, (*[o.data_ptr() for o in outs], *[x.data_ptr() for x in ins], *tail), 0, stream)
                 self.stats["launches"] += 1
                 return tuple(outs) if sig.graph.tuple_out else outs[0]
             if out is None:
                 new = self._new_array
                 outs = [new(shape, dt) for dt in odts]
             elif (type(out) is A.CupyArray and len(odts) == 1 and out.dtype == odts[0] and out._c_contiguous
-                  and out.shape == shape and out.data.device_id == dev and _apart_fast(out, args, sig.in_pos)):
-                outs = [out]
+                  and out.shape == shape and out.data.device_id == dev and _apart_fast(out, ins)):
+                outs = (out,)
             else:
                 return self._call(args, out)
-            fn((grid,), (codegen.BLOCK,), (*outs, *[args[i] for i in sig.in_pos], n,
-                                           *[conv(args[i]) if i >= 0 else c for i, conv, c in sig.params]))
+            fn(*gb, (*outs, *ins, *tail))
             self.stats["launches"] += 1
             return tuple(outs) if sig.graph.tuple_out else outs[0]
         return self._call(args, out)
@@ -338,7 +342,12 @@ class Fused:
                     odts, tdev = [A.numpy_to_torch_dtype(d) for d in sig.out_dtypes], t.device("cuda", dev)
                 else:
                     odts, tdev = sig.out_dtypes, None
-                self._fast[_fast_key(cache_args)] = (dev, fn, odts, shape, n, grid, sig, tdev)
+                # inputs: every argument (None) or these positions; launch tail: (n, *params)
+                # when no parameter comes from a scalar argument, else None (and n after it)
+                in_pos = None if sig.in_pos == list(range(len(cache_args))) else tuple(sig.in_pos)
+                tail = (n, *params) if all(i < 0 for i, _, _ in sig.params) else None
+                self._fast[_fast_key(cache_args)] = (dev, fn, odts, shape, ((grid,), (codegen.BLOCK,)), sig, tdev,
+                                                     in_pos, tail, n)
             return
         if len(cshape) > E._STRIDED_NDIM:  # more dims than the kernel indexes: dense copies
             dense = [E._dense(x, shape, kind) for x in ins]
@@ -418,11 +427,11 @@ class Fused:
             # The same arrays as a previous call (an optimizer step): its checked
             # launch table is reused, with this call's scalars. The plan holds
             # weak references whose callbacks drop it when any of its arrays
-            # dies, so an id in its key is always the very array it was;
+            # dies, so an address in its key is always the very array it was;
             # torch tensors must also still be on the same storage.
             outs_ = _out_lists(out)
             try:
-                key = (tuple(map(id, itertools.chain(*[args[p] for p in list_pos], *outs_))),
+                key = (tuple(map(_address, itertools.chain(*[args[p] for p in list_pos], *outs_))),
                        tuple(type(a) if p not in list_pos else None for p, a in enumerate(args)), len(outs_))
             except TypeError:
                 key = None
@@ -436,6 +445,7 @@ class Fused:
                     return [tuple(ol[i] for ol in outs_) for i in range(count)]
                 return list(outs_[0])
 
+        self.stats["foreach_checks"] += 1
         kind, device, sig, out_lists = self._foreach_signature(args, list_pos, out, count, "foreach")
 
         def item_out(i):
@@ -726,11 +736,10 @@ def _fast_key(args):
                         if type(a) is Tensor else type(a)) for a in args])
 
 
-def _apart_fast(out, args, in_pos):
+def _apart_fast(out, ins):
     """out (C-contiguous, the inputs' shape) is each input itself (same dtype) or apart from it."""
     optr, nbytes, odt = out.data.ptr, out.nbytes, out.dtype
-    for i in in_pos:
-        x = args[i]
+    for x in ins:
         d = x.data.ptr - optr
         if d == 0:
             if x.dtype != odt:
