@@ -178,6 +178,15 @@ template <typename R> __device__ __forceinline__ signed char round_int8(R v) {
     v = v < R(-128) ? R(-128) : (v > R(127) ? R(127) : v);
     return static_cast<signed char>(v);
 }
+// float without FRND and F2I (conversion-unit instructions): clamp first (rint
+// is monotonic and the bounds are integers, so the result is the same), then
+// add 1.5 * 2**23. That FADD rounds to an integer, half to even, and the low
+// byte of the sum's bits is the integer in two's complement.
+template <> __device__ __forceinline__ signed char round_int8<float>(float v) {
+    const float c = fminf(fmaxf(v, -128.0f), 127.0f);
+    const int b = __float_as_int(__fadd_rn(c, 12582912.0f));
+    return v == v ? static_cast<signed char>(b) : static_cast<signed char>(0);
+}
 // clamp(rint(x / scale + zp), -128, 127) with a true division; NaN -> 0. The
 // second form takes inv = 1 / scale, computed once for many elements.
 template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R zp) {

@@ -76,6 +76,12 @@ template <typename Op> struct op_indexed<Op, void_t<decltype(Op::indexed)>> { st
 // e.g. to share one random draw among several elements.
 template <typename Op, typename = void> struct op_packed { static constexpr bool value = false; };
 template <typename Op> struct op_packed<Op, void_t<decltype(Op::packed)>> { static constexpr bool value = Op::packed; };
+// A packed op may also declare `using pack_out = T;`: pack() then writes T
+// (int8 codes) instead of C values that the driver would convert again.
+template <typename Op, typename C, typename = void> struct op_pack_out { using type = C; };
+template <typename Op, typename C> struct op_pack_out<Op, C, void_t<typename Op::pack_out>> {
+    using type = typename Op::pack_out;
+};
 // A packed op may also say `one_loop = true`: its contiguous kernel then runs
 // whole and partial packs in one loop through one instance of pack()
 // (run_contiguous_one_loop) instead of the aligned loop and a tail.
@@ -128,7 +134,8 @@ __device__ __forceinline__ Pack<Tout, V> compute_pack(const Op& op, long long i0
                                                       const bool (&is_s)[NIN], const C (&sc)[NIN]) {
     Pack<Tout, V> y;
     if constexpr (op_packed<Op>::value && NIN == 1) {
-        C a[V], r[V];
+        C a[V];
+        typename op_pack_out<Op, C>::type r[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) a[j] = is_s[0] ? sc[0] : to_compute<C>(x[0].v[j]);
         op.template pack<V>(i0, a, r);

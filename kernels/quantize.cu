@@ -79,16 +79,18 @@ template <typename R> struct QuantizeCh : Channels<R> {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;
     static constexpr bool one_loop = true;  // whole and partial packs in one loop (elementwise.cuh)
+    using pack_out = signed char;           // pack() writes the codes themselves
     using Channels<R>::Channels;
     __device__ __forceinline__ signed char operator()(long long i, R x) const {
         const long long c = this->channel(i);
         return cufuse::math::quantize_int8(x, this->scale[c], this->zp[c]);
     }
-    template <int V> __device__ __forceinline__ void pack(long long i0, const R (&x)[V], R (&y)[V]) const {
+    template <int V>
+    __device__ __forceinline__ void pack(long long i0, const R (&x)[V], signed char (&y)[V]) const {
         this->template for_pack<V>(i0, [&](int j, R s, R z, bool shared) {
             // one reciprocal per pack when its scale is shared, else a division per element
-            y[j] = static_cast<R>(shared ? cufuse::math::quantize_int8(x[j], s, R(1) / s, z)
-                                         : cufuse::math::quantize_int8(x[j], s, z));
+            y[j] = shared ? cufuse::math::quantize_int8(x[j], s, R(1) / s, z)
+                          : cufuse::math::quantize_int8(x[j], s, z);
         });
     }
 };

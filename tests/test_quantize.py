@@ -161,6 +161,29 @@ def test_quantize_specials(backend, dtype, scale, zp, launches):
     assert got[6] == -128 or scale >= 1e30
 
 
+@pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("axis", [None, 0, -1], ids=lambda a: f"axis={a}")
+def test_quantize_random_bits(backend, dtype, axis, launches):
+    """Every float16 bit pattern, or 2**20 random float32 ones (every exponent,
+    subnormals, NaN payloads, infinities), per tensor and per channel: the
+    rounding and clamping of any quotient, not only of the usual range."""
+    if dtype == F16:
+        bits = np.arange(1 << 16, dtype=np.uint16)
+        np.random.default_rng(90).shuffle(bits)
+    else:
+        bits = np.random.default_rng(91).integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    x = bits.view(dtype).reshape(-1, 64)
+    if axis is None:
+        scale, zp = 0.37, 0.5
+    else:
+        rng = np.random.default_rng(92)
+        scale = rng.uniform(0.01, 3.0, x.shape[axis]).astype(F32)
+        zp = rng.uniform(-4.0, 4.0, x.shape[axis]).astype(F32)
+    bx = backend.asarray(x)
+    args = (scale, zp) if axis is None else (backend.asarray(scale), backend.asarray(zp))
+    quantize(backend, bx, *args, axis, launches, x, scale, zp)
+
+
 def test_quantize_nan_with_zero_point(backend, launches):
     x = np.array([np.nan, -np.nan, np.inf, -np.inf], F32)
     got = quantize(backend, backend.asarray(x), 0.5, 10.0, None, launches, x)
