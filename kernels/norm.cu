@@ -21,32 +21,36 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
     // registers) and converted at each use; float/double ones may be
     // replaced by a pass (softmax keeps exp(x - max) for the store).
     static constexpr bool kMutable = Resident && !is_half<T>::value;
+    // Indices within the row: 32-bit for a row held in registers (at most
+    // 512 x 16 packs per block, 16 blocks), 64-bit when it streams (any
+    // length). 64-bit ones held the float16 layer_norm kernel at 63 registers.
+    using I = typename select_type<Resident, int, long long>::type;
 
     const Group<CS>& g;
     const T* x;           // the row
-    long long cols;
+    I cols;
     int head;             // elements of the window before the row
-    long long lo, hi;     // this block's packs of the window: [lo, hi)
+    I lo, hi;             // this block's packs of the window: [lo, hi)
     P held[Resident ? NP : 1];
 
     __device__ __forceinline__ RowView(const Group<CS>& g_, const T* x_, long long cols_, bool active)
-        : g(g_), x(x_), cols(cols_) {
+        : g(g_), x(x_), cols(static_cast<I>(cols_)) {
         head = row_head(x);
-        const long long npack = (head + cols + V - 1) / V;
-        const long long per = (npack + CS - 1) / CS;
+        const I npack = (head + cols + V - 1) / V;
+        const I per = (npack + CS - 1) / CS;
         lo = per * g.rank;
         hi = lo + per < npack ? lo + per : npack;
         if (!active) hi = lo;  // groups past the last row: no loads, no stores
         if constexpr (Resident) {
 #pragma unroll
             for (int j = 0; j < NP; ++j) {
-                const long long k = lo + g.lane + static_cast<long long>(j) * g.tpr;
+                const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
                 if (k < hi) held[j] = pack(k);
             }
         }
     }
 
-    __device__ __forceinline__ P pack(long long k) const { return *(reinterpret_cast<const P*>(x - head) + k); }
+    __device__ __forceinline__ P pack(I k) const { return *(reinterpret_cast<const P*>(x - head) + k); }
 
     // f(value, element index) for each element of this thread's packs in the
     // row; with kMutable, f may update the held value (C&).
@@ -54,7 +58,7 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
         if constexpr (Resident) {
 #pragma unroll
             for (int j = 0; j < NP; ++j) {
-                const long long k = lo + g.lane + static_cast<long long>(j) * g.tpr;
+                const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
                 if (k < hi) {
                     C t[V];
                     unpack(held[j], t);
@@ -66,7 +70,7 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
                 }
             }
         } else {
-            for (long long k = lo + g.lane; k < hi; k += g.tpr) {
+            for (I k = lo + g.lane; k < hi; k += g.tpr) {
                 C t[V];
                 unpack(pack(k), t);
                 visit(k, t, f);
@@ -74,8 +78,8 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
         }
     }
 
-    template <typename F> __device__ __forceinline__ void visit(long long k, C (&t)[V], F& f) const {
-        const long long e0 = k * V - head;
+    template <typename F> __device__ __forceinline__ void visit(I k, C (&t)[V], F& f) const {
+        const I e0 = k * V - head;
         if (e0 >= 0 && e0 + V <= cols) {
 #pragma unroll
             for (int i = 0; i < V; ++i) f(t[i], e0 + i);
@@ -88,14 +92,14 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
 
     template <typename R, typename F> __device__ __forceinline__ C reduce(F f, R r, int slot) {
         C acc = R::template identity<C>();
-        each([&](C& t, long long e) { acc = r(acc, f(t, e)); });
+        each([&](C& t, I e) { acc = r(acc, f(t, e)); });
         return g.reduce(acc, r, slot);
     }
 
     // V values of a per-column array `a` (weight, bias) for the pack at e0:
     // one 16-byte load when the pack is whole and aligned in `a`, else per
     // element; `dflt` everywhere when a is null.
-    __device__ __forceinline__ void columns(const T* a, long long e0, C (&o)[V], C dflt) const {
+    __device__ __forceinline__ void columns(const T* a, I e0, C (&o)[V], C dflt) const {
         if (!a) {
 #pragma unroll
             for (int i = 0; i < V; ++i) o[i] = dflt;
@@ -112,8 +116,8 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
     // row's alignment.
     template <typename F> __device__ __forceinline__ void store(T* y, F f, const T* w, const T* b) {
         const int yhead = row_head(y);
-        auto one = [&](long long k, C (&t)[V]) {
-            const long long e0 = k * V - head;
+        auto one = [&](I k, C (&t)[V]) {
+            const I e0 = k * V - head;
             C wv[V], bv[V];
             columns(w, e0, wv, C(1));
             columns(b, e0, bv, C(0));
@@ -131,7 +135,7 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
         if constexpr (Resident) {
 #pragma unroll
             for (int j = 0; j < NP; ++j) {
-                const long long k = lo + g.lane + static_cast<long long>(j) * g.tpr;
+                const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
                 if (k < hi) {
                     C t[V];
                     unpack(held[j], t);
@@ -139,7 +143,7 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
                 }
             }
         } else {
-            for (long long k = lo + g.lane; k < hi; k += g.tpr) {
+            for (I k = lo + g.lane; k < hi; k += g.tpr) {
                 C t[V];
                 unpack(pack(k), t);
                 one(k, t);

@@ -32,6 +32,9 @@ namespace cufuse {
 constexpr int kMaxWarps = 32;  // per block
 constexpr int kSlots = 2;      // reductions per kernel, each with its own shared slots (no reuse, no extra barrier)
 
+template <bool B, typename X, typename Y> struct select_type { using type = X; };
+template <typename X, typename Y> struct select_type<false, X, Y> { using type = Y; };
+
 template <typename T> struct PackOf {
     static constexpr int V = 16 / sizeof(T);
     using type = Pack<T, V>;

@@ -26,7 +26,7 @@ from _reference_norm import (F16, F32, F64, NORM_REF, NORM_TOL_OFFSET, OFFSET, S
 NORM_OPS = ["layer_norm", "layer_norm_relu", "rms_norm"]
 SOFTMAX_OPS = ["softmax", "log_softmax"]
 DEFAULT_EPS = {"layer_norm": 1e-5, "layer_norm_relu": 1e-5, "rms_norm": 1e-6}
-ROW_LENGTHS = [1, 2, 3, 7, 31, 32, 33, 127, 129, 768, 1000, 1023, 1024, 4097]
+ROW_LENGTHS = [1, 2, 3, 7, 31, 32, 33, 127, 129, 768, 1000, 1023, 1024, 4097, 12289]
 OTHER_KIND = {"numpy": "torch_cpu", "torch_cpu": "numpy", "cupy": "numpy", "torch_cuda": "cupy"}
 
 norm_param = pytest.mark.parametrize("op", NORM_OPS)

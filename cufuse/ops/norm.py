@@ -30,9 +30,10 @@ _ONE_GROUP_PACKS = 4096      # rows of up to this many 16-byte packs: one thread
 class _RowOp:
     """One op of kernels/norm.cu (functor ``functor``) for every float dtype."""
 
-    def __init__(self, name, functor):
+    def __init__(self, name, functor, half_wide=True):
         self.name = name
         self.functor = functor
+        self.half_wide = half_wide  # float16 rows of >= 1024 packs take 8 packs per thread too
         self.exprs = {}
         for dt, ct in R.FLOAT_CTYPES.items():
             for np_ in _NPS:
@@ -49,14 +50,17 @@ class _RowOp:
 
     def plan(self, dt, cols, aligned, dev):
         """(kernel key, threads per row, blocks per row) for rows of ``cols``.
-        From a sweep on an H200 (bench/NOTES.md): rows up to 4096 packs take
-        one group with 4 packs per thread (8 from 1024 packs, float32/64); longer rows a cluster
+        From sweeps on an H200 (bench/NOTES.md): rows up to 4096 packs take
+        one group with 4 packs per thread (8 from 1024 packs, except float16
+        layer_norm); longer rows a cluster
         of 256-thread blocks with 8 packs each (16 when 8 blocks need it);
         beyond that, or without clusters, the streaming kernel."""
         v = 16 // dt.itemsize
         npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
         if npack <= _ONE_GROUP_PACKS:
-            per_thread = 8 if npack >= 1024 and dt.itemsize >= 4 else 4  # float16: 4 (sweep: 58% vs 49%)
+            # float16 4096x16384, % of copy, 4 -> 8 packs: softmax 67 -> 83, rms_norm 83 -> 88,
+            # layer_norm 60 -> 52 (it keeps 4)
+            per_thread = 8 if npack >= 1024 and (dt.itemsize >= 4 or self.half_wide) else 4
             tpr = min(max(_rows.pow2_at_least(-(-npack // per_thread)), 32), 512)
             return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
         if R.compute_capability(dev) >= 90:
@@ -82,9 +86,9 @@ class _RowOp:
                                              np.int32(tpr), float(eps)), _rows.stream_for(kind, dev))
 
 
-_OPS = {name: _RowOp(name, functor) for name, functor in (
-    ("layer_norm", "LayerNorm<false>"), ("layer_norm_relu", "LayerNorm<true>"), ("rms_norm", "RmsNorm"),
-    ("softmax", "Softmax<false>"), ("log_softmax", "Softmax<true>"))}
+_OPS = {name: _RowOp(name, functor, half_wide) for name, functor, half_wide in (
+    ("layer_norm", "LayerNorm<false>", False), ("layer_norm_relu", "LayerNorm<true>", False),
+    ("rms_norm", "RmsNorm", True), ("softmax", "Softmax<false>", True), ("log_softmax", "Softmax<true>", True))}
 
 
 # --------------------------------------------------------------- validation
