@@ -22,7 +22,7 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
     // replaced by a pass (softmax keeps exp(x - max) for the store).
     static constexpr bool kMutable = Resident && !is_half<T>::value;
     // Indices within the row: 32-bit for a row held in registers (at most
-    // 512 x 16 packs per block, 16 blocks), 64-bit when it streams (any
+    // 512 x 16 packs per block, 8 blocks), 64-bit when it streams (any
     // length). 64-bit ones held the float16 layer_norm kernel at 63 registers.
     using I = typename select_type<Resident, int, long long>::type;
 

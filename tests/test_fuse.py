@@ -32,7 +32,7 @@ from _reference_fuse import (ADAM_TOL, ALL_DTYPES, BOOL, CF, F16, F32, F64, FLOA
 dtype_param = pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: d.name)
 GPU_BACKEND_PARAMS = [p for p in BACKEND_PARAMS if p.id in ("cupy", "torch_cuda")]
 TORCH_BACKEND_PARAMS = [p for p in BACKEND_PARAMS if p.id in ("torch_cpu", "torch_cuda")]
-STATS_KEYS = {"traces", "compiles", "disk_loads", "shared", "launches"}
+STATS_KEYS = {"traces", "compiles", "disk_loads", "shared", "launches", "foreach_checks"}
 NPCHK = SimpleNamespace(**vars(NPNS), where=np.where, round=np.round)   # NumPy's own dtype rules
 
 
@@ -971,6 +971,32 @@ def test_foreach_errors(backend):
         f.foreach(xa, ya, out=[poisoned(backend, (5,), F32)])   # out list of the wrong length
     with pytest.raises((TypeError, ValueError)):               # reductions are not supported in foreach
         cufuse.fuse(lambda x: x.sum(axis=-1)).foreach(xa)
+
+
+@pytest.mark.parametrize("name", [p.id for p in GPU_BACKEND_PARAMS], ids=str)
+@pytest.mark.cuda
+def test_foreach_checks_counter(name):
+    """A foreach call repeated with out= on the same arrays reuses its first
+    check (foreach_checks stays, one launch each, new scalars used); a call
+    without out=, or on another list of arrays, checks again."""
+    backend = Backend(name)
+    shapes = [(n,) for n in [3, 100, 4097]]
+    (xs, ys), (xa, ya) = _foreach_lists(backend, F32, shapes, 221, 2)
+    outs = [backend.asarray(np.zeros(s, F32)) for s in shapes]
+    f = cufuse.fuse(lambda x, y, a: x * a + y)
+    f.foreach(xa, ya, 1.5, out=outs)
+    first = stats(f)
+    for a in (2.0, -0.5):
+        f.foreach(xa, ya, a, out=outs)
+        backend.synchronize()
+        for i in range(len(shapes)):
+            assert_close(backend.to_numpy(outs[i]), xs[i].astype(np.float64) * a + ys[i], F32, FUNC_TOL[F32])
+    after = stats(f)
+    assert after["foreach_checks"] == first["foreach_checks"], (first, after)
+    assert after["launches"] - first["launches"] == 2
+    f.foreach(xa, ya, 1.5)
+    f.foreach(list(reversed(xa)), list(reversed(ya)), 1.5, out=list(reversed(outs)))
+    assert stats(f)["foreach_checks"] == after["foreach_checks"] + 2
 
 
 @pytest.mark.parametrize("name", [p.id for p in GPU_BACKEND_PARAMS], ids=str)

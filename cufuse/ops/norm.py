@@ -52,14 +52,14 @@ class _RowOp:
         """(kernel key, threads per row, blocks per row) for rows of ``cols``.
         From sweeps on an H200 (bench/NOTES.md): rows up to 4096 packs take
         one group with 4 packs per thread (8 from 1024 packs, except float16
-        layer_norm); longer rows a cluster
+        layer_norm below 2048); longer rows a cluster
         of 256-thread blocks with 8 packs each (16 when 8 blocks need it);
         beyond that, or without clusters, the streaming kernel."""
         v = 16 // dt.itemsize
         npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
         if npack <= _ONE_GROUP_PACKS:
             # float16 4096x16384, % of copy, 4 -> 8 packs: softmax 67 -> 83, rms_norm 83 -> 88,
-            # layer_norm 60 -> 52 (it keeps 4)
+            # layer_norm 60 -> 52 (it keeps 4 up to 2048 packs; beyond, 512 threads need 8)
             per_thread = 8 if npack >= 1024 and (dt.itemsize >= 4 or self.half_wide) else 4
             tpr = min(max(_rows.pow2_at_least(-(-npack // per_thread)), 32), 512)
             return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
