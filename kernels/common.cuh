@@ -157,18 +157,23 @@ template <typename T, typename C> __device__ __forceinline__ C gelu_erf_to(C v) 
 // q += (x - q * s) * inv with FMAs, which is the correctly rounded quotient
 // (a bare reciprocal multiply moves ties) in fewer instructions than div.rn's
 // checked sequence, once inv is shared by many elements (a per-tensor scale,
-// or a pack in one channel). Below |x| = 2**-100 the residual x - q * s would
-// be flushed (-ftz=true), so tiny x divide. Checked on an H200 over all 2**32
-// float32 x for 43 scales and 4 zero points: the same quotients as div.rn and
-// the same int8 codes everywhere (quotients that overflow may be inf for
-// FLT_MAX; both clamp to 127). float16 quantize per tensor: 63% -> 77% of
-// copy in one run (bench/NOTES.md).
+// or a pack in one channel). Callers take it only for 2**-60 <= s <= 2**60
+// (reciprocal_ok; other scales divide): there inv is a normal number, and the
+// residual x - q * s is not subnormal for |x| >= 2**-100; a smaller |x| gives
+// |x / s| < 2**-40, whose code is rint(zp) whichever way q rounds. q is
+// clamped to +-2**30 before the correction, with no branch: x = +-inf would
+// make inf - inf = NaN, and any |q| >= 2**30 clamps to -128 or 127 anyway; a
+// NaN x stays NaN (the FMA with x). Checked on an H200 over all 2**32
+// float32 x, for scales across the range and at its ends and 4 zero points:
+// the same int8 codes as div.rn everywhere (scratch/div_check.py). float16
+// quantize per tensor: 63% -> 77% of copy in one run with a branchy form of
+// this (bench/NOTES.md).
+template <typename R> __device__ __forceinline__ bool reciprocal_ok(R) { return false; }
+__device__ __forceinline__ bool reciprocal_ok(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
 template <typename R> __device__ __forceinline__ R div_by(R x, R s, R) { return x / s; }
 __device__ __forceinline__ float div_by(float x, float s, float inv) {
-    if (fabsf(x) < 0x1p-100f) return x / s;
-    float q = x * inv;
-    if (isfinite(q)) q = fmaf(fmaf(-q, s, x), inv, q);
-    return q;
+    const float q = fminf(fmaxf(x * inv, -0x1p30f), 0x1p30f);
+    return fmaf(fmaf(-q, s, x), inv, q);
 }
 
 // clamp(rint(v), -128, 127); NaN -> 0.
@@ -187,10 +192,28 @@ template <> __device__ __forceinline__ signed char round_int8<float>(float v) {
     const int b = __float_as_int(__fadd_rn(c, 12582912.0f));
     return v == v ? static_cast<signed char>(b) : static_cast<signed char>(0);
 }
+// x / s as NumPy divides: the kernels' float arithmetic flushes subnormal
+// operands to zero (-ftz), which changes the quotient when s < 2**-60 (a
+// subnormal x over a tiny s, or a subnormal s). There both are scaled by
+// 2**64 first, from their bits when subnormal: the same quotient, exactly.
+__device__ __forceinline__ float times_2_64(float v) {  // exact for |v| < 2**63
+    const unsigned b = __float_as_uint(v);
+    if ((b & 0x7f800000u) == 0) {  // zero or subnormal: m * 2**-149 * 2**64
+        const float m = static_cast<float>(b & 0x007fffffu) * 0x1p-85f;
+        return (b >> 31) ? -m : m;
+    }
+    return v * 0x1p64f;
+}
+template <typename R> __device__ __forceinline__ R divide(R x, R s) { return x / s; }
+__device__ __forceinline__ float divide(float x, float s) {
+    if (s < 0x1p-60f && fabsf(x) < 0x1p63f) return times_2_64(x) / times_2_64(s);
+    return x / s;
+}
 // clamp(rint(x / scale + zp), -128, 127) with a true division; NaN -> 0. The
-// second form takes inv = 1 / scale, computed once for many elements.
+// second form takes inv = 1 / scale, computed once for many elements, and
+// needs reciprocal_ok(scale) (see div_by).
 template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R zp) {
-    return round_int8(x / scale + zp);
+    return round_int8(divide(x, scale) + zp);
 }
 template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R inv, R zp) {
     return round_int8(div_by(x, scale, inv) + zp);

@@ -2,15 +2,35 @@
 // driver (cufuse/ops/quantize.py), per tensor and per channel.
 #include "elementwise.cuh"
 
+// V int8 codes clamp(rint(x / s + z), -128, 127) of one pack in one channel
+// (QuantizeCh), with inv = 1 / s: the scale, which only the device holds, is
+// tested once per pack (math::reciprocal_ok); inside its range the pack
+// multiplies by the reciprocal, outside it divides.
+template <typename R, int V>
+__device__ __forceinline__ void quantize_pack(const R (&x)[V], R s, R inv, R z, signed char (&y)[V]) {
+    if (cufuse::math::reciprocal_ok(s)) {
+#pragma unroll
+        for (int j = 0; j < V; ++j) y[j] = cufuse::math::quantize_int8(x[j], s, inv, z);
+    } else {
+#pragma unroll
+        for (int j = 0; j < V; ++j) y[j] = cufuse::math::quantize_int8(x[j], s, z);
+    }
+}
+
 // int8 quantization in R (float for float16/float32 input, double for float64):
-// clamp(rint(x / scale + zero_point), -128, 127), NaN -> 0.
-template <typename R> struct Quantize {
+// clamp(rint(x / scale + zero_point), -128, 127), NaN -> 0. Recip: the host
+// found reciprocal_ok(scale) (cufuse/ops/quantize.py), so every element
+// multiplies by the reciprocal (math::div_by); else every element divides.
+// Two functors, not a test per pack, because the division's code in the same
+// kernel took float16 from 40 to 50 registers (ptxas sm_90); the dividing one
+// is compiled only when a call needs it (family quantize:div).
+template <typename R, bool Recip> struct Quantize {
     using compute = R;
     R scale, zp, inv;
     __device__ Quantize(double s, double z)
         : scale(static_cast<R>(s)), zp(static_cast<R>(z)), inv(R(1) / static_cast<R>(s)) {}
     __device__ __forceinline__ signed char operator()(R x) const {
-        return cufuse::math::quantize_int8(x, scale, inv, zp);
+        return Recip ? cufuse::math::quantize_int8(x, scale, inv, zp) : cufuse::math::quantize_int8(x, scale, zp);
     }
 };
 
@@ -37,19 +57,18 @@ template <typename R> struct Channels {
         const long long q = cufuse::fast_div(i, inner, inner_mg);
         return q - cufuse::fast_div(q, channels, channels_mg) * channels;
     }
-    // f(j, scale, zero point, shared) for the V consecutive elements from i0 (a
-    // multiple of V). The channel is divided out once per pack; then a pack
-    // inside one channel (axis 0 and most others) reads its scale once, a
-    // pack of V consecutive channels (the last axis, aligned) reads them in
-    // 16-byte packs, and anything else steps the channel per element.
-    // `shared` (a constant in each branch) says that one scale serves the pack.
-    template <int V, typename F> __device__ __forceinline__ void for_pack(long long i0, F f) const {
+    // For the V consecutive elements from i0 (a multiple of V): the channel
+    // is divided out once per pack; then a pack inside one channel (axis 0
+    // and most others) reads its scale once and calls shared(scale, zero
+    // point); a pack of V consecutive channels (the last axis, aligned) reads
+    // them in 16-byte packs, and anything else steps the channel per
+    // element, both calling each(j, scale, zero point) per element.
+    template <int V, typename FS, typename FE>
+    __device__ __forceinline__ void for_pack(long long i0, FS shared, FE each) const {
         const long long q = cufuse::fast_div(i0, inner, inner_mg);
         long long c = q - cufuse::fast_div(q, channels, channels_mg) * channels;
         if (inner % V == 0) {
-            const R s = __ldg(scale + c), z = __ldg(zp + c);
-#pragma unroll
-            for (int j = 0; j < V; ++j) f(j, s, z, true);
+            shared(__ldg(scale + c), __ldg(zp + c));
         } else if (inner == 1 && channels % V == 0 && V % 4 == 0 && cufuse::is_aligned<R, 4>(scale) &&
                    cufuse::is_aligned<R, 4>(zp)) {
             // 16-byte loads (float) of the pack's V consecutive scales and zero points
@@ -58,13 +77,13 @@ template <typename R> struct Channels {
                 const auto s = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(scale + c) + g);
                 const auto z = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(zp + c) + g);
 #pragma unroll
-                for (int j = 0; j < 4; ++j) f(4 * g + j, s.v[j], z.v[j], false);
+                for (int j = 0; j < 4; ++j) each(4 * g + j, s.v[j], z.v[j]);
             }
         } else {
             long long r = i0 - q * inner;
 #pragma unroll
             for (int j = 0; j < V; ++j) {
-                f(j, scale[c], zp[c], false);
+                each(j, scale[c], zp[c]);
                 if (++r == inner) {
                     r = 0;
                     if (++c == channels) c = 0;
@@ -87,11 +106,9 @@ template <typename R> struct QuantizeCh : Channels<R> {
     }
     template <int V>
     __device__ __forceinline__ void pack(long long i0, const R (&x)[V], signed char (&y)[V]) const {
-        this->template for_pack<V>(i0, [&](int j, R s, R z, bool shared) {
-            // one reciprocal per pack when its scale is shared, else a division per element
-            y[j] = shared ? cufuse::math::quantize_int8(x[j], s, R(1) / s, z)
-                          : cufuse::math::quantize_int8(x[j], s, z);
-        });
+        this->template for_pack<V>(
+            i0, [&](R s, R z) { quantize_pack<R, V>(x, s, R(1) / s, z, y); },
+            [&](int j, R s, R z) { y[j] = cufuse::math::quantize_int8(x[j], s, z); });
     }
 };
 
@@ -106,7 +123,12 @@ template <typename R> struct DequantizeCh : Channels<R> {
         return (q - this->zp[c]) * this->scale[c];
     }
     template <int V> __device__ __forceinline__ void pack(long long i0, const R (&q)[V], R (&y)[V]) const {
-        this->template for_pack<V>(i0, [&](int j, R s, R z, bool) { y[j] = (q[j] - z) * s; });
+        this->template for_pack<V>(
+            i0, [&](R s, R z) {
+#pragma unroll
+                for (int j = 0; j < V; ++j) y[j] = (q[j] - z) * s;
+            },
+            [&](int j, R s, R z) { y[j] = (q[j] - z) * s; });
     }
 };
 

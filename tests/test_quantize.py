@@ -184,6 +184,42 @@ def test_quantize_random_bits(backend, dtype, axis, launches):
     quantize(backend, bx, *args, axis, launches, x, scale, zp)
 
 
+# float32 scales at both ends of the range where the kernels multiply by the
+# reciprocal (kernels/common.cuh: math::reciprocal_ok, [2**-60, 2**60]) and
+# just outside it, where they divide; 2**127, whose reciprocal is subnormal.
+_EDGE = [2.0 ** -60, float(np.nextafter(np.float32(2.0 ** -60), np.float32(0))), 2.0 ** 60,
+         float(np.nextafter(np.float32(2.0 ** 60), np.float32(np.inf))), 2.0 ** 127, 2.0 ** -126, 1.7e-10, 3.3e12]
+
+
+@pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("axis", [None, 0, -1], ids=lambda a: f"axis={a}")
+def test_quantize_scale_range(backend, dtype, axis, launches):
+    """Scales around the reciprocal range's ends, per tensor (one launch per
+    scale) and per channel (every scale in one launch): values that land on
+    every code near the clamp bounds and ties for each scale, 2**14 random bit
+    patterns, NaN and infinities, exact against the NumPy reference."""
+    rng = np.random.default_rng(93)
+    scales = np.array(_EDGE, dtype=F32)
+    k = np.arange(-130, 131, dtype=np.float64) + rng.choice([0.0, 0.5, 0.25], 261)
+    if dtype == F16:
+        rand_bits = rng.integers(0, 1 << 16, 1 << 14, dtype=np.uint64).astype(np.uint16).view(F16)
+    else:
+        rand_bits = rng.integers(0, 1 << 32, 1 << 14, dtype=np.uint64).astype(np.uint32).view(F32)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38, -3e38, 65504.0, 1e-38], np.float64)
+    with np.errstate(over="ignore"):
+        rows = [np.concatenate([(k * float(sc)).astype(dtype), rand_bits, specials.astype(dtype)])
+                for sc in scales]
+    x = np.stack(rows)                      # one row per scale
+    zp = rng.uniform(-3.0, 3.0, len(scales)).round(1).astype(F32)
+    if axis is None:
+        for i, sc in enumerate(scales):
+            quantize(backend, backend.asarray(x[i]), float(sc), float(zp[i]), None, launches, x[i])
+        return
+    xa = x if axis == 0 else np.ascontiguousarray(x.T)
+    quantize(backend, backend.asarray(xa), backend.asarray(scales), backend.asarray(zp), axis, launches, xa,
+             scales, zp)
+
+
 def test_quantize_nan_with_zero_point(backend, launches):
     x = np.array([np.nan, -np.nan, np.inf, -np.inf], F32)
     got = quantize(backend, backend.asarray(x), 0.5, 10.0, None, launches, x)

@@ -41,8 +41,23 @@ def _dequantize_np(q, scale, zero_point, real):
     return (q.astype(real) - zero_point) * scale
 
 
-_quant = ElementwiseOp("quantize_int8", lambda i, o: f"Quantize<{_rname(i)}>", 1, _quantize_np,
-                       signatures=[(d, _I8) for d in _FLOATS], params=("double", "double"), family="quantize")
+_quant = ElementwiseOp("quantize_int8", lambda i, o: f"Quantize<{_rname(i)}, {'false' if i == _F64 else 'true'}>", 1,
+                       _quantize_np, signatures=[(d, _I8) for d in _FLOATS], params=("double", "double"),
+                       family="quantize")
+# float scales outside reciprocal_ok's range divide per element (kernels/quantize.cu: Quantize)
+_quant_div = ElementwiseOp("quantize_int8", "Quantize<float, false>", 1, _quantize_np,
+                           signatures=[(_F16, _I8), (_F32, _I8)], params=("double", "double"), family="quantize:div")
+
+
+def _reciprocal_ok(s):
+    """kernels/common.cuh math::reciprocal_ok of the float32 scale the kernel
+    uses: within [2**-60, 2**60] the quotient x / scale is computed as a
+    corrected product with the reciprocal, the same bits as a division."""
+    return 2.0 ** -60 <= np.float32(s) <= 2.0 ** 60
+
+
+def _quant_per_tensor(in_dt, s):
+    return _quant if in_dt == _F64 or _reciprocal_ok(s) else _quant_div
 _quant_ch = ElementwiseOp("quantize_int8", lambda i, o: f"QuantizeCh<{_rname(i)}>", 1, _quantize_np,
                           signatures=[(d, _I8) for d in _FLOATS], params=_CHANNEL_PARAMS, indexed=True, family="quantize")
 _dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
@@ -101,6 +116,8 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         s = _scalar_param(name, "scale", scale, True)
         z = _scalar_param(name, "zero_point", zero_point, False)
         rt = real.type
+        if not isinstance(per_tensor, ElementwiseOp):  # picked by dtype and scale
+            per_tensor = per_tensor(in_dt, s)
         return per_tensor._general((x,), out, out_dtype=out_dtype, params=(s, z),
                                    np_params={"scale": rt(s), "zero_point": rt(z)}
                                    | ({"real": real} if in_dt == _I8 else {}))
@@ -153,7 +170,7 @@ def quantize_int8(x, /, scale, zero_point=0.0, axis=None, *, out=None):
     ``zero_point`` a scalar or such an array. Returns int8 of x's shape and
     kind; ``out=`` (int8, x's shape and kind) receives it.
     """
-    return _run("quantize_int8", (_quant, _quant_ch), x, scale, zero_point, axis, out, _I8)
+    return _run("quantize_int8", (_quant_per_tensor, _quant_ch), x, scale, zero_point, axis, out, _I8)
 
 
 def dequantize_int8(q, /, scale, zero_point=0.0, axis=None, dtype=np.float32, *, out=None):
@@ -168,5 +185,5 @@ def dequantize_int8(q, /, scale, zero_point=0.0, axis=None, dtype=np.float32, *,
     return _run("dequantize_int8", (_dequant, _dequant_ch), q, scale, zero_point, axis, out, odt)
 
 
-OPS = {"quantize_int8": _quant, "quantize_int8_channel": _quant_ch,
+OPS = {"quantize_int8": _quant, "quantize_int8_div": _quant_div, "quantize_int8_channel": _quant_ch,
        "dequantize_int8": _dequant, "dequantize_int8_channel": _dequant_ch}
