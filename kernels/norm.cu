@@ -13,7 +13,10 @@
 
 namespace cufuse {
 
-template <typename T, int NP, int CS, bool Resident> struct RowView {
+// Whole (host-checked: cufuse/ops/norm.py): every row starts on a 16-byte
+// boundary and is a whole number of packs, and y, w and b are aligned too, so
+// that no pack is partial and no alignment is tested per pack.
+template <typename T, int NP, int CS, bool Resident, bool Whole> struct RowView {
     using C = compute_t<T>;
     static constexpr int V = PackOf<T>::V;
     using P = typename PackOf<T>::type;
@@ -35,7 +38,7 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
 
     __device__ __forceinline__ RowView(const Group<CS>& g_, const T* x_, long long cols_, bool active)
         : g(g_), x(x_), cols(static_cast<I>(cols_)) {
-        head = row_head(x);
+        head = Whole ? 0 : row_head(x);
         const I npack = (head + cols + V - 1) / V;
         const I per = (npack + CS - 1) / CS;
         lo = per * g.rank;
@@ -80,7 +83,7 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
 
     template <typename F> __device__ __forceinline__ void visit(I k, C (&t)[V], F& f) const {
         const I e0 = k * V - head;
-        if (e0 >= 0 && e0 + V <= cols) {
+        if (Whole || (e0 >= 0 && e0 + V <= cols)) {
 #pragma unroll
             for (int i = 0; i < V; ++i) f(t[i], e0 + i);
         } else {
@@ -103,7 +106,7 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
         if (!a) {
 #pragma unroll
             for (int i = 0; i < V; ++i) o[i] = dflt;
-        } else if (e0 >= 0 && e0 + V <= cols && (reinterpret_cast<unsigned long long>(a + e0) & 15) == 0) {
+        } else if (Whole || (e0 >= 0 && e0 + V <= cols && (reinterpret_cast<unsigned long long>(a + e0) & 15) == 0)) {
             unpack(*reinterpret_cast<const P*>(a + e0), o);
         } else {
 #pragma unroll
@@ -115,13 +118,13 @@ template <typename T, int NP, int CS, bool Resident> struct RowView {
     // 0); full packs are stored whole when the output row has the input
     // row's alignment.
     template <typename F> __device__ __forceinline__ void store(T* y, F f, const T* w, const T* b) {
-        const int yhead = row_head(y);
+        const int yhead = Whole ? 0 : row_head(y);
         auto one = [&](I k, C (&t)[V]) {
             const I e0 = k * V - head;
             C wv[V], bv[V];
             columns(w, e0, wv, C(1));
             columns(b, e0, bv, C(0));
-            if (yhead == head && e0 >= 0 && e0 + V <= cols) {
+            if (Whole || (yhead == head && e0 >= 0 && e0 + V <= cols)) {
                 P p;
 #pragma unroll
                 for (int i = 0; i < V; ++i) p.v[i] = from_compute<T>(f(t[i], wv[i], bv[i]));
@@ -208,14 +211,14 @@ template <bool Log> struct Softmax {
 
 namespace cufuse {
 
-template <typename Op, typename T, int NP, int CS, bool Resident>
+template <typename Op, typename T, int NP, int CS, bool Resident, bool Whole>
 __device__ __forceinline__ void norm_rows_body(T* y, const T* x, const T* w, const T* b, long long rows,
                                                long long cols, long long ldy, long long ldx, int tpr, double eps) {
     const Group<CS> g(tpr);
     const long long row = g.item();
     const bool active = row < rows;
     const long long r = active ? row : 0;
-    RowView<T, NP, CS, Resident> view(g, x + r * ldx, cols, active);
+    RowView<T, NP, CS, Resident, Whole> view(g, x + r * ldx, cols, active);
     Op::run(view, y + r * ldy, w, b, eps);
     if constexpr (CS > 1) cluster_sync();  // no block leaves while another reads its shared memory
 }
@@ -226,18 +229,18 @@ __device__ __forceinline__ void norm_rows_body(T* y, const T* x, const T* w, con
 // norm_rows: a group of `tpr` threads per row, the row in registers (NP packs
 // per thread). norm_rows_cluster: CS blocks of one cluster per row (sm_90).
 // norm_rows_stream: one block per row, any length, re-reading the row.
-template <typename Op, typename T, int NP>
+template <typename Op, typename T, int NP, bool Whole>
 __global__ void __launch_bounds__(512) norm_rows(T* y, const T* x, const T* w, const T* b, long long rows,
                                                  long long cols, long long ldy, long long ldx, int tpr, double eps) {
-    cufuse::norm_rows_body<Op, T, NP, 1, true>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
+    cufuse::norm_rows_body<Op, T, NP, 1, true, Whole>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-template <typename Op, typename T, int NP, int CS>
+template <typename Op, typename T, int NP, int CS, bool Whole>
 __global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(512)
     norm_rows_cluster(T* y, const T* x, const T* w, const T* b, long long rows, long long cols, long long ldy,
                       long long ldx, int tpr, double eps) {
-    cufuse::norm_rows_body<Op, T, NP, CS, true>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
+    cufuse::norm_rows_body<Op, T, NP, CS, true, Whole>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
 }
 #endif
 
@@ -245,5 +248,5 @@ template <typename Op, typename T>
 __global__ void __launch_bounds__(512) norm_rows_stream(T* y, const T* x, const T* w, const T* b, long long rows,
                                                         long long cols, long long ldy, long long ldx, int tpr,
                                                         double eps) {
-    cufuse::norm_rows_body<Op, T, 1, 1, false>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
+    cufuse::norm_rows_body<Op, T, 1, 1, false, false>(y, x, w, b, rows, cols, ldy, ldx, tpr, eps);
 }

@@ -27,20 +27,32 @@ _STREAM_TPR = 512
 _ONE_GROUP_PACKS = 4096      # rows of up to this many 16-byte packs: one thread group (no cluster)
 
 
+def _cbool(v):
+    return "true" if v else "false"
+
+
 class _RowOp:
     """One op of kernels/norm.cu (functor ``functor``) for every float dtype."""
 
-    def __init__(self, name, functor, half_wide=True):
+    def __init__(self, name, functor, narrow=False):
         self.name = name
         self.functor = functor
-        self.half_wide = half_wide  # float16 rows of >= 1024 packs take 8 packs per thread too
+        # layer_norm: float16 rows of misaligned packs keep 4 packs per thread
+        # (see plan), and float32/float64 rows of >= 8 packs per thread the
+        # kernel for any row (see launch)
+        self.narrow = narrow
         self.exprs = {}
         for dt, ct in R.FLOAT_CTYPES.items():
-            for np_ in _NPS:
-                self._register(dt, ("np", np_), R.name_expression("norm_rows", functor, ct, str(np_)))
-            for np_, cs in _CLUSTER_PLANS:
-                self._register(dt, ("cluster", np_, cs),
-                               R.name_expression("norm_rows_cluster", functor, ct, str(np_), str(cs)), 90)
+            # each register-resident plan twice: for any row, and ("whole") for
+            # rows of whole, aligned packs (see launch)
+            for whole, tag in ((False, ()), (True, ("whole",))):
+                for np_ in _NPS:
+                    self._register(dt, ("np", np_) + tag,
+                                   R.name_expression("norm_rows", functor, ct, str(np_), _cbool(whole)))
+                for np_, cs in _CLUSTER_PLANS:
+                    self._register(dt, ("cluster", np_, cs) + tag,
+                                   R.name_expression("norm_rows_cluster", functor, ct, str(np_), str(cs),
+                                                     _cbool(whole)), 90)
             self._register(dt, ("stream",), R.name_expression("norm_rows_stream", functor, ct))
 
     def _register(self, dt, key, expr, min_arch=0):
@@ -48,19 +60,20 @@ class _RowOp:
         R.register(family, expr, self.name, dt.name, min_arch)
         self.exprs[(dt, key)] = (family, expr)
 
-    def plan(self, dt, cols, aligned, dev):
+    def plan(self, dt, cols, aligned, dev, whole=False):
         """(kernel key, threads per row, blocks per row) for rows of ``cols``.
         From sweeps on an H200 (bench/NOTES.md): rows up to 4096 packs take
         one group with 4 packs per thread (8 from 1024 packs, except float16
-        layer_norm below 2048); longer rows a cluster
+        layer_norm below 2048 packs, unless ``whole``: see launch); longer rows a cluster
         of 256-thread blocks with 8 packs each (16 when 8 blocks need it);
         beyond that, or without clusters, the streaming kernel."""
         v = 16 // dt.itemsize
         npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
         if npack <= _ONE_GROUP_PACKS:
             # float16 4096x16384, % of copy, 4 -> 8 packs: softmax 67 -> 83, rms_norm 83 -> 88,
-            # layer_norm 60 -> 52 (it keeps 4 up to 2048 packs; beyond, 512 threads need 8)
-            per_thread = 8 if npack >= 1024 and (dt.itemsize >= 4 or self.half_wide) else 4
+            # layer_norm 60 -> 52 (it keeps 4 up to 2048 packs; beyond, 512 threads need 8),
+            # but in the whole kernel (fewer registers) 74 -> 83
+            per_thread = 8 if npack >= 1024 and (dt.itemsize >= 4 or whole or not self.narrow) else 4
             tpr = min(max(_rows.pow2_at_least(-(-npack // per_thread)), 32), 512)
             return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
         if R.compute_capability(dev) >= 90:
@@ -75,20 +88,31 @@ class _RowOp:
         return ("stream",), _STREAM_TPR, 1
 
     def launch(self, y, x, w, b, rows, cols, ldy, ldx, eps, kind, dev, dt, plan=None):
-        aligned = A.pointer_of(x, kind) % 16 == 0 and (ldx * dt.itemsize) % 16 == 0
-        key, tpr, cs = plan or self.plan(dt, cols, aligned, dev)
+        isz = dt.itemsize
+        ptr = lambda a: 0 if a is None else A.pointer_of(a, kind)  # noqa: E731
+        aligned = ptr(x) % 16 == 0 and (ldx * isz) % 16 == 0
+        whole = aligned and (cols * isz) % 16 == 0 and ptr(y) % 16 == 0 and (ldy * isz) % 16 == 0 \
+            and ptr(w) % 16 == 0 and ptr(b) % 16 == 0
+        key, tpr, cs = plan or self.plan(dt, cols, aligned, dev, whole)
+        # Rows of whole 16-byte packs, x, y, weight and bias aligned: the
+        # kernel built without per-pack bounds and alignment tests
+        # (kernels/norm.cu: RowView's Whole): 40 registers instead of 60 for
+        # float16 layer_norm, 64 -> 81% of copy at 8192x4096 (H200). Except
+        # float32/float64 layer_norm at >= 8 packs per thread, which it made
+        # slower (8192x4096 float32 87 -> 79%; bench/NOTES.md).
+        if whole and key[0] != "stream" and (not self.narrow or isz == 2 or key[1] < 8):
+            key = key + ("whole",)
         fn = R.get_function(*self.exprs[(dt, key)], dev)
         block = max(tpr, 128) if cs == 1 else tpr
         groups = block // tpr
         grid = -(-rows // groups) * cs
-        ptr = lambda a: 0 if a is None else A.pointer_of(a, kind)  # noqa: E731
         R.launch_grid(fn, (grid,), (block,), (ptr(y), ptr(x), ptr(w), ptr(b), rows, cols, ldy, ldx,
                                              np.int32(tpr), float(eps)), _rows.stream_for(kind, dev))
 
 
-_OPS = {name: _RowOp(name, functor, half_wide) for name, functor, half_wide in (
-    ("layer_norm", "LayerNorm<false>", False), ("layer_norm_relu", "LayerNorm<true>", False),
-    ("rms_norm", "RmsNorm", True), ("softmax", "Softmax<false>", True), ("log_softmax", "Softmax<true>", True))}
+_OPS = {name: _RowOp(name, functor, narrow) for name, functor, narrow in (
+    ("layer_norm", "LayerNorm<false>", True), ("layer_norm_relu", "LayerNorm<true>", True),
+    ("rms_norm", "RmsNorm", False), ("softmax", "Softmax<false>", False), ("log_softmax", "Softmax<true>", False))}
 
 
 # --------------------------------------------------------------- validation
