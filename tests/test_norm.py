@@ -175,6 +175,18 @@ def test_norm_long_rows_other_dtypes(backend, op, dtype):
     normalize(backend, op, backend.asarray(x), x, 65536, w, b, nw, nb)
 
 
+@norm_param
+@pytest.mark.parametrize("n", [8192, 16384])
+@pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: d.name)
+def test_norm_wide_rows(backend, op, dtype, n):
+    """Rows of 1024 to 4096 aligned packs: one group per row at 8 packs per
+    thread, the "whole" kernels for float16 (and the general ones for float32
+    layer_norm; cufuse/ops/norm.py: _RowOp.launch)."""
+    x = rand((3, n), dtype, 1440 + n)
+    w, b, nw, nb = affine(backend, op, full_affine(op), (n,), dtype, 1441)
+    normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb)
+
+
 @pytest.mark.slow
 @norm_param
 def test_norm_very_large(backend, op):
