@@ -158,18 +158,22 @@ template <typename T, typename C> __device__ __forceinline__ C gelu_erf_to(C v) 
 // (a bare reciprocal multiply moves ties) in fewer instructions than div.rn's
 // checked sequence, once inv is shared by many elements (a per-tensor scale,
 // or a pack in one channel). Callers take it only for 2**-60 <= s <= 2**60
-// (reciprocal_ok; other scales divide): there inv is a normal number, and the
-// residual x - q * s is not subnormal for |x| >= 2**-100; a smaller |x| gives
-// |x / s| < 2**-40, whose code is rint(zp) whichever way q rounds. q is
-// clamped to +-2**30 before the correction, with no branch: x = +-inf would
-// make inf - inf = NaN, and any |q| >= 2**30 clamps to -128 or 127 anyway; a
+// and |zp| <= 2**20 (reciprocal_ok; other scales divide): there inv is a
+// normal number, and where the correction matters (|x| >= 2**-100) the
+// residual x - q * s is not flushed; a smaller |x| gives |x / s| < 2**-40,
+// whose code is rint(zp) whichever way q rounds. q is clamped to +-2**30
+// before the correction, with no branch: x = +-inf would make inf - inf =
+// NaN, and with |zp| <= 2**20 any |q| >= 2**30 gives the code -128 or 127
+// anyway (the clamped quotient is not the division's there, the code is); a
 // NaN x stays NaN (the FMA with x). Checked on an H200 over all 2**32
 // float32 x, for scales across the range and at its ends and 4 zero points:
 // the same int8 codes as div.rn everywhere (scratch/div_check.py). float16
 // quantize per tensor: 63% -> 77% of copy in one run with a branchy form of
 // this (bench/NOTES.md).
-template <typename R> __device__ __forceinline__ bool reciprocal_ok(R) { return false; }
-__device__ __forceinline__ bool reciprocal_ok(float s) { return s >= 0x1p-60f && s <= 0x1p60f; }
+template <typename R> __device__ __forceinline__ bool reciprocal_ok(R, R) { return false; }
+__device__ __forceinline__ bool reciprocal_ok(float s, float zp) {
+    return s >= 0x1p-60f && s <= 0x1p60f && fabsf(zp) <= 0x1p20f;
+}
 template <typename R> __device__ __forceinline__ R div_by(R x, R s, R) { return x / s; }
 __device__ __forceinline__ float div_by(float x, float s, float inv) {
     const float q = fminf(fmaxf(x * inv, -0x1p30f), 0x1p30f);
@@ -196,6 +200,15 @@ template <> __device__ __forceinline__ signed char round_int8<float>(float v) {
 // operands to zero (-ftz), which changes the quotient when s < 2**-60 (a
 // subnormal x over a tiny s, or a subnormal s). There both are scaled by
 // 2**64 first, from their bits when subnormal: the same quotient, exactly.
+// (A subnormal scale passed as a double must reach the kernel unflushed:
+// float_of.)
+// static_cast<float>(d), rounded to nearest, without the -ftz conversion's
+// flush of a subnormal result to zero (the bits are built from d * 2**149).
+__device__ __forceinline__ float float_of(double d) {
+    if (!(fabs(d) < 0x1p-126)) return static_cast<float>(d);
+    const unsigned m = static_cast<unsigned>(rint(fabs(d) * 0x1p149));  // <= 2**23: the least normal
+    return __uint_as_float(m | (d < 0 ? 0x80000000u : 0u));
+}
 __device__ __forceinline__ float times_2_64(float v) {  // exact for |v| < 2**63
     const unsigned b = __float_as_uint(v);
     if ((b & 0x7f800000u) == 0) {  // zero or subnormal: m * 2**-149 * 2**64
@@ -206,7 +219,7 @@ __device__ __forceinline__ float times_2_64(float v) {  // exact for |v| < 2**63
 }
 template <typename R> __device__ __forceinline__ R divide(R x, R s) { return x / s; }
 __device__ __forceinline__ float divide(float x, float s) {
-    if (s < 0x1p-60f && fabsf(x) < 0x1p63f) return times_2_64(x) / times_2_64(s);
+    if (fabsf(s) < 0x1p-60f && fabsf(x) < 0x1p63f) return times_2_64(x) / times_2_64(s);
     return x / s;
 }
 // clamp(rint(x / scale + zp), -128, 127) with a true division; NaN -> 0. The

@@ -8,7 +8,7 @@
 // multiplies by the reciprocal, outside it divides.
 template <typename R, int V>
 __device__ __forceinline__ void quantize_pack(const R (&x)[V], R s, R inv, R z, signed char (&y)[V]) {
-    if (cufuse::math::reciprocal_ok(s)) {
+    if (cufuse::math::reciprocal_ok(s, z)) {
 #pragma unroll
         for (int j = 0; j < V; ++j) y[j] = cufuse::math::quantize_int8(x[j], s, inv, z);
     } else {
@@ -19,7 +19,7 @@ __device__ __forceinline__ void quantize_pack(const R (&x)[V], R s, R inv, R z, 
 
 // int8 quantization in R (float for float16/float32 input, double for float64):
 // clamp(rint(x / scale + zero_point), -128, 127), NaN -> 0. Recip: the host
-// found reciprocal_ok(scale) (cufuse/ops/quantize.py), so every element
+// found reciprocal_ok(scale, zero_point) (cufuse/ops/quantize.py), so every element
 // multiplies by the reciprocal (math::div_by); else every element divides.
 // Two functors, not a test per pack, because the division's code in the same
 // kernel took float16 from 40 to 50 registers (ptxas sm_90); the dividing one
@@ -28,7 +28,11 @@ template <typename R, bool Recip> struct Quantize {
     using compute = R;
     R scale, zp, inv;
     __device__ Quantize(double s, double z)
-        : scale(static_cast<R>(s)), zp(static_cast<R>(z)), inv(R(1) / static_cast<R>(s)) {}
+        : scale(cast(s)), zp(cast(z)), inv(R(1) / cast(s)) {}
+    static __device__ __forceinline__ R cast(double v) {  // a subnormal float scale stays subnormal
+        if constexpr (sizeof(R) == 4) return cufuse::math::float_of(v);
+        else return static_cast<R>(v);
+    }
     __device__ __forceinline__ signed char operator()(R x) const {
         return Recip ? cufuse::math::quantize_int8(x, scale, inv, zp) : cufuse::math::quantize_int8(x, scale, zp);
     }

@@ -186,18 +186,22 @@ def test_quantize_random_bits(backend, dtype, axis, launches):
 
 # float32 scales at both ends of the range where the kernels multiply by the
 # reciprocal (kernels/common.cuh: math::reciprocal_ok, [2**-60, 2**60]) and
-# just outside it, where they divide; 2**127, whose reciprocal is subnormal.
+# just outside it, where they divide; 2**127, whose reciprocal is subnormal;
+# 1e-40, itself subnormal; and ordinary ones, 16 in all (a pack of channels).
 _EDGE = [2.0 ** -60, float(np.nextafter(np.float32(2.0 ** -60), np.float32(0))), 2.0 ** 60,
-         float(np.nextafter(np.float32(2.0 ** 60), np.float32(np.inf))), 2.0 ** 127, 2.0 ** -126, 1.7e-10, 3.3e12]
+         float(np.nextafter(np.float32(2.0 ** 60), np.float32(np.inf))), 2.0 ** 127, 2.0 ** -126, 1.7e-10, 3.3e12,
+         1e-40, 0.37, 3.0, 0.013, 2.0 ** -20, 1e5, 7.5e-3, 1.0]
 
 
 @pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("axis", [None, 0, -1], ids=lambda a: f"axis={a}")
 def test_quantize_scale_range(backend, dtype, axis, launches):
     """Scales around the reciprocal range's ends, per tensor (one launch per
-    scale) and per channel (every scale in one launch): values that land on
-    every code near the clamp bounds and ties for each scale, 2**14 random bit
-    patterns, NaN and infinities, exact against the NumPy reference."""
+    scale) and per channel (every scale in one launch; axis 0 with one scale
+    per 16-element pack, the last axis with 16 consecutive channels): for
+    each scale k * scale for k around the clamp bounds and ties (in x's dtype,
+    which rounds some of them to 0 or inf), 2**14 random bit patterns, NaN,
+    infinities and subnormals, exact against the NumPy reference."""
     rng = np.random.default_rng(93)
     scales = np.array(_EDGE, dtype=F32)
     k = np.arange(-130, 131, dtype=np.float64) + rng.choice([0.0, 0.5, 0.25], 261)
@@ -205,11 +209,12 @@ def test_quantize_scale_range(backend, dtype, axis, launches):
         rand_bits = rng.integers(0, 1 << 16, 1 << 14, dtype=np.uint64).astype(np.uint16).view(F16)
     else:
         rand_bits = rng.integers(0, 1 << 32, 1 << 14, dtype=np.uint64).astype(np.uint32).view(F32)
-    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38, -3e38, 65504.0, 1e-38], np.float64)
+    specials = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 3e38, -3e38, 65504.0, 1e-38, 5e-39, -1e-45],
+                        np.float64)
     with np.errstate(over="ignore"):
         rows = [np.concatenate([(k * float(sc)).astype(dtype), rand_bits, specials.astype(dtype)])
                 for sc in scales]
-    x = np.stack(rows)                      # one row per scale
+    x = np.stack(rows)                      # one row per scale, 16656 = 16 * 1041 long
     zp = rng.uniform(-3.0, 3.0, len(scales)).round(1).astype(F32)
     if axis is None:
         for i, sc in enumerate(scales):
@@ -218,6 +223,21 @@ def test_quantize_scale_range(backend, dtype, axis, launches):
     xa = x if axis == 0 else np.ascontiguousarray(x.T)
     quantize(backend, backend.asarray(xa), backend.asarray(scales), backend.asarray(zp), axis, launches, xa,
              scales, zp)
+
+
+@pytest.mark.parametrize("axis", [None, 0], ids=lambda a: f"axis={a}")
+def test_quantize_large_zero_point(backend, axis, launches):
+    """|zero point| beyond 2**20 (the kernels then divide): quotients past
+    2**30 that a large negative zero point brings back into the int8 range."""
+    s, zp = np.float32(1.7), np.float32(-1.5e9)
+    centre = np.float32(-float(zp) * float(s))
+    x = (centre + np.arange(-2000, 2000, dtype=np.float32) * np.float32(256.0)).astype(F32).reshape(10, 400)  # rows of 25 packs
+    assert np.abs(quantize_ref(x, s, zp)).min() < 100        # codes inside the range: the test can fail
+    if axis is None:
+        quantize(backend, backend.asarray(x), float(s), float(zp), None, launches, x)
+    else:
+        sc, z = np.full(10, s, F32), np.full(10, zp, F32)
+        quantize(backend, backend.asarray(x), backend.asarray(sc), backend.asarray(z), 0, launches, x, sc, z)
 
 
 def test_quantize_nan_with_zero_point(backend, launches):

@@ -49,15 +49,16 @@ _quant_div = ElementwiseOp("quantize_int8", "Quantize<float, false>", 1, _quanti
                            signatures=[(_F16, _I8), (_F32, _I8)], params=("double", "double"), family="quantize:div")
 
 
-def _reciprocal_ok(s):
-    """kernels/common.cuh math::reciprocal_ok of the float32 scale the kernel
-    uses: within [2**-60, 2**60] the quotient x / scale is computed as a
-    corrected product with the reciprocal, the same bits as a division."""
-    return 2.0 ** -60 <= np.float32(s) <= 2.0 ** 60
+def _reciprocal_ok(s, z):
+    """kernels/common.cuh math::reciprocal_ok of the float32 scale and zero
+    point the kernel uses: a scale within [2**-60, 2**60] and |zero point| <=
+    2**20, where the quotient as a corrected product with the reciprocal gives
+    the same int8 codes as a division."""
+    return 2.0 ** -60 <= np.float32(s) <= 2.0 ** 60 and abs(np.float32(z)) <= 2.0 ** 20
 
 
-def _quant_per_tensor(in_dt, s):
-    return _quant if in_dt == _F64 or _reciprocal_ok(s) else _quant_div
+def _quant_per_tensor(in_dt, s, z):
+    return _quant if in_dt not in (_F16, _F32) or _reciprocal_ok(s, z) else _quant_div
 _quant_ch = ElementwiseOp("quantize_int8", lambda i, o: f"QuantizeCh<{_rname(i)}>", 1, _quantize_np,
                           signatures=[(d, _I8) for d in _FLOATS], params=_CHANNEL_PARAMS, indexed=True, family="quantize")
 _dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
@@ -117,7 +118,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         z = _scalar_param(name, "zero_point", zero_point, False)
         rt = real.type
         if not isinstance(per_tensor, ElementwiseOp):  # picked by dtype and scale
-            per_tensor = per_tensor(in_dt, s)
+            per_tensor = per_tensor(in_dt, s, z)
         return per_tensor._general((x,), out, out_dtype=out_dtype, params=(s, z),
                                    np_params={"scale": rt(s), "zero_point": rt(z)}
                                    | ({"real": real} if in_dt == _I8 else {}))
