@@ -196,19 +196,18 @@ template <> __device__ __forceinline__ signed char round_int8<float>(float v) {
     const int b = __float_as_int(__fadd_rn(c, 12582912.0f));
     return v == v ? static_cast<signed char>(b) : static_cast<signed char>(0);
 }
-// x / s as NumPy divides: the kernels' float arithmetic flushes subnormal
-// operands to zero (-ftz), which changes the quotient when s < 2**-60 (a
-// subnormal x over a tiny s, or a subnormal s). There both are scaled by
-// 2**64 first, from their bits when subnormal: the same quotient, exactly.
-// (A subnormal scale passed as a double must reach the kernel unflushed:
-// float_of.)
 // static_cast<float>(d), rounded to nearest, without the -ftz conversion's
-// flush of a subnormal result to zero (the bits are built from d * 2**149).
+// flush of a subnormal result to zero (the bits are built from d * 2**149):
+// a subnormal scale passed as a double reaches divide() unflushed.
 __device__ __forceinline__ float float_of(double d) {
     if (!(fabs(d) < 0x1p-126)) return static_cast<float>(d);
     const unsigned m = static_cast<unsigned>(rint(fabs(d) * 0x1p149));  // <= 2**23: the least normal
     return __uint_as_float(m | (d < 0 ? 0x80000000u : 0u));
 }
+// x / s as NumPy divides: the kernels' float arithmetic flushes subnormal
+// operands to zero (-ftz), which changes the quotient when |s| < 2**-60 (a
+// subnormal x over a tiny s, or a subnormal s). There both are scaled by
+// 2**64 first, from their bits when subnormal: the same quotient, exactly.
 __device__ __forceinline__ float times_2_64(float v) {  // exact for |v| < 2**63
     const unsigned b = __float_as_uint(v);
     if ((b & 0x7f800000u) == 0) {  // zero or subnormal: m * 2**-149 * 2**64
@@ -224,7 +223,7 @@ __device__ __forceinline__ float divide(float x, float s) {
 }
 // clamp(rint(x / scale + zp), -128, 127) with a true division; NaN -> 0. The
 // second form takes inv = 1 / scale, computed once for many elements, and
-// needs reciprocal_ok(scale) (see div_by).
+// needs reciprocal_ok(scale, zp) (see div_by).
 template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R zp) {
     return round_int8(divide(x, scale) + zp);
 }

@@ -89,10 +89,10 @@ class _RowOp:
 
     def launch(self, y, x, w, b, rows, cols, ldy, ldx, eps, kind, dev, dt, plan=None):
         isz = dt.itemsize
-        ptr = lambda a: 0 if a is None else A.pointer_of(a, kind)  # noqa: E731
-        aligned = ptr(x) % 16 == 0 and (ldx * isz) % 16 == 0
-        whole = aligned and (cols * isz) % 16 == 0 and ptr(y) % 16 == 0 and (ldy * isz) % 16 == 0 \
-            and ptr(w) % 16 == 0 and ptr(b) % 16 == 0
+        py, px, pw, pb = (0 if a is None else A.pointer_of(a, kind) for a in (y, x, w, b))
+        aligned = px % 16 == 0 and (ldx * isz) % 16 == 0
+        whole = aligned and (cols * isz) % 16 == 0 and py % 16 == 0 and (ldy * isz) % 16 == 0 \
+            and pw % 16 == 0 and pb % 16 == 0
         key, tpr, cs = plan or self.plan(dt, cols, aligned, dev, whole)
         # Rows of whole 16-byte packs, x, y, weight and bias aligned: the
         # kernel built without per-pack bounds and alignment tests
@@ -106,7 +106,7 @@ class _RowOp:
         block = max(tpr, 128) if cs == 1 else tpr
         groups = block // tpr
         grid = -(-rows // groups) * cs
-        R.launch_grid(fn, (grid,), (block,), (ptr(y), ptr(x), ptr(w), ptr(b), rows, cols, ldy, ldx,
+        R.launch_grid(fn, (grid,), (block,), (py, px, pw, pb, rows, cols, ldy, ldx,
                                              np.int32(tpr), float(eps)), _rows.stream_for(kind, dev))
 
 

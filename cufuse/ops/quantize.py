@@ -59,6 +59,8 @@ def _reciprocal_ok(s, z):
 
 def _quant_per_tensor(in_dt, s, z):
     return _quant if in_dt not in (_F16, _F32) or _reciprocal_ok(s, z) else _quant_div
+
+
 _quant_ch = ElementwiseOp("quantize_int8", lambda i, o: f"QuantizeCh<{_rname(i)}>", 1, _quantize_np,
                           signatures=[(d, _I8) for d in _FLOATS], params=_CHANNEL_PARAMS, indexed=True, family="quantize")
 _dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
@@ -108,7 +110,8 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
 
 def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     """Shared driver of quantize/dequantize: validates the parameters, picks
-    the per-tensor or per-channel op and launches it (or the fallback)."""
+    the per-tensor op (``ops[0](in_dtype, scale, zero_point)``) or the
+    per-channel one (``ops[1]``) and launches it (or the fallback)."""
     per_tensor, per_channel = ops
     kind = A.array_kind(name, x, "the data")
     in_dt = A.dtype_of(x, kind)
@@ -117,9 +120,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         s = _scalar_param(name, "scale", scale, True)
         z = _scalar_param(name, "zero_point", zero_point, False)
         rt = real.type
-        if not isinstance(per_tensor, ElementwiseOp):  # picked by dtype and scale
-            per_tensor = per_tensor(in_dt, s, z)
-        return per_tensor._general((x,), out, out_dtype=out_dtype, params=(s, z),
+        return per_tensor(in_dt, s, z)._general((x,), out, out_dtype=out_dtype, params=(s, z),
                                    np_params={"scale": rt(s), "zero_point": rt(z)}
                                    | ({"real": real} if in_dt == _I8 else {}))
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
@@ -183,7 +184,7 @@ def dequantize_int8(q, /, scale, zero_point=0.0, axis=None, dtype=np.float32, *,
     ``quantize_int8``.
     """
     odt = A.float_dtype_arg("dequantize_int8", dtype)
-    return _run("dequantize_int8", (_dequant, _dequant_ch), q, scale, zero_point, axis, out, odt)
+    return _run("dequantize_int8", (lambda in_dt, s, z: _dequant, _dequant_ch), q, scale, zero_point, axis, out, odt)
 
 
 OPS = {"quantize_int8": _quant, "quantize_int8_div": _quant_div, "quantize_int8_channel": _quant_ch,
