@@ -1,9 +1,11 @@
 // cufuse: sum_squared and mean_abs (a map, then a sum).
 //
 // The host views the reduction as x[outer][R][inner] (C-contiguous):
-//   * inner == 1 (a row reduction, e.g. the last axis): reduce_rows, a group
-//     of `tpr` threads per (row, split), the row read in 16-byte packs on its
-//     aligned window (rows.cuh), so any length and offset runs at full width;
+//   * inner == 1 (a row reduction, e.g. the last axis): reduce_rows_block, a
+//     block per (row, split), for rows of at least 512 packs; reduce_rows, a
+//     group of `tpr` threads per (row, split), for shorter ones. Either reads
+//     the row in 16-byte packs on its aligned window (rows.cuh), so any length
+//     and offset runs at full width;
 //   * inner > 1 (a column reduction, e.g. the first axis): reduce_cols, a
 //     block of 64 packs of columns by 4 row phases down the rows of a chunk
 //     (cufuse/ops/reduction.py: _COL_BLOCK).
@@ -25,70 +27,150 @@ struct Identity {
 
 namespace cufuse {
 
+// Loads of x: each byte is read once, so 16-byte packs are loaded with the
+// streaming hint (ld.global.cs), which evicts them from the caches first and
+// leaves what else the L2 holds (dirty lines of earlier kernels included) in
+// place. sum_squared on an H200 with L2 flushed by a memset before each call
+// (% of copy, same run): 6250 x 8000 axis -1 float32 82.6 -> 87.7, float16
+// 68.4 -> 78.3; axis 0 76.4 -> 77.6, 57.1 -> 63.4; 25000 x 2000 float16 58.4
+// -> 73.7. (`L1::evict_first` measured the same, __ldg as plain loads.)
+template <typename P> __device__ __forceinline__ P load_stream(const P* p) {
+    if constexpr (sizeof(P) == 16) {
+        const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
+        P r;
+        memcpy(&r, &v, 16);
+        return r;
+    } else {
+        return *p;
+    }
+}
+
 template <typename Tout, typename A> __device__ __forceinline__ void finish(Tout* out, A* partial, long long i, A acc,
                                                                            double scale) {
     if (partial) partial[i] = acc;
     else out[i] = from_compute<Tout>(static_cast<compute_t<Tout>>(acc * static_cast<A>(scale)));
 }
 
-}  // namespace cufuse
-
-// Row reduction: group g handles row g / splits, chunk g % splits of its
-// aligned window; writes out[row] (splits == 1) or partial[g].
-template <typename Map, typename Tin, typename A, typename Tout>
-__global__ void __launch_bounds__(512) reduce_rows(Tout* out, A* partial, const Tin* x, long long rows, long long cols,
-                                                   long long ldx, int tpr, int splits, double scale) {
-    using namespace cufuse;
+// This thread's part of the sum of map(x) over chunk `split` of `splits` of
+// a row of `cols` elements at xr: the thread is `lane` of `tpr` (a power of
+// two) reading the chunk's whole packs in passes of U packs (the loads of a
+// pass issued together, the last pass predicated: each pass is one memory
+// round trip). The row's aligned window: packs [first, last) hold row
+// elements only and are added with no test; a pack the row only partly
+// covers (pack 0 when head > 0, pack `last` when the row ends inside it) is
+// added element by element, by lane 0 (head, first split) and lane 1 (tail,
+// last split), loaded before the passes so that their round trips overlap.
+// `per` < 2**31 and per * splits >= any row's whole packs (the host's bound).
+template <int U, typename Map, typename Tin, typename A>
+__device__ __forceinline__ A row_part(const Tin* xr, long long cols, long long per, int split, int splits, int lane,
+                                      int tpr, bool active) {
     constexpr int V = PackOf<Tin>::V;
     using P = typename PackOf<Tin>::type;
-    // Packs in flight per thread. sum_squared(axis=-1) of 6250 x 8000 on an H200
-    // (read bytes over the copy's rate, one run): U = 2 83.5% f32 / 73.9% f16
-    // (6 blocks of 256 per SM), U = 4 81.3 / 68.8% (5 and 4 blocks), U = 8
-    // 75.7 / 65.7%; capping registers with __launch_bounds__ spilled and lost.
-    constexpr int U = 2;
-    const Group<1> g(tpr);
-    const long long item = g.item();
-    const bool active = item < rows * splits;
-    const long long row = active ? item / splits : 0;
-    const int split = active ? static_cast<int>(item % splits) : 0;
-    const Tin* xr = x + row * ldx;
     const int head = row_head(xr);
     const P* xp = reinterpret_cast<const P*>(xr - head);
-    const long long npack = (head + cols + V - 1) / V;
-    const long long per = (npack + splits - 1) / splits;
-    const long long lo = per * split;
-    const long long hi = !active ? lo : (lo + per < npack ? lo + per : npack);
+    const long long first = head ? 1 : 0;
+    const long long last = (head + cols) / V;
+    const long long whole = last > first ? last - first : 0;
+    const long long lo = first + per * split;
+    const long long end = lo + per < first + whole ? lo + per : first + whole;
     const Map map;
+    long long ek = -1;
+    if (active && lane == 0 && head && split == 0) ek = 0;
+    if (active && lane == 1 && last * V - head < cols && (last > 0 || !head) && split == splits - 1) ek = last;
+    P e;
+    if (ek >= 0) e = load_stream(xp + ek);
     A acc[U];  // one chain of additions per pack in flight
 #pragma unroll
     for (int u = 0; u < U; ++u) acc[u] = A(0);
-    auto add = [&](A& a, long long k, const P& p) {
-        const long long e0 = k * V - head;
+    auto add = [&](A& a, const P& p) {
         compute_t<Tin> t[V];
         unpack(p, t);
-        if (e0 >= 0 && e0 + V <= cols) {
 #pragma unroll
-            for (int i = 0; i < V; ++i) a += map(static_cast<A>(t[i]));
-        } else {
-#pragma unroll
-            for (int i = 0; i < V; ++i)
-                if (e0 + i >= 0 && e0 + i < cols) a += map(static_cast<A>(t[i]));
-        }
+        for (int i = 0; i < V; ++i) a += map(static_cast<A>(t[i]));
     };
-    long long k = lo + g.lane;
-    for (; k + (U - 1) * static_cast<long long>(tpr) < hi; k += U * static_cast<long long>(tpr)) {
+    // This lane's packs: lo + lane + j * tpr for j < n.
+    const int span = active && end > lo ? static_cast<int>(end - lo) - lane : 0;
+    int n = span > 0 ? ((span - 1) >> (__ffs(tpr) - 1)) + 1 : 0;
+    const P* xl = xp + lo + lane;
+#pragma unroll 1
+    for (; n >= U; n -= U, xl += U * tpr) {
         P p[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) p[u] = xp[k + u * static_cast<long long>(tpr)];
+        for (int u = 0; u < U; ++u) p[u] = load_stream(xl + u * tpr);
 #pragma unroll
-        for (int u = 0; u < U; ++u) add(acc[u], k + u * static_cast<long long>(tpr), p[u]);
+        for (int u = 0; u < U; ++u) add(acc[u], p[u]);
     }
-    for (; k < hi; k += tpr) add(acc[0], k, xp[k]);
+    if (n > 0) {
+        P p[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (u < n) p[u] = load_stream(xl + u * tpr);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+            if (u < n) add(acc[u], p[u]);
+    }
+    if (ek >= 0) {
+        const long long e0 = ek * V - head;
+        compute_t<Tin> t[V];
+        unpack(e, t);
+#pragma unroll
+        for (int i = 0; i < V; ++i)
+            if (e0 + i >= 0 && e0 + i < cols) acc[0] += map(static_cast<A>(t[i]));
+    }
 #pragma unroll
     for (int u = 1; u < U; ++u) acc[0] += acc[u];
-    const A sum = g.reduce(acc[0], SumOp{}, 0);
-    if (active && g.lane == 0) finish(out, splits > 1 ? partial : static_cast<A*>(nullptr), splits > 1 ? item : row,
-                                      sum, scale);
+    return acc[0];
+}
+
+}  // namespace cufuse
+
+// Row reduction, rows of any length: group g of block (bx, split) handles row
+// bx * groups + g, chunk `split` (blockIdx.y) of `per` whole packs of its
+// row; writes out[row] (one split) or partial[row * splits + split].
+template <typename Map, typename Tin, typename A, typename Tout>
+__global__ void __launch_bounds__(512) reduce_rows(Tout* out, A* partial, const Tin* x, long long rows, long long cols,
+                                                   long long ldx, int tpr, long long per, double scale) {
+    using namespace cufuse;
+    const Group<1> g(tpr);
+    const long long item = g.item();
+    const bool active = item < rows;
+    const long long row = active ? item : 0;
+    const int split = blockIdx.y, splits = gridDim.y;
+    const A part = row_part<2, Map, Tin, A>(x + row * ldx, cols, per, split, splits, g.lane, tpr, active);
+    const A sum = g.reduce(part, SumOp{}, 0);
+    if (active && g.lane == 0)
+        finish(out, splits > 1 ? partial : static_cast<A*>(nullptr), splits > 1 ? row * splits + split : row, sum, scale);
+}
+
+// Long rows: one block per (row, split) = (blockIdx.x, blockIdx.y), its
+// blockDim.x (a power of two, 32 to kRowBlock) threads reading the chunk in
+// passes of kRowBlockU packs: as reduce_rows with tpr = blockDim.x but none
+// of its per-group arithmetic, and the block's sum gathered by warp 0 alone.
+// Many short blocks, as torch.compile's reduction does, rather than one wave
+// of long-lived groups (ncu, 6250 x 8000 float16: reduce_rows with groups of
+// 32 threads ran in one wave, 41-50% occupancy, DRAM 70%).
+constexpr int kRowBlock = 512;
+constexpr int kRowBlockU = 2;  // packs in flight per thread
+template <typename Map, typename Tin, typename A, typename Tout>
+__global__ void __launch_bounds__(kRowBlock) reduce_rows_block(Tout* out, A* partial, const Tin* x, long long cols,
+                                                               long long ldx, long long per, double scale) {
+    using namespace cufuse;
+    const long long row = blockIdx.x;
+    const int split = blockIdx.y, splits = gridDim.y;
+    A v = row_part<kRowBlockU, Map, Tin, A>(x + row * ldx, cols, per, split, splits, threadIdx.x, blockDim.x, true);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (blockDim.x > 32) {
+        __shared__ A warp_sum[kRowBlock / 32];
+        if ((threadIdx.x & 31) == 0) warp_sum[threadIdx.x >> 5] = v;
+        __syncthreads();
+        if (threadIdx.x >= 32) return;
+        v = threadIdx.x < (blockDim.x >> 5) ? warp_sum[threadIdx.x] : A(0);
+#pragma unroll
+        for (int o = kRowBlock / 64; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    if (threadIdx.x == 0)
+        finish(out, splits > 1 ? partial : static_cast<A*>(nullptr), splits > 1 ? row * splits + split : row, v, scale);
 }
 
 // Column reduction over x[outer][R][inner]: a block of 256 threads, (BX, BY)
@@ -101,7 +183,7 @@ template <int V, typename Map, typename Tin, typename A, typename Tout>
 __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Tin* x, long long outer, long long R,
                                                  long long inner, long long chunk, double scale) {
     using namespace cufuse;
-    constexpr int U = 4;
+    constexpr int U = 4;  // rows in flight per thread
     __shared__ A part[256 * V];
     const int bx = blockDim.x, by = blockDim.y;
     const long long tiles = (inner + bx * V - 1) / (bx * V);
@@ -116,24 +198,34 @@ __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Ti
     if (c0 < inner) {
         const Tin* base = x + (o * R) * inner + c0;
         using P = Pack<Tin, V>;
-        long long r = r_lo + threadIdx.y;
-        for (; r + by * (U - 1) < r_hi; r += by * U) {
-            P p[U];
-#pragma unroll
-            for (int u = 0; u < U; ++u) p[u] = *reinterpret_cast<const P*>(base + (r + by * u) * inner);
-#pragma unroll
-            for (int u = 0; u < U; ++u) {
-                compute_t<Tin> t[V];
-                unpack(p[u], t);
-#pragma unroll
-                for (int i = 0; i < V; ++i) acc[i] += map(static_cast<A>(t[i]));
-            }
-        }
-        for (; r < r_hi; r += by) {
+        auto add = [&](const P& p) {
             compute_t<Tin> t[V];
-            unpack(*reinterpret_cast<const P*>(base + r * inner), t);
+            unpack(p, t);
 #pragma unroll
             for (int i = 0; i < V; ++i) acc[i] += map(static_cast<A>(t[i]));
+        };
+        // Rows r_lo + threadIdx.y + j * by for j < n, U loads per pass (the
+        // last pass predicated), as in reduce_rows.
+        const long long span = r_hi - r_lo - threadIdx.y;
+        int n = span > 0 ? static_cast<int>((span - 1) / by) + 1 : 0;  // chunk < 2**31 rows
+        const Tin* xl = base + (r_lo + threadIdx.y) * inner;
+        const long long stride = by * inner;
+#pragma unroll 1
+        for (; n >= U; n -= U, xl += U * stride) {
+            P p[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u) p[u] = load_stream(reinterpret_cast<const P*>(xl + u * stride));
+#pragma unroll
+            for (int u = 0; u < U; ++u) add(p[u]);
+        }
+        if (n > 0) {
+            P p[U];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (u < n) p[u] = load_stream(reinterpret_cast<const P*>(xl + u * stride));
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                if (u < n) add(p[u]);
         }
     }
     if (by > 1) {

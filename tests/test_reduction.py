@@ -121,6 +121,20 @@ def test_long_rows(backend, op, n):
 
 
 @op_param
+@dtype_param
+@pytest.mark.parametrize("rows, n", [(7, 2049), (5, 4096), (3, 8195), (2, 300001)], ids=str)
+@pytest.mark.parametrize("offset", [0, 1, 3, 7])
+def test_long_rows_misaligned(backend, op, dtype, rows, n, offset):
+    """Rows of at least 512 16-byte packs (one block per row, and rows split
+    across blocks when they are few), starting `offset` elements into the
+    buffer and n + 1 elements apart, so that rows differ in their partial
+    head and tail packs."""
+    flat = rand((offset + rows * (n + 1),), dtype, 450 + n + offset, 0.25)
+    x = flat[offset:].reshape(rows, n + 1)[:, :n]
+    reduce(backend, op, backend.asarray(flat)[offset:].reshape(rows, n + 1)[:, :n], x)
+
+
+@op_param
 @pytest.mark.parametrize("n", [65536, 131072])
 def test_long_columns(backend, op, n):
     x = rand((n, 3), F32, 410 + n)

@@ -17,8 +17,9 @@ from .. import _runtime as R
 from . import _rows
 
 FAMILY = "reduction"
-_PACKS_PER_THREAD = 32      # row reductions: 16-byte packs each thread adds (at least), before splitting rows
-_COL_BLOCKS_PER_SM = 4      # column reductions: 256-thread blocks per SM before rows are no longer split
+_PACKS_PER_THREAD = 32      # short rows (reduce_rows): 16-byte packs each thread adds (at least), before splitting rows
+_ROW_THREADS_PER_SM = 4096  # ... rows are split until there are this many threads per SM
+_COL_BLOCKS_PER_SM = 4      # column reductions: rows are split while there are fewer 256-thread blocks per SM
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
@@ -28,7 +29,7 @@ def _acc(in_dt, out_dt):
 
 def _exprs(map_, tin, tout):
     targs = (map_, R.FLOAT_CTYPES[tin], R.FLOAT_CTYPES[_acc(tin, tout)], R.FLOAT_CTYPES[tout])
-    return R.name_expression("reduce_rows", *targs), R.name_expression("reduce_cols", *targs)
+    return tuple(R.name_expression(k, *targs) for k in ("reduce_rows", "reduce_cols", "reduce_rows_block"))
 
 
 # The second pass (partial sums of split rows or columns) for every accumulation and result type.
@@ -38,7 +39,7 @@ for _a in (_F32, _F64):
         if _acc(_a, _t) == _a:
             _fam = f"{FAMILY}:final:{_a.name}"
             _FINAL[(_a, _t)] = [(_fam, R.register(_fam, e, "reduction (second pass)", f"{_a.name}->{_t.name}"))
-                                for e in _exprs("Identity", _a, _t)]
+                                for e in _exprs("Identity", _a, _t)[:2]]
 
 
 class _Reduction:
@@ -92,12 +93,13 @@ class _Reduction:
             target = _rows.empty(res_shape, odt, kind, dev)
         scale = 1.0 / count if self.mean else 1.0
         stream = _rows.stream_for(kind, dev)
-        rows_fn, cols_fn = (R.get_function(f, e, dev) for f, e in self.exprs[(dt, odt)])
+        rows_fn, cols_fn, block_fn = (R.get_function(f, e, dev) for f, e in self.exprs[(dt, odt)])
         final = [R.get_function(f, e, dev) for f, e in _FINAL[(acc, odt)]]
         view = _view(x, kind, shape, axes)
         if view[0] == "rows":
             _, xv, rows, cols, ldx = view
-            _reduce_rows(rows_fn, final[0], target, xv, rows, cols, ldx, dt, acc, odt, scale, kind, dev, stream)
+            _reduce_rows((rows_fn, block_fn), final[0], target, xv, rows, cols, ldx, dt, acc, odt, scale, kind, dev,
+                         stream)
         else:
             _, xv, outer, r, inner = view
             _reduce_cols(cols_fn, final[1], target, xv, outer, r, inner, dt, acc, scale, kind, dev, stream)
@@ -153,29 +155,63 @@ def _split(want, most):
     return max(1, min(want, most))
 
 
-def _reduce_rows(fn, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, dev, stream):
+# Rows of at least _BLOCK_MIN_PACKS packs take reduce_rows_block: one block
+# per row (or split of a row) of _BLOCK_PACKS packs at most, the block as
+# small as lets each thread add _BLOCK_THREAD_PACKS packs (2 passes of
+# kRowBlockU = 2), at most _ROW_BLOCK (kRowBlock) threads, and rows split
+# until there are _BLOCK_WAVES blocks per SM. sum_squared(axis=-1) on an H200
+# (% of copy, one run, scratch/red_sweep.py): 6250 x 8000 float32 79.6 ->
+# 82.4, float16 61.3 -> 67.8 against reduce_rows with groups of 32-512
+# threads; 1 x 50M 74.3 -> 76.2 / 58.0 -> 61.0. 1 or 8 packs per thread,
+# 2048-16384 packs per block, 8-32 blocks per SM: within 1-4 points of that.
+_ROW_BLOCK = 512
+_BLOCK_THREAD_PACKS = 4
+_BLOCK_MIN_PACKS = 512
+_BLOCK_PACKS = 4096
+_BLOCK_WAVES = 16
+
+
+def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, dev, stream):
     v = 16 // dt.itemsize
     aligned = A.pointer_of(x, kind) % 16 == 0 and (ldx * dt.itemsize) % 16 == 0
-    npack = -(-cols // v) + (0 if aligned else 1)
-    tpr = min(max(_rows.pow2_at_least(-(-npack // _PACKS_PER_THREAD)), 32), 512)
-    target = R.sm_count(dev) * 4096          # threads that keep every SM's loads in flight
-    splits = 1
-    if rows * tpr < target:
-        splits = _split(-(-target // (rows * tpr)), -(-npack // (tpr * _PACKS_PER_THREAD)))
-    block = max(tpr, 256)
-    grid = -(-(rows * splits) // (block // tpr))
+    npack = -(-cols // v) + (0 if aligned else 1)  # at least any row's packs
     xp, yp = A.pointer_of(x, kind), A.pointer_of(y, kind)
+    if npack >= _BLOCK_MIN_PACKS:
+        splits = -(-npack // _BLOCK_PACKS)
+        target = R.sm_count(dev) * _BLOCK_WAVES
+        if rows * splits < target:
+            splits = max(splits, min(-(-target // rows), npack // _ROW_BLOCK))
+        per = -(-npack // min(splits, 65535))
+        splits = -(-npack // per)
+        nt = min(max(_rows.pow2_at_least(-(-per // _BLOCK_THREAD_PACKS)), 32), _ROW_BLOCK)
+        fn, grid, block = fns[1], (rows, splits), (nt,)
+
+        def args(out, partial, s):
+            return out, partial, xp, cols, ldx, per, s
+    else:
+        tpr = min(max(_rows.pow2_at_least(-(-npack // _PACKS_PER_THREAD)), 32), 512)
+        target = R.sm_count(dev) * _ROW_THREADS_PER_SM
+        splits = 1
+        if rows * tpr < target:
+            splits = _split(-(-target // (rows * tpr)), -(-npack // (tpr * _PACKS_PER_THREAD)))
+        per = -(-npack // splits)
+        splits = -(-npack // per)
+        nt = max(tpr, 256)
+        fn, grid, block = fns[0], (-(-rows // (nt // tpr)), splits), (nt,)
+
+        def args(out, partial, s):
+            return out, partial, xp, rows, cols, ldx, np.int32(tpr), per, s
     if splits == 1:
-        R.launch_grid(fn, (grid,), (block,), (yp, 0, xp, rows, cols, ldx, np.int32(tpr), np.int32(1), scale), stream)
+        R.launch_grid(fn, grid, block, args(yp, 0, scale), stream)
         return
     part = _rows.empty((rows * splits,), acc, kind, dev)
     pp = A.pointer_of(part, kind)
-    R.launch_grid(fn, (grid,), (block,), (0, pp, xp, rows, cols, ldx, np.int32(tpr), np.int32(splits), 1.0), stream)
-    npack2 = -(-splits // (16 // acc.itemsize))
+    R.launch_grid(fn, grid, block, args(0, pp, 1.0), stream)
+    npack2 = -(-splits // (16 // acc.itemsize)) + 1
     tpr2 = min(max(_rows.pow2_at_least(-(-npack2 // 4)), 32), 512)
     block2 = max(tpr2, 256)
-    R.launch_grid(final, (-(-rows // (block2 // tpr2)),), (block2,),
-                  (yp, 0, pp, rows, splits, splits, np.int32(tpr2), np.int32(1), scale), stream)
+    R.launch_grid(final, (-(-rows // (block2 // tpr2)), 1), (block2,),
+                  (yp, 0, pp, rows, splits, splits, np.int32(tpr2), npack2, scale), stream)
     del part  # queued before the reference goes (stream-ordered allocators)
 
 
@@ -195,7 +231,11 @@ def _reduce_cols(fn, final, y, x, outer, r, inner, dt, acc, scale, kind, dev, st
     block = _COL_BLOCK
     bx = outer * -(-inner // (block[0] * (v if vec else 1)))
     target = R.sm_count(dev) * _COL_BLOCKS_PER_SM  # 256-thread blocks
-    splits = _split(-(-target // bx), min(-(-r // (4 * block[1])), 65535)) if bx < target else 1
+    # At most `target` blocks: every SM then has the same number, where one
+    # more (ceil) left some SMs a block more than the rest (500 x 100000
+    # float32: 75.6 -> 79.4% of copy).
+    splits = _split(target // bx, min(-(-r // (4 * block[1])), 65535)) if bx < target else 1
+    splits = max(splits, -(-r // (1 << 31)))  # the kernel counts a chunk's rows in an int
     chunk = -(-r // splits)
     splits = -(-r // chunk)
     if splits == 1:
