@@ -125,13 +125,21 @@ def test_long_rows(backend, op, n):
 @pytest.mark.parametrize("rows, n", [(7, 2049), (5, 4096), (3, 8195), (2, 300001)], ids=str)
 @pytest.mark.parametrize("offset", [0, 1, 3, 7])
 def test_long_rows_misaligned(backend, op, dtype, rows, n, offset):
-    """Rows of at least 512 16-byte packs (one block per row, and rows split
-    across blocks when they are few), starting `offset` elements into the
-    buffer and n + 1 elements apart, so that rows differ in their partial
-    head and tail packs."""
+    """Rows around and above 512 16-byte packs (from there one block per row,
+    and rows split across blocks when they are few), starting `offset`
+    elements into the buffer and n + 1 elements apart, so that rows differ
+    in their partial head and tail packs."""
     flat = rand((offset + rows * (n + 1),), dtype, 450 + n + offset, 0.25)
     x = flat[offset:].reshape(rows, n + 1)[:, :n]
     reduce(backend, op, backend.asarray(flat)[offset:].reshape(rows, n + 1)[:, :n], x)
+
+
+@op_param
+def test_long_row_last_split_only_tail(backend, op):
+    """One float16 row split so that its last split holds no whole pack, only
+    the partial tail pack (1 x 2093049 one element into the buffer)."""
+    flat = rand((1 + 2093049,), F16, 460, 0.1)
+    reduce(backend, op, backend.asarray(flat)[1:].reshape(1, -1), flat[1:].reshape(1, -1))
 
 
 @op_param
