@@ -385,7 +385,8 @@ template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N :
 
 // Pack loads and stores. Packs of 1-byte elements go through 32-bit words
 // built with shifts, so the compiler never splits them into byte accesses.
-// (Streaming cache hints, __ldcs/__stcs, were measured on an H200 and gained nothing.)
+// (Streaming cache hints, __ldcs/__stcs, were measured on an H200 and gained nothing
+// here; the reductions' read-once loads do use them: kernels/reduction.cu load_stream.)
 template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const Pack<T, N>* p) {
     if constexpr (sizeof(T) == 1 && N % 4 == 0) {
         const unsigned* w = reinterpret_cast<const unsigned*>(p);

@@ -17,8 +17,7 @@ from .. import _runtime as R
 from . import _rows
 
 FAMILY = "reduction"
-_PACKS_PER_THREAD = 32      # short rows (reduce_rows): 16-byte packs each thread adds (at least), before splitting rows
-_ROW_THREADS_PER_SM = 4096  # ... rows are split until there are this many threads per SM
+_PACKS_PER_THREAD = 32      # short rows (reduce_rows): 16-byte packs each thread adds at most
 _COL_BLOCKS_PER_SM = 4      # column reductions: rows are split while there are fewer 256-thread blocks per SM
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
@@ -189,13 +188,10 @@ def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, d
         def args(out, partial, s):
             return out, partial, xp, cols, ldx, per, s
     else:
+        # fewer than 512 packs: never more than _PACKS_PER_THREAD per thread
+        # of a group of 32, so the row is not split
         tpr = min(max(_rows.pow2_at_least(-(-npack // _PACKS_PER_THREAD)), 32), 512)
-        target = R.sm_count(dev) * _ROW_THREADS_PER_SM
-        splits = 1
-        if rows * tpr < target:
-            splits = _split(-(-target // (rows * tpr)), -(-npack // (tpr * _PACKS_PER_THREAD)))
-        per = -(-npack // splits)
-        splits = -(-npack // per)
+        splits, per = 1, npack
         nt = max(tpr, 256)
         fn, grid, block = fns[0], (-(-rows // (nt // tpr)), splits), (nt,)
 
