@@ -386,7 +386,7 @@ template <typename T, int N> struct alignas(sizeof(T) * N < 16 ? sizeof(T) * N :
 // Pack loads and stores. Packs of 1-byte elements go through 32-bit words
 // built with shifts, so the compiler never splits them into byte accesses.
 // (Streaming cache hints, __ldcs/__stcs, were measured on an H200 and gained nothing
-// here; the reductions' read-once loads do use them: kernels/reduction.cu load_stream.)
+// here; the reductions' read-once loads do use them: load_hinted below.)
 template <typename T, int N> __device__ __forceinline__ Pack<T, N> load_pack(const Pack<T, N>* p) {
     if constexpr (sizeof(T) == 1 && N % 4 == 0) {
         const unsigned* w = reinterpret_cast<const unsigned*>(p);
@@ -430,6 +430,32 @@ template <typename T, int N> __device__ __forceinline__ void store_pack(Pack<T, 
     }
 }
 
+// Loads with a cache hint, for 16-byte packs (other sizes load plainly):
+// - stream (ld.global.cs), for data read once (the reductions' x): evicted
+//   from the caches first; what else the L2 holds (dirty lines of earlier
+//   kernels, likely what the gain comes from) stays. sum_squared on an H200
+//   with L2 flushed by a memset before each call (% of copy, same run):
+//   6250 x 8000 axis -1 float32 82.6 -> 87.7, float16 68.4 -> 78.3; axis 0
+//   76.4 -> 77.6, 57.1 -> 63.4; 25000 x 2000 float16 58.4 -> 73.7.
+//   (`L1::evict_first` measured the same, __ldg as plain loads.) The row
+//   kernels' x gained nothing from it (norm.cu: within noise at 65536 and
+//   262144 columns).
+// - readonly (ld.global.nc), for data no thread writes during the kernel
+//   (norm weights and biases): the compiler may issue them ahead of the
+//   kernel's stores (see norm.cu RowView::store for the measurements).
+enum class Hint { stream, readonly };
+template <Hint H, typename P> __device__ __forceinline__ P load_hinted(const P* p) {
+    if constexpr (sizeof(P) == 16) {
+        const uint4* q = reinterpret_cast<const uint4*>(p);
+        const uint4 v = H == Hint::stream ? __ldcs(q) : __ldg(q);
+        P r;
+        memcpy(&r, &v, 16);
+        return r;
+    } else {
+        return *p;
+    }
+}
+template <typename P> __device__ __forceinline__ P load_stream(const P* p) { return load_hinted<Hint::stream>(p); }
 
 // A pack converted to the compute type; float16 pairs convert two at a time.
 template <typename C, typename T, int N> __device__ __forceinline__ void unpack(const Pack<T, N>& p, C (&out)[N]) {

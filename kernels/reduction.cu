@@ -27,24 +27,6 @@ struct Identity {
 
 namespace cufuse {
 
-// Loads of x: each byte is read once, so 16-byte packs are loaded with the
-// streaming hint (ld.global.cs), evicted from the caches first; what else the
-// L2 holds (dirty lines of earlier kernels, likely what the gain comes from)
-// stays. sum_squared on an H200 with L2 flushed by a memset before each call
-// (% of copy, same run): 6250 x 8000 axis -1 float32 82.6 -> 87.7, float16
-// 68.4 -> 78.3; axis 0 76.4 -> 77.6, 57.1 -> 63.4; 25000 x 2000 float16 58.4
-// -> 73.7. (`L1::evict_first` measured the same, __ldg as plain loads.)
-template <typename P> __device__ __forceinline__ P load_stream(const P* p) {
-    if constexpr (sizeof(P) == 16) {
-        const uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
-        P r;
-        memcpy(&r, &v, 16);
-        return r;
-    } else {
-        return *p;
-    }
-}
-
 template <typename Tout, typename A> __device__ __forceinline__ void finish(Tout* out, A* partial, long long i, A acc,
                                                                            double scale) {
     if (partial) partial[i] = acc;

@@ -12,10 +12,12 @@
 // read, never used, never written.
 //
 // A row belongs to a *group* of `tpr` threads (a power of two, 32..1024) of
-// one block, or, on sm_90, to a cluster of CS blocks that each hold one slice
-// of it. Group reductions go warp shuffle -> shared memory -> (cluster)
-// distributed shared memory, combining partial values in a fixed order, so a
-// result never depends on scheduling.
+// one block, or to several blocks that each hold one slice (a *part*) of it:
+// on sm_90 a cluster of CS blocks (Group<CS>), on any GPU blocks that meet
+// through global memory (SplitGroup). Group reductions go warp shuffle ->
+// shared memory; the parts' statistics are then merged once per row through
+// distributed shared memory or global memory. Every combination is in a fixed
+// order, so a result never depends on scheduling.
 //
 // Why not CUB's WarpReduce / BlockReduce: including <cub/warp/warp_reduce.cuh>
 // and <cub/block/block_reduce.cuh> added 1.05 s to every NVRTC compile of a
@@ -60,27 +62,75 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-template <typename C> __device__ __forceinline__ C load_cluster(const C* smem, unsigned rank) {
+// A value of another block of the cluster: `smem` is this block's copy of
+// the variable, `rank` the block to read it from; any type of whole words.
+template <typename S> __device__ __forceinline__ S load_cluster(const S* smem, unsigned rank) {
+    static_assert(sizeof(S) % 4 == 0, "words only");
+    S out;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     unsigned remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    if constexpr (sizeof(C) == 8) {
-        double v;
-        asm volatile("ld.shared::cluster.f64 %0, [%1];" : "=d"(v) : "r"(remote) : "memory");
-        return v;
-    } else {
-        float v;
-        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
-        return v;
-    }
+    unsigned w[sizeof(S) / 4];
+#pragma unroll
+    for (int i = 0; i < int(sizeof(S) / 4); ++i)
+        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(w[i]) : "r"(remote + 4 * i) : "memory");
+    memcpy(&out, w, sizeof(S));
 #else
     __trap();
-    return C(0);
+    out = *smem;
 #endif
+    return out;
+}
+
+// ---- statistics merged across the parts of a row ---------------------------
+// A part's statistic S (a struct of the compute type) provides identity()
+// and merge(a, b). merge must be commutative bit for bit (the shuffle tree
+// of SplitGroup gives every lane the same bits only then).
+template <typename S> __device__ __forceinline__ S shfl_xor(const S& v, int o) {
+    static_assert(sizeof(S) % 4 == 0, "words only");
+    unsigned w[sizeof(S) / 4];
+    memcpy(w, &v, sizeof(S));
+#pragma unroll
+    for (int i = 0; i < int(sizeof(S) / 4); ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], o);
+    S out;
+    memcpy(&out, w, sizeof(S));
+    return out;
+}
+
+template <typename S> __device__ __forceinline__ S load_cg(const S* p) {  // through L2, never L1
+    static_assert(sizeof(S) % 4 == 0, "words only");
+    unsigned w[sizeof(S) / 4];
+#pragma unroll
+    for (int i = 0; i < int(sizeof(S) / 4); ++i) w[i] = __ldcg(reinterpret_cast<const unsigned*>(p) + i);
+    S out;
+    memcpy(&out, w, sizeof(S));
+    return out;
 }
 
 // ---- the row group ----------------------------------------------------------
+// Warp shuffle, then (tpr > 32) shared memory: every thread of a group of
+// `tpr` threads (the `group`-th of its block) gets the combination of all the
+// group's `v`. `slot` < kSlots must differ between the reductions of one
+// kernel. All threads of the block must call it (threads without data pass
+// the identity).
+template <typename C, typename F> __device__ __forceinline__ C group_reduce(C v, F f, int slot, int tpr, int group) {
+    __shared__ C warp_part[kSlots][kMaxWarps];
+    const int width = tpr < 32 ? tpr : 32;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+        if (o < width) v = f(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (tpr > 32) {
+        const int warp = threadIdx.x >> 5;
+        if ((threadIdx.x & 31) == 0) warp_part[slot][warp] = v;
+        __syncthreads();
+        const int first = group * (tpr >> 5);
+        v = warp_part[slot][first];
+        for (int w = 1; w < (tpr >> 5); ++w) v = f(v, warp_part[slot][first + w]);
+    }
+    return v;
+}
+
 // Threads of a block are split into groups of `tpr`; with CS > 1 there is one
 // group per block and CS consecutive blocks (a cluster) share a row.
 template <int CS> struct Group {
@@ -93,37 +143,114 @@ template <int CS> struct Group {
         groups = blockDim.x / tpr;
         rank = CS > 1 ? blockIdx.x % CS : 0;
     }
+    __device__ __forceinline__ int parts() const { return CS; }
     // Index of the group's item (row, or row split) in the launch.
     __device__ __forceinline__ long long item() const {
         return static_cast<long long>(blockIdx.x / CS) * groups + group;
     }
 
-    // Every thread of the group (every thread of the cluster with CS > 1)
-    // gets the combination of all the group's `v`. `slot` < kSlots must
-    // differ between the reductions of one kernel. All threads of the block
-    // must call it (threads without data pass the identity).
+    // Every thread of the group gets the combination of all the group's `v`
+    // (see group_reduce): the part of the row this block holds.
     template <typename C, typename F> __device__ __forceinline__ C reduce(C v, F f, int slot) const {
-        __shared__ C warp_part[kSlots][kMaxWarps];
-        __shared__ C block_part[kSlots];
-        const int width = tpr < 32 ? tpr : 32;
-#pragma unroll
-        for (int o = 16; o > 0; o >>= 1)
-            if (o < width) v = f(v, __shfl_xor_sync(0xffffffffu, v, o));
-        if (tpr > 32) {
-            const int warp = threadIdx.x >> 5;
-            if ((threadIdx.x & 31) == 0) warp_part[slot][warp] = v;
-            __syncthreads();
-            const int first = group * (tpr >> 5);
-            v = warp_part[slot][first];
-            for (int w = 1; w < (tpr >> 5); ++w) v = f(v, warp_part[slot][first + w]);
-        }
-        if constexpr (CS > 1) {
-            if (threadIdx.x == 0) block_part[slot] = v;
+        return group_reduce(v, f, slot, tpr, group);
+    }
+    // The parts' statistics merged (every thread gets the same bits): a
+    // cluster's blocks in rank order; one part: `v` itself. At most one
+    // combine per kernel.
+    template <typename S> __device__ __forceinline__ S combine(const S& v) const {
+        if constexpr (CS == 1) {
+            return v;
+        } else {
+            __shared__ S block_part;
+            if (threadIdx.x == 0) block_part = v;
             cluster_sync();
-            v = load_cluster(&block_part[slot], 0);
+            S acc = load_cluster(&block_part, 0);
 #pragma unroll
-            for (unsigned r = 1; r < CS; ++r) v = f(v, load_cluster(&block_part[slot], r));
+            for (unsigned r = 1; r < CS; ++r) acc = S::merge(acc, load_cluster(&block_part, r));
+            return acc;
         }
+    }
+    // Before the block leaves: no block of a cluster may leave while another
+    // reads its shared memory.
+    __device__ __forceinline__ void finish() const {
+        if constexpr (CS > 1) cluster_sync();
+    }
+};
+
+// ---- rows split over blocks through global memory (any architecture) ----------
+// `parts` blocks share a row, one slice each, as a cluster's blocks do; the
+// merge of their statistics goes through a workspace in global memory that
+// the host zeroes before the launch (cufuse/ops/norm.py):
+//   work[0]                    ticket counter
+//   work[4 .. 4 + rows)        per row: the parts that have published
+//   then [rows][parts]         kPartBytes per part's statistic (16-byte aligned)
+// Each block writes its statistic, counts it in (release), waits until all
+// parts of its row have (acquire) and merges them in a fixed order (lanes,
+// then the shuffle tree), so that every block of a row gets the same bits.
+// A block takes its (row, part) from the ticket counter in the order blocks
+// start, not from blockIdx: the parts it waits for are held by running
+// blocks or taken by the next blocks to start, so no wait can deadlock while
+// `parts` blocks fit on the GPU at once (the host keeps parts below the
+// number of multiprocessors).
+constexpr int kPartBytes = 32;
+
+struct SplitGroup {
+    int tpr, lane, group, groups, nparts;
+    unsigned rank;
+    long long row, rows;
+    unsigned* work;
+
+    __device__ __forceinline__ SplitGroup(unsigned* work_, long long rows_, int parts_)
+        : tpr(blockDim.x), lane(threadIdx.x), group(0), groups(1), nparts(parts_), rows(rows_), work(work_) {
+        __shared__ unsigned ticket;
+        if (threadIdx.x == 0) ticket = atomicAdd(work, 1u);
+        __syncthreads();
+        row = ticket / static_cast<unsigned>(nparts);
+        rank = ticket % static_cast<unsigned>(nparts);
+    }
+    __device__ __forceinline__ int parts() const { return nparts; }
+    __device__ __forceinline__ long long item() const { return row; }
+
+    template <typename C, typename F> __device__ __forceinline__ C reduce(C v, F f, int slot) const {
+        return group_reduce(v, f, slot, tpr, 0);
+    }
+
+    template <typename S> __device__ __forceinline__ S combine(const S& v) const {
+        static_assert(sizeof(S) <= kPartBytes, "a part's statistic exceeds its workspace slot");
+        unsigned* count = work + 4 + row;
+        char* base = reinterpret_cast<char*>(work + 4 + ((rows + 3) & ~3LL)) + row * nparts * kPartBytes;
+        if (threadIdx.x == 0) {
+            *reinterpret_cast<S*>(base + rank * kPartBytes) = v;
+            __threadfence();  // the statistic before the count
+            atomicAdd(count, 1u);
+            while (load_acquire(count) < static_cast<unsigned>(nparts)) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+                __nanosleep(32);
+#endif
+            }
+        }
+        __syncthreads();
+        // Every warp merges the parts: lanes in order, then the shuffle tree.
+        // Loaded through L2 (ld.global.cg): another row's part may share a
+        // line that this SM's L1 holds from before it was written.
+        const int l = threadIdx.x & 31;
+        S acc = S::identity();
+        for (int i = l; i < nparts; i += 32) acc = S::merge(acc, load_cg(reinterpret_cast<const S*>(base + i * kPartBytes)));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc = S::merge(acc, shfl_xor(acc, o));
+        return acc;
+    }
+    __device__ __forceinline__ void finish() const {}
+
+  private:
+    static __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
+        unsigned v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+#else
+        v = *reinterpret_cast<const volatile unsigned*>(p);
+        __threadfence();
+#endif
         return v;
     }
 };

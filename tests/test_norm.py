@@ -187,6 +187,33 @@ def test_norm_wide_rows(backend, op, dtype, n):
     normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb)
 
 
+# Rows split over blocks (cufuse/ops/norm.py plan: rows longer than one
+# cluster, or than one block without clusters): 262144 float32 is 32 blocks of
+# 256 threads, 300001 is 19 blocks of 512 threads with a partial last pack;
+# nine rows of 32 blocks outnumber an H200's 132 multiprocessors. Offset views
+# move every part's window off the 16-byte grid. Outputs poisoned first.
+SPLIT_CASES = [(F32, 9, 262144, 0), (F32, 3, 300001, 0), (F32, 2, 262144, 3), (F16, 2, 262144, 0),
+               (F16, 3, 262150, 5), (F64, 2, 262144, 1)]
+
+
+def split_case(backend, dtype, rows, n, offset, seed, scale=1.0):
+    """(x in the backend, its NumPy values, a poisoned out): x is the columns
+    offset.. of a wider array when offset > 0."""
+    base = rand((rows, n + offset), dtype, seed, scale)
+    nx = np.ascontiguousarray(base[:, offset:])
+    x = backend.asarray(base)[:, offset:] if offset else backend.asarray(base)
+    out = backend.asarray(np.full((rows, n), 7.0, dtype))
+    return x, nx, out
+
+
+@norm_param
+@pytest.mark.parametrize("dtype, rows, n, offset", SPLIT_CASES, ids=str)
+def test_norm_split_rows(backend, op, dtype, rows, n, offset):
+    x, nx, out = split_case(backend, dtype, rows, n, offset, 1450 + n)
+    w, b, nw, nb = affine(backend, op, full_affine(op), (n,), dtype, 1451)
+    normalize(backend, op, x, nx, n, w, b, nw, nb, out=out)
+
+
 @pytest.mark.slow
 @norm_param
 def test_norm_very_large(backend, op):
@@ -259,7 +286,7 @@ def test_default_eps(backend, op, dtype):
 # ------------------------------------------------------ accuracy: x = 1000 + randn
 @norm_param
 @pytest.mark.parametrize("dtype", [F32, F64], ids=lambda d: d.name)
-@pytest.mark.parametrize("n", [33, 129, 1024, 4097, 65536])
+@pytest.mark.parametrize("n", [33, 129, 1024, 4097, 65536, 262144])
 def test_offset_rows(backend, op, dtype, n):
     """Rows 1000 + randn: a two-pass (or Welford) variance is accurate, a
     one-pass E[x^2] - E[x]^2 is not, and the tolerance tells them apart."""
@@ -300,7 +327,7 @@ def test_float16_large_magnitudes(backend, op, n, which):
 # --------------------------------------------------------------- NaN rows
 @norm_param
 @dtype_param
-@pytest.mark.parametrize("n", [1, 129, 4097])
+@pytest.mark.parametrize("n", [1, 129, 4097, 262144])
 def test_norm_nan_row(backend, op, dtype, n):
     """NaN in one row: that row is all NaN (relu keeps NaN, as torch.relu
     does), every other row is unaffected."""
@@ -687,6 +714,32 @@ def test_softmax_long_rows_other_dtypes(backend, op, dtype):
 
 
 @softmax_param
+@pytest.mark.parametrize("dtype, rows, n, offset", SPLIT_CASES, ids=str)
+def test_softmax_split_rows(backend, op, dtype, rows, n, offset):
+    x, nx, out = split_case(backend, dtype, rows, n, offset, 3240 + n, 3.0)
+    soft(backend, op, x, nx, out=out)
+
+
+@softmax_param
+@dtype_param
+def test_softmax_split_rows_special(backend, op, dtype):
+    """Rows split over blocks, where some blocks hold only -inf: row 0 is -inf
+    but for its last 1000 elements (0 / -inf there, the rest as usual), row 1
+    all -inf (NaN), row 2 one NaN in its last part, row 3 one +inf (NaN rows),
+    row 4 ordinary."""
+    n = 262144
+    x = rand((5, n), dtype, 3250, 3.0)
+    x[0, :-1000] = -np.inf
+    x[1] = -np.inf
+    x[2, n - 5] = np.nan
+    x[3, n // 2] = np.inf
+    got = soft(backend, op, backend.asarray(x), x)
+    assert (got[0, :-1000] == (0.0 if op == "softmax" else -np.inf)).all()
+    assert np.isfinite(got[0, -1000:]).all() and np.isfinite(got[4]).all()
+    assert np.isnan(got[1:4]).all()
+
+
+@softmax_param
 @pytest.mark.parametrize("n", [4097, 65536])
 def test_softmax_long_first_axis(backend, op, n):
     x = rand((n, 3), F32, 3220 + n, 3.0)
@@ -962,13 +1015,15 @@ def test_gpu_launches_are_seen(backend, op, launches):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("op", ALL_OPS)
-def test_torch_cuda_uses_current_stream(op, launches):
+@pytest.mark.parametrize("shape", [(2048, 4096), (8, 262144)], ids=str)
+def test_torch_cuda_uses_current_stream(op, shape, launches):
     """Input produced by a long torch op on a side stream is read correctly when
-    the op is called in that stream's context; every kernel is queued on it."""
+    the op is called in that stream's context; every kernel is queued on it
+    (262144 columns: rows split over blocks, with a workspace zeroed there)."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
-    base = torch.from_numpy(rand((2048, 4096), F32, 3810, 0.5)).cuda()
+    base = torch.from_numpy(rand(shape, F32, 3810, 0.5)).cuda()
     torch.cuda.synchronize()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
@@ -980,8 +1035,9 @@ def test_torch_cuda_uses_current_stream(op, launches):
     assert isinstance(y, torch.Tensor) and y.device == a.device
     assert launches and all(ln.stream is not None and ln.stream.ptr == s.cuda_stream for ln in launches)
     nx = a.cpu().numpy()
-    ref = SOFTMAX_REF[op](nx) if op in SOFTMAX_OPS else NORM_REF[op](nx, 4096)
-    check(op, y.cpu().numpy(), ref, F32, 4096)
+    n = shape[-1]
+    ref = SOFTMAX_REF[op](nx) if op in SOFTMAX_OPS else NORM_REF[op](nx, n)
+    check(op, y.cpu().numpy(), ref, F32, n)
 
 
 @pytest.mark.cuda

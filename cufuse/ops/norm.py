@@ -2,10 +2,14 @@
 softmax, log_softmax (kernels/norm.cu on kernels/rows.cuh).
 
 Each row (the trailing ``normalized_shape`` dims, or the softmax axis) is
-handled by a group of threads that holds it in registers: read once, reduced
-(warp shuffle, shared memory, and on sm_90 a thread-block cluster's
-distributed shared memory for rows longer than one block holds), written
-once. Rows longer than that fall back to a kernel that re-reads the row.
+held in registers: read once, reduced, written once. A row up to 4096
+16-byte packs belongs to a group of threads of one block (warp shuffle,
+shared memory); a longer one to several blocks, each holding a part, that
+merge their statistics once per row: on sm_90 a thread-block cluster's
+distributed shared memory (up to 8 blocks of 2048 packs), beyond that (or
+without clusters) a workspace in global memory (a row's parts must all fit
+on the GPU at once: at most one block of 512 threads per multiprocessor).
+Rows longer than that fall back to a kernel that re-reads the row.
 float16 is computed in float32, float32 in float32, float64 in float64.
 """
 from __future__ import annotations
@@ -20,9 +24,11 @@ from .. import _runtime as R
 from . import _rows
 
 FAMILY = "norm"
-_NPS = (1, 2, 4, 8, 16)       # packs (16 bytes) per thread of norm_rows instantiations
-_CLUSTER_PLANS = ((8, 2), (8, 4), (8, 8), (16, 8))  # (packs per thread, blocks per row) of norm_rows_cluster
-_CLUSTERS = (2, 4, 8)         # blocks per row of norm_rows_cluster (sm_90); 8 is the portable maximum
+_NPS = (1, 2, 4, 8)           # packs (16 bytes) per thread of norm_rows instantiations
+_CLUSTERS = (2, 4, 8)         # blocks per row of norm_rows_cluster (sm_90, 8 packs per thread); 8 is the portable maximum
+_SPLIT_NP = 8                 # packs per thread of norm_rows_split
+_SPLIT_TPR = ((256, 32), (512, None))  # (threads per block, most parts) of norm_rows_split, in order of preference
+_PART_BYTES = 32              # workspace bytes per part of a split row (kernels/rows.cuh: kPartBytes)
 _STREAM_TPR = 512
 _ONE_GROUP_PACKS = 4096      # rows of up to this many 16-byte packs: one thread group (no cluster)
 
@@ -49,10 +55,12 @@ class _RowOp:
                 for np_ in _NPS:
                     self._register(dt, ("np", np_) + tag,
                                    R.name_expression("norm_rows", functor, ct, str(np_), _cbool(whole)))
-                for np_, cs in _CLUSTER_PLANS:
-                    self._register(dt, ("cluster", np_, cs) + tag,
-                                   R.name_expression("norm_rows_cluster", functor, ct, str(np_), str(cs),
+                for cs in _CLUSTERS:
+                    self._register(dt, ("cluster", 8, cs) + tag,
+                                   R.name_expression("norm_rows_cluster", functor, ct, "8", str(cs),
                                                      _cbool(whole)), 90)
+                self._register(dt, ("split", _SPLIT_NP) + tag,
+                               R.name_expression("norm_rows_split", functor, ct, str(_SPLIT_NP), _cbool(whole)))
             self._register(dt, ("stream",), R.name_expression("norm_rows_stream", functor, ct))
 
     def _register(self, dt, key, expr, min_arch=0):
@@ -64,9 +72,12 @@ class _RowOp:
         """(kernel key, threads per row, blocks per row) for rows of ``cols``.
         From sweeps on an H200 (bench/NOTES.md): rows up to 4096 packs take
         one group with 4 packs per thread (8 from 1024 packs, except float16
-        layer_norm below 2048 packs, unless ``whole``: see launch); longer rows a cluster
-        of 256-thread blocks with 8 packs each (16 when 8 blocks need it);
-        beyond that, or without clusters, the streaming kernel."""
+        layer_norm below 2048 packs, unless ``whole``: see launch); longer
+        rows a cluster of up to 8 256-thread blocks with 8 packs each (sm_90);
+        longer ones (or without clusters) blocks of 8 packs per thread that
+        merge their statistics through global memory (norm_rows_split), as
+        long as a row's blocks fit on the GPU at once; beyond that, the
+        streaming kernel."""
         v = 16 // dt.itemsize
         npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
         if npack <= _ONE_GROUP_PACKS:
@@ -80,11 +91,18 @@ class _RowOp:
             for cs in _CLUSTERS:
                 if -(-npack // cs) <= 256 * 8:
                     return ("cluster", 8, cs), 256, cs
-            per = -(-npack // _CLUSTERS[-1])
-            if per <= 512 * 16:
-                return ("cluster", 16, _CLUSTERS[-1]), (256 if per <= 256 * 16 else 512), _CLUSTERS[-1]
-        elif npack <= 512 * 16:
-            return ("np", 16), 512, 1
+        # Split rows (H200, % of copy, f32 / f16, layer_norm, rms_norm, softmax):
+        # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
+        # 53/74/76, 54/69/63; 64x1048576: streaming kernel 19/28/16 -> split 512 x 8
+        # 39/64/62. At 1024x65536 float16 the cluster stays ahead (60/73/71 vs 59/70/66).
+        # The kernel's indices within a row are 32-bit; its blocks wait for
+        # one another, so a row's parts must all fit on the GPU at once: at
+        # most one block per multiprocessor is assumed.
+        if cols < 2**31 - 2 * v:
+            for tpr, most in _SPLIT_TPR:
+                parts = -(-npack // (tpr * _SPLIT_NP))
+                if parts <= min(most or parts, R.sm_count(dev)):
+                    return ("split", _SPLIT_NP), tpr, parts
         return ("stream",), _STREAM_TPR, 1
 
     def launch(self, y, x, w, b, rows, cols, ldy, ldx, eps, kind, dev, dt, plan=None):
@@ -103,11 +121,21 @@ class _RowOp:
         if whole and key[0] != "stream" and (not self.narrow or isz == 2 or key[1] < 8):
             key = key + ("whole",)
         fn = R.get_function(*self.exprs[(dt, key)], dev)
-        block = max(tpr, 128) if cs == 1 else tpr
-        groups = block // tpr
-        grid = -(-rows // groups) * cs
-        R.launch_grid(fn, (grid,), (block,), (py, px, pw, pb, rows, cols, ldy, ldx,
-                                             np.int32(tpr), float(eps)), _rows.stream_for(kind, dev))
+        stream = _rows.stream_for(kind, dev)
+        args = (py, px, pw, pb, rows, cols, ldy, ldx, np.int32(tpr), float(eps))
+        if key[0] == "split":
+            # one block of tpr threads per (row, part); the workspace of
+            # kernels/rows.cuh SplitGroup, its ticket and counts zeroed
+            counts = 16 + 4 * (-(-rows // 4) * 4)
+            work = _rows.empty((counts + rows * cs * _PART_BYTES,), np.uint8, kind, dev)
+            R._cp.cuda.runtime.memsetAsync(A.pointer_of(work, kind), 0, counts,
+                                           (stream or R._cp.cuda.get_current_stream()).ptr)
+            args = args[:8] + (np.int32(cs), float(eps), A.pointer_of(work, kind))
+            block, grid = tpr, rows * cs
+        else:
+            block = max(tpr, 128) if cs == 1 else tpr
+            grid = -(-rows // (block // tpr)) * cs
+        R.launch_grid(fn, (grid,), (block,), args, stream)
 
 
 _OPS = {name: _RowOp(name, functor, narrow) for name, functor, narrow in (
