@@ -188,8 +188,8 @@ template <typename C> struct Total {  // rms_norm: a sum
 };
 
 // layer_norm: count, mean and sum of squared deviations from the mean of a
-// part, merged as Chan, Golub and LeVeque's pairwise update, written
-// symmetrically (commutative bit for bit): no E[x^2] - E[x]^2 anywhere.
+// part, merged as Chan, Golub and LeVeque's pairwise update: no
+// E[x^2] - E[x]^2 anywhere.
 template <typename C> struct Moments {
     C n, mean, m2;
     static __device__ __forceinline__ Moments identity() { return {C(0), C(0), C(0)}; }

@@ -85,8 +85,9 @@ template <typename S> __device__ __forceinline__ S load_cluster(const S* smem, u
 
 // ---- statistics merged across the parts of a row ---------------------------
 // A part's statistic S (a struct of the compute type) provides identity()
-// and merge(a, b). merge must be commutative bit for bit (the shuffle tree
-// of SplitGroup gives every lane the same bits only then).
+// and merge(a, b), merge(earlier part, later part). It need not be
+// commutative bit for bit (contracted multiply-adds are not): every merge
+// below takes its operands in one fixed order.
 template <typename S> __device__ __forceinline__ S shfl_xor(const S& v, int o) {
     static_assert(sizeof(S) % 4 == 0, "words only");
     unsigned w[sizeof(S) / 4];
@@ -189,9 +190,11 @@ template <int CS> struct Group {
 // then the shuffle tree), so that every block of a row gets the same bits.
 // A block takes its (row, part) from the ticket counter in the order blocks
 // start, not from blockIdx: the parts it waits for are held by running
-// blocks or taken by the next blocks to start, so no wait can deadlock while
-// `parts` blocks fit on the GPU at once (the host keeps parts below the
-// number of multiprocessors).
+// blocks or taken by the next blocks to start, so a launch cannot deadlock
+// while the GPU has a free block slot besides the `parts - 1` its waiting
+// blocks may hold. Launches on other streams may hold slots too: the host
+// keeps parts at most a quarter of the multiprocessors, so that four split
+// launches in flight at once fit even at one resident block per SM.
 constexpr int kPartBytes = 32;
 
 struct SplitGroup {
@@ -230,14 +233,19 @@ struct SplitGroup {
             }
         }
         __syncthreads();
-        // Every warp merges the parts: lanes in order, then the shuffle tree.
-        // Loaded through L2 (ld.global.cg): another row's part may share a
-        // line that this SM's L1 holds from before it was written.
+        // Every warp merges the parts: lanes in order, then the shuffle tree,
+        // where both lanes of a pair merge (lower lane, higher lane), so that
+        // all lanes, warps and blocks of the row get the same bits. Loaded
+        // through L2 (ld.global.cg): another row's part may share a line that
+        // this SM's L1 holds from before it was written.
         const int l = threadIdx.x & 31;
         S acc = S::identity();
         for (int i = l; i < nparts; i += 32) acc = S::merge(acc, load_cg(reinterpret_cast<const S*>(base + i * kPartBytes)));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) acc = S::merge(acc, shfl_xor(acc, o));
+        for (int o = 16; o > 0; o >>= 1) {
+            const S other = shfl_xor(acc, o);
+            acc = (l & o) ? S::merge(other, acc) : S::merge(acc, other);
+        }
         return acc;
     }
     __device__ __forceinline__ void finish() const {}

@@ -7,9 +7,9 @@ held in registers: read once, reduced, written once. A row up to 4096
 shared memory); a longer one to several blocks, each holding a part, that
 merge their statistics once per row: on sm_90 a thread-block cluster's
 distributed shared memory (up to 8 blocks of 2048 packs), beyond that (or
-without clusters) a workspace in global memory (a row's parts must all fit
-on the GPU at once: at most one block of 512 threads per multiprocessor).
-Rows longer than that fall back to a kernel that re-reads the row.
+without clusters) a workspace in global memory (a row's blocks wait for one
+another: at most a quarter of the SMs per row, see plan). Rows longer than
+that fall back to a kernel that re-reads the row.
 float16 is computed in float32, float32 in float32, float64 in float64.
 """
 from __future__ import annotations
@@ -28,6 +28,7 @@ _NPS = (1, 2, 4, 8)           # packs (16 bytes) per thread of norm_rows instant
 _CLUSTERS = (2, 4, 8)         # blocks per row of norm_rows_cluster (sm_90, 8 packs per thread); 8 is the portable maximum
 _SPLIT_NP = 8                 # packs per thread of norm_rows_split
 _SPLIT_TPR = ((256, 32), (512, None))  # (threads per block, most parts) of norm_rows_split, in order of preference
+_SPLIT_LAUNCHES = 4           # split launches in flight at once (any streams) that cannot deadlock
 _PART_BYTES = 32              # workspace bytes per part of a split row (kernels/rows.cuh: kPartBytes)
 _STREAM_TPR = 512
 _ONE_GROUP_PACKS = 4096      # rows of up to this many 16-byte packs: one thread group (no cluster)
@@ -75,9 +76,8 @@ class _RowOp:
         layer_norm below 2048 packs, unless ``whole``: see launch); longer
         rows a cluster of up to 8 256-thread blocks with 8 packs each (sm_90);
         longer ones (or without clusters) blocks of 8 packs per thread that
-        merge their statistics through global memory (norm_rows_split), as
-        long as a row's blocks fit on the GPU at once; beyond that, the
-        streaming kernel."""
+        merge their statistics through global memory (norm_rows_split), up
+        to a quarter of the SMs per row; beyond that, the streaming kernel."""
         v = 16 // dt.itemsize
         npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
         if npack <= _ONE_GROUP_PACKS:
@@ -95,14 +95,16 @@ class _RowOp:
         # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
         # 53/74/76, 54/69/63; 64x1048576: streaming kernel 19/28/16 -> split 512 x 8
         # 39/64/62. At 1024x65536 float16 the cluster stays ahead (60/73/71 vs 59/70/66).
-        # The kernel's indices within a row are 32-bit; its blocks wait for
-        # one another, so a row's parts must all fit on the GPU at once: at
-        # most one block per multiprocessor is assumed.
-        if cols < 2**31 - 2 * v:
-            for tpr, most in _SPLIT_TPR:
-                parts = -(-npack // (tpr * _SPLIT_NP))
-                if parts <= min(most or parts, R.sm_count(dev)):
-                    return ("split", _SPLIT_NP), tpr, parts
+        # A split row's blocks wait for one another (kernels/rows.cuh
+        # SplitGroup): parts are kept at most SMs / 4, so that four split
+        # launches in flight at once (any streams) hold at most all SMs minus
+        # four even at one resident block per SM, and never deadlock. (The
+        # kernel's indices within a row are 32-bit: far beyond that bound.)
+        most_parts = max(1, R.sm_count(dev) // _SPLIT_LAUNCHES)
+        for tpr, most in _SPLIT_TPR:
+            parts = -(-npack // (tpr * _SPLIT_NP))
+            if parts <= min(most or parts, most_parts):
+                return ("split", _SPLIT_NP), tpr, parts
         return ("stream",), _STREAM_TPR, 1
 
     def launch(self, y, x, w, b, rows, cols, ldy, ldx, eps, kind, dev, dt, plan=None):
