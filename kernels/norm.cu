@@ -181,6 +181,14 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
 // the parts' statistics, so that a split row costs one exchange between blocks.
 namespace cufuse {
 
+// Products and sums rounded one by one, never contracted into an FMA: a
+// merge computed as fma(a.n, a.mean, b.n * b.mean) differs from its mirror
+// image in the last bit, and the threads of a row must agree bit for bit.
+__device__ __forceinline__ float mul_rn(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
+
 template <typename C> struct Total {  // rms_norm: a sum
     C s;
     static __device__ __forceinline__ Total identity() { return {C(0)}; }
@@ -197,8 +205,9 @@ template <typename C> struct Moments {
         if (a.n == C(0)) return b;
         if (b.n == C(0)) return a;
         const C n = a.n + b.n;
-        const C d = b.mean - a.mean;
-        return {n, (a.n * a.mean + b.n * b.mean) / n, (a.m2 + b.m2) + d * d * (a.n * b.n / n)};
+        const C d = b.mean - a.mean;  // squared below: the sign does not matter
+        return {n, add_rn(mul_rn(a.n, a.mean), mul_rn(b.n, b.mean)) / n,
+                add_rn(add_rn(a.m2, b.m2), mul_rn(mul_rn(d, d), mul_rn(a.n, b.n) / n))};
     }
 };
 
@@ -208,11 +217,11 @@ template <typename C> struct MaxSum {
     C m, s;
     static __device__ __forceinline__ MaxSum identity() { return {MaxOp::identity<C>(), C(0)}; }
     static __device__ __forceinline__ C scaled(const MaxSum& a, C m) {
-        return a.m == MaxOp::identity<C>() ? C(0) : a.s * math::exp_fast(a.m - m);
+        return a.m == MaxOp::identity<C>() ? C(0) : mul_rn(a.s, math::exp_fast(a.m - m));
     }
     static __device__ __forceinline__ MaxSum merge(const MaxSum& a, const MaxSum& b) {
         const C m = MaxOp{}(a.m, b.m);
-        return {m, scaled(a, m) + scaled(b, m)};
+        return {m, add_rn(scaled(a, m), scaled(b, m))};
     }
 };
 

@@ -244,7 +244,9 @@ struct SplitGroup {
 #pragma unroll
         for (int o = 16; o > 0; o >>= 1) {
             const S other = shfl_xor(acc, o);
-            acc = (l & o) ? S::merge(other, acc) : S::merge(acc, other);
+            const bool upper = (l & o) != 0;
+            const S lo = upper ? other : acc, hi = upper ? acc : other;
+            acc = S::merge(lo, hi);  // one instance, one instruction sequence for every lane
         }
         return acc;
     }

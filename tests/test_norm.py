@@ -217,7 +217,7 @@ def test_norm_split_rows(backend, op, dtype, rows, n, offset):
 @pytest.mark.parametrize("op", NORM_OPS + SOFTMAX_OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("n", [262144, 300000])
-def test_split_rows_one_statistic_per_row(backend, op, dtype, n, request):
+def test_split_rows_one_statistic_per_row(backend, op, dtype, n):
     """Equal inputs anywhere in a split row give bit-identical outputs: every
     thread of every block of the row used the same merged statistics. The
     values come from a set of 8 placed at random, so the parts' statistics
@@ -226,13 +226,6 @@ def test_split_rows_one_statistic_per_row(backend, op, dtype, n, request):
     elements, whose products with a mean round (2**k-element parts do not).
     Whole packs only: an element of a partial pack is computed by other code
     (per element), which may round differently."""
-    if backend.gpu and n == 300000 and dtype == F32 and op in ("layer_norm", "layer_norm_relu"):
-        # Known (H200, session 15): some threads of such a row normalize with
-        # statistics an ulp apart, with the lane-ordered merge tree too; the
-        # suspect is a contracted multiply-add in Moments::merge. Not strict:
-        # passes on the CPU backends and should pass once it is mended.
-        request.applymarker(pytest.mark.xfail(reason="layer_norm float32 split rows: threads disagree by an ulp "
-                                                     "(known, issue 4 notes)", strict=False))
     rng = np.random.default_rng(3900 + n)
     vals = rng.standard_normal(8).astype(dtype)
     idx = rng.integers(0, 8, (4, n))
