@@ -338,15 +338,14 @@ namespace math {
 }  // namespace math
 
 // n / d for a divisor fixed per launch: a multiply-high with a magic number
-// computed on the host (cufuse/ops/quantize.py: magic) when n and d are below 2**31,
+// computed on the host (cufuse/_arrays.py: fast_div_magic) when n and d are below 2**31,
 // a plain 64-bit division beyond. `mg` packs the magic (low 32 bits) and the
 // shift (high 32 bits).
+__device__ __forceinline__ unsigned fast_div_u32(unsigned n, unsigned long long mg) {  // n, d < 2**31
+    return (__umulhi(n, static_cast<unsigned>(mg)) + n) >> static_cast<unsigned>(mg >> 32);
+}
 __device__ __forceinline__ long long fast_div(long long n, long long d, unsigned long long mg) {
-    if (n < (1LL << 31) && d < (1LL << 31)) {
-        const unsigned m = static_cast<unsigned>(mg), sh = static_cast<unsigned>(mg >> 32);
-        const unsigned t = __umulhi(static_cast<unsigned>(n), m);
-        return static_cast<long long>((t + static_cast<unsigned>(n)) >> sh);
-    }
+    if (n < (1LL << 31) && d < (1LL << 31)) return fast_div_u32(static_cast<unsigned>(n), mg);
     return n / d;
 }
 

@@ -289,8 +289,8 @@ template <int M> __device__ __forceinline__ long long tile_offset(const LayoutT<
     const unsigned u = static_cast<unsigned>(i);
     const unsigned long long md = static_cast<unsigned long long>(L.stride[k][3]);
     const unsigned long long mm = static_cast<unsigned long long>(L.stride[k][4]);
-    const unsigned q = (__umulhi(u, static_cast<unsigned>(md)) + u) >> static_cast<unsigned>(md >> 32);
-    const unsigned r = (__umulhi(q, static_cast<unsigned>(mm)) + q) >> static_cast<unsigned>(mm >> 32);
+    const unsigned q = fast_div_u32(u, md);
+    const unsigned r = fast_div_u32(q, mm);
     return static_cast<long long>(q - r * static_cast<unsigned>(L.stride[k][2]));
 }
 

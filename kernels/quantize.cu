@@ -48,7 +48,23 @@ template <typename R> struct Dequantize {
 
 // Per-channel parameters: element i is in channel (i / inner) % channels;
 // scale and zero point are R arrays of `channels` entries on the device.
-template <typename R> struct Channels {
+// Walk says how the V elements of a pack (V consecutive indices from a
+// multiple of V) meet the channels. The host picks it per call
+// (cufuse/ops/quantize.py: _walk), so that each kernel holds one path:
+// - kInChannel: inner % V == 0, so a pack lies in one channel (axis 0 and
+//   most others): one scale and zero point per pack;
+// - kAcross: inner == 1, channels % V == 0, V % 4 == 0 and both parameter
+//   arrays aligned to 4 elements (the last axis): a pack spans V consecutive
+//   channels, whose parameters are read in packs of 4;
+// - kAny: anything else, the channel stepped per element.
+// Wide: indices may reach 2**31 (64-bit division); otherwise the divisions
+// are 32-bit multiply-highs. One path per kernel, 32-bit indices, and the
+// driver's aligned loop: dequantize float16 axis 0 67.7 -> 90.7% of copy,
+// float32 axis 0 70.0 -> 85.4%, quantize float16 axis 0 63.7 -> 83.0%
+// (H200, 50M, scratch/chan_exp2.py; bench/NOTES.md, session 16).
+enum ChannelWalk { kInChannel = 0, kAcross = 1, kAny = 2 };
+
+template <typename R, int Walk, bool Wide> struct Channels {
     const R* scale;
     const R* zp;
     long long inner, channels;
@@ -57,25 +73,24 @@ template <typename R> struct Channels {
                         long long ch, unsigned long long ch_mg)
         : scale(reinterpret_cast<const R*>(s)), zp(reinterpret_cast<const R*>(z)), inner(in), channels(ch),
           inner_mg(in_mg), channels_mg(ch_mg) {}
-    __device__ __forceinline__ long long channel(long long i) const {
-        const long long q = cufuse::fast_div(i, inner, inner_mg);
-        return q - cufuse::fast_div(q, channels, channels_mg) * channels;
+    static __device__ __forceinline__ long long div(long long i, long long d, unsigned long long mg) {
+        if constexpr (Wide) return cufuse::fast_div(i, d, mg);
+        else return cufuse::fast_div_u32(static_cast<unsigned>(i), mg);
     }
-    // For the V consecutive elements from i0 (a multiple of V): the channel
-    // is divided out once per pack; then a pack inside one channel (axis 0
-    // and most others) reads its scale once and calls shared(scale, zero
-    // point); a pack of V consecutive channels (the last axis, aligned) reads
-    // them in 16-byte packs, and anything else steps the channel per
-    // element, both calling each(j, scale, zero point) per element.
+    __device__ __forceinline__ long long channel(long long i) const {
+        const long long q = Walk == kAcross ? i : div(i, inner, inner_mg);  // kAcross: inner == 1
+        return q - div(q, channels, channels_mg) * channels;
+    }
+    // For the V consecutive elements from i0 (a multiple of V): kInChannel
+    // calls shared(scale, zero point) once; the others call each(j, scale,
+    // zero point) per element. The stepping walk is right for any pack.
     template <int V, typename FS, typename FE>
     __device__ __forceinline__ void for_pack(long long i0, FS shared, FE each) const {
-        const long long q = cufuse::fast_div(i0, inner, inner_mg);
-        long long c = q - cufuse::fast_div(q, channels, channels_mg) * channels;
-        if (inner % V == 0) {
+        if constexpr (Walk == kInChannel) {
+            const long long c = channel(i0);
             shared(__ldg(scale + c), __ldg(zp + c));
-        } else if (inner == 1 && channels % V == 0 && V % 4 == 0 && cufuse::is_aligned<R, 4>(scale) &&
-                   cufuse::is_aligned<R, 4>(zp)) {
-            // 16-byte loads (float) of the pack's V consecutive scales and zero points
+        } else if constexpr (Walk == kAcross && V % 4 == 0) {
+            const long long c = channel(i0);
 #pragma unroll
             for (int g = 0; g < V / 4; ++g) {
                 const auto s = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(scale + c) + g);
@@ -84,6 +99,9 @@ template <typename R> struct Channels {
                 for (int j = 0; j < 4; ++j) each(4 * g + j, s.v[j], z.v[j]);
             }
         } else {
+            // kAny (or a kAcross pack of other than a multiple of 4: one element)
+            const long long q = div(i0, inner, inner_mg);
+            long long c = q - div(q, channels, channels_mg) * channels;
             long long r = i0 - q * inner;
 #pragma unroll
             for (int j = 0; j < V; ++j) {
@@ -97,13 +115,20 @@ template <typename R> struct Channels {
     }
 };
 
-template <typename R> struct QuantizeCh : Channels<R> {
+// one_loop (elementwise.cuh run_contiguous_one_loop: whole and partial packs
+// in one loop) or the aligned loop and a tail, as measured per walk (same
+// runs as above, % of copy): the aligned loop for kInChannel (dequantize
+// float16 axis 0 75.2 -> 90.7, quantize float16 63.7 -> 83.0) and for
+// dequantize kAcross (float16 80.6 -> 91.0); one loop for quantize kAcross
+// (float32 73.2 vs 71.0, float16 54.1 vs 51.5) and kAny (measured so when one
+// kernel held every walk).
+template <typename R, int Walk, bool Wide> struct QuantizeCh : Channels<R, Walk, Wide> {
     using compute = R;
     static constexpr bool indexed = true;
     static constexpr bool packed = true;
-    static constexpr bool one_loop = true;  // whole and partial packs in one loop (elementwise.cuh)
-    using pack_out = signed char;           // pack() writes the codes themselves
-    using Channels<R>::Channels;
+    static constexpr bool one_loop = Walk != kInChannel;
+    using pack_out = signed char;  // pack() writes the codes themselves
+    using Channels<R, Walk, Wide>::Channels;
     __device__ __forceinline__ signed char operator()(long long i, R x) const {
         const long long c = this->channel(i);
         return cufuse::math::quantize_int8(x, this->scale[c], this->zp[c]);
@@ -116,12 +141,12 @@ template <typename R> struct QuantizeCh : Channels<R> {
     }
 };
 
-template <typename R> struct DequantizeCh : Channels<R> {
+template <typename R, int Walk, bool Wide> struct DequantizeCh : Channels<R, Walk, Wide> {
     using compute = R;
     static constexpr bool indexed = true;
     static constexpr bool packed = true;
-    static constexpr bool one_loop = true;  // whole and partial packs in one loop (elementwise.cuh)
-    using Channels<R>::Channels;
+    static constexpr bool one_loop = Walk == kAny;  // see QuantizeCh
+    using Channels<R, Walk, Wide>::Channels;
     __device__ __forceinline__ R operator()(long long i, R q) const {
         const long long c = this->channel(i);
         return (q - this->zp[c]) * this->scale[c];

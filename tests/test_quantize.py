@@ -657,6 +657,59 @@ def test_dequantize_empty(backend, shape, axis, n, with_out, launches):
     assert launches == []
 
 
+# ------------------------------------------------------ per-channel walks
+# Shapes that take each walk of the per-channel kernels (kernels/quantize.cu
+# Channels; packs of 16 codes for quantize, 8 / 4 / 2 values for dequantize to
+# float16 / float32 / float64): a pack in one channel ((6, 48) axis 0,
+# (3, 4, 32) axis 1), a pack across channels ((5, 48) and (7, 64) on the last
+# axis; (5, 40) only for dequantize to float16/32), and the stepping walk
+# ((9, 1) axis 0, float64 output on the last axis).
+WALK_CASES = [((6, 48), 0), ((3, 4, 32), 1), ((5, 48), -1), ((7, 64), 1), ((5, 40), -1), ((9, 1), 0)]
+
+
+@dtype_param
+@pytest.mark.parametrize("shape, axis", WALK_CASES, ids=str)
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
+def test_per_channel_walks(backend, dtype, shape, axis, offset, launches):
+    """Each walk on data and parameters that start at a 16-byte boundary or
+    one element past it (``offset``: the packs of parameters that the
+    across-channels walk reads would be misaligned, so the host must take
+    the stepping walk; the data's misaligned packs go element by element)."""
+    n, size = shape[axis], math.prod(shape)
+    rng = np.random.default_rng(36)
+    s = rng.uniform(0.02, 0.3, n + 1).astype(F32)
+    z = np.round(rng.uniform(-9, 9, n + 1), 1).astype(F32)
+    ns, nz = s[offset:offset + n], z[offset:offset + n]
+    bs, bz = backend.asarray(s)[offset:offset + n], backend.asarray(z)[offset:offset + n]
+    x0 = rand((size + 1,), dtype, 37, 15.0)
+    x = x0[offset:offset + size].reshape(shape)
+    quantize(backend, backend.asarray(x0)[offset:offset + size].reshape(shape), bs, bz, axis, launches, x, ns, nz)
+    q0 = all_int8((size + 1,), 38)
+    q = q0[offset:offset + size].reshape(shape)
+    for odt in DTYPES:
+        dequantize(backend, backend.asarray(q0)[offset:offset + size].reshape(shape), bs, bz, axis, odt, launches,
+                   q, ns, nz)
+
+
+def test_per_channel_walk_choice():
+    """The host's choice of walk (cufuse/ops/quantize.py _walk): the
+    conditions under which kernels/quantize.cu Channels may take each one."""
+    from cufuse.ops import quantize as Q
+    ok = (0, 256)                                            # 16-byte-aligned parameter pointers
+    assert Q._walk(96, 48, 2, 16, ok, 4) == (Q.IN_CHANNEL, False)
+    assert Q._walk(96, 48, 2, 2, ok, 8) == (Q.IN_CHANNEL, False)
+    assert Q._walk(240, 1, 48, 16, ok, 4) == (Q.ACROSS, False)
+    assert Q._walk(240, 1, 48, 16, (4, 256), 4) == (Q.ANY, False)    # scale one float past a boundary
+    assert Q._walk(240, 1, 48, 16, (0, 8), 4) == (Q.ANY, False)      # zero point two floats past
+    assert Q._walk(240, 1, 48, 16, (16, 32), 8) == (Q.ANY, False)    # doubles: 32-byte packs of 4
+    assert Q._walk(200, 1, 40, 16, ok, 4) == (Q.ANY, False)          # a pack of 16 spans two rows of 40
+    assert Q._walk(200, 1, 40, 8, ok, 4) == (Q.ACROSS, False)
+    assert Q._walk(80, 1, 40, 2, ok, 8) == (Q.ANY, False)            # packs of 2: not a multiple of 4
+    assert Q._walk(90, 10, 9, 16, ok, 4) == (Q.ANY, False)
+    assert Q._walk(2**31, 2**20, 2**11, 16, ok, 4) == (Q.ANY, True)  # indices past 2**31: 64-bit division
+    assert Q._walk(2**31 - 16, 16, 2**27 - 1, 16, ok, 4) == (Q.IN_CHANNEL, False)
+
+
 # ---------------------------------------------------------------- round trip
 @dtype_param
 @pytest.mark.parametrize("scale, zp", [(0.1, 0.0), (0.037, 5.0), (2.0, -20.0), (1e-3, 0.5)], ids=repr)

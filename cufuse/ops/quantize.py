@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .. import _runtime as R
-from .elementwise import ElementwiseOp
+from .elementwise import ElementwiseOp, pack_width
 
 _F16, _F32, _F64, _I8 = (np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8))
 _FLOATS = (_F16, _F32, _F64)
@@ -61,12 +61,45 @@ def _quant_per_tensor(in_dt, s, z):
     return _quant if in_dt not in (_F16, _F32) or _reciprocal_ok(s, z) else _quant_div
 
 
-_quant_ch = ElementwiseOp("quantize_int8", lambda i, o: f"QuantizeCh<{_rname(i)}>", 1, _quantize_np,
-                          signatures=[(d, _I8) for d in _FLOATS], params=_CHANNEL_PARAMS, indexed=True, family="quantize")
+# Per channel: one op per walk (kernels/quantize.cu ChannelWalk: how a pack of
+# V elements meets the channels), each a family of its own, compiled by the
+# first call that needs it; Wide ones index beyond 2**31 elements.
+IN_CHANNEL, ACROSS, ANY = 0, 1, 2
+_WALKS = ((IN_CHANNEL, False), (ACROSS, False), (ANY, False), (ANY, True))
+
+
+def _channel_ops(name, functor, real_of, numpy_impl, signatures):
+    """{(walk, wide): ElementwiseOp} of the functor template ``functor<R, Walk,
+    Wide>``; ACROSS reads parameters in packs of 4, so it has only the
+    signatures whose packs are a multiple of 4 elements."""
+    ops = {}
+    for walk, wide in _WALKS:
+        sigs = [sg for sg in signatures if walk != ACROSS or pack_width(*sg) % 4 == 0]
+        targs = f"{walk}, {'true' if wide else 'false'}"
+        ops[walk, wide] = ElementwiseOp(name, lambda i, o, t=targs: f"{functor}<{_rname(real_of(i, o))}, {t}>", 1,
+                                        numpy_impl, signatures=sigs, params=_CHANNEL_PARAMS, indexed=True,
+                                        family=f"quantize:ch{'wide' if wide else walk}")
+    return ops
+
+
+def _walk(n, inner, nch, v, ptrs, itemsize):
+    """(walk, wide) for ``n`` elements, ``inner`` elements per channel step,
+    ``nch`` channels, packs of ``v`` and parameters at ``ptrs`` (``itemsize``
+    bytes each): the conditions of kernels/quantize.cu Channels."""
+    if n >= 2**31:
+        return ANY, True
+    if inner % v == 0:
+        return IN_CHANNEL, False
+    if inner == 1 and nch % v == 0 and v % 4 == 0 and all(p % (4 * itemsize) == 0 for p in ptrs):
+        return ACROSS, False
+    return ANY, False
+
+
+_quant_ch = _channel_ops("quantize_int8", "QuantizeCh", lambda i, o: i, _quantize_np, [(d, _I8) for d in _FLOATS])
 _dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
                          signatures=[(_I8, d) for d in _FLOATS], params=("double", "double"), family="quantize")
-_dequant_ch = ElementwiseOp("dequantize_int8", lambda i, o: f"DequantizeCh<{_rname(o)}>", 1, _dequantize_np,
-                            signatures=[(_I8, d) for d in _FLOATS], params=_CHANNEL_PARAMS, indexed=True, family="quantize")
+_dequant_ch = _channel_ops("dequantize_int8", "DequantizeCh", lambda i, o: o, _dequantize_np,
+                           [(_I8, d) for d in _FLOATS])
 
 
 def _scalar_param(name, what, v, positive):
@@ -131,7 +164,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     axis = int(axis) % ndim
     sc = _channel_param(name, "scale", scale, x, kind, axis, real, True)
     zp = _channel_param(name, "zero_point", zero_point, x, kind, axis, real, False)
-    params, np_params = (), {}
+    params, np_params, walk = (), {}, (ANY, False)  # the fallback takes any walk's op
     if kind in A.GPU_KINDS:
         dev = A.device_of(x, kind)
         with R._cp.cuda.Device(dev):
@@ -144,15 +177,18 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
                     raise ValueError(f"cufuse.{name}: scale and zero_point must be on the data's GPU ({dev})")
         inner = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
         nch = x.shape[axis]
-        params = (np.uint64(A.pointer_of(sc, kind)), np.uint64(A.pointer_of(zp, kind)),
+        ptrs = (A.pointer_of(sc, kind), A.pointer_of(zp, kind))
+        params = (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
                   inner, np.uint64(A.fast_div_magic(inner)), nch, np.uint64(A.fast_div_magic(nch)))
+        walk = _walk(int(np.prod(x.shape, dtype=np.int64)), inner, nch, pack_width(in_dt, out_dtype), ptrs,
+                     real.itemsize)
     else:  # the fallback broadcasts the parameters along ``axis``
         bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
         for key, v in (("scale", sc), ("zero_point", zp)):
             np_params[key] = (v.numpy() if A.is_torch_tensor(v) else np.asarray(v)).astype(real).reshape(bshape)
         if in_dt == _I8:
             np_params["real"] = real
-    res = per_channel._general((x,), out, out_dtype=out_dtype, params=params, np_params=np_params)
+    res = per_channel[walk]._general((x,), out, out_dtype=out_dtype, params=params, np_params=np_params)
     del sc, zp  # kept alive until the launch was queued (stream-ordered allocators)
     return res
 
