@@ -78,6 +78,25 @@ _EXPR = re.compile(r"(ew[123](?:_strided|_tiled)?|norm_rows(?:_cluster|_split|_s
 _CTYPE_NAMES = {"__half": "float16", "float": "float32", "double": "float64", "signed char": "int8"}
 
 
+# Constants held both by the host and by the kernels: (module, attribute,
+# kernel file, C++ name). A change on one side only would misplace data
+# (the split rows' workspace) or misread arguments, with no compile error.
+MIRRORED = [("cufuse.ops.norm", "_PART_BYTES", "rows.cuh", "kPartBytes"),
+            ("cufuse.ops.elementwise", "_SCALAR_SHIFT", "elementwise.cuh", "kScalarShift"),
+            ("cufuse.ops.elementwise", "_STRIDED_NDIM", "elementwise.cuh", "kMaxDims"),
+            ("cufuse.ops.elementwise", "_MAX_OPERANDS", "elementwise.cuh", "kMaxOperands"),
+            ("cufuse.ops.reduction", "_ROW_BLOCK", "reduction.cu", "kRowBlock")]
+
+
+@pytest.mark.parametrize("module, attr, file, name", MIRRORED, ids=lambda v: v if isinstance(v, str) else "")
+def test_host_and_kernel_constants_agree(module, attr, file, name):
+    import importlib
+    text = (R.kernel_dir() / file).read_text()
+    found = re.findall(rf"constexpr\s+int\s+{name}\s*=\s*(\d+)\s*;", text)
+    assert len(found) == 1, f"{file}: {name} defined {len(found)} times"
+    assert getattr(importlib.import_module(module), attr) == int(found[0]), (module, attr, file, name)
+
+
 def test_registry_has_every_op_and_dtype():
     """Every registered name expression names a kernel and a functor that its
     family's source defines, with a ctype matching its dtype label; every op
