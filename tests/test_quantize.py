@@ -669,26 +669,48 @@ WALK_CASES = [((6, 48), 0), ((3, 4, 32), 1), ((5, 48), -1), ((7, 64), 1), ((5, 4
 
 @dtype_param
 @pytest.mark.parametrize("shape, axis", WALK_CASES, ids=str)
-@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "offset"])
-def test_per_channel_walks(backend, dtype, shape, axis, offset, launches):
+@pytest.mark.parametrize("layout", ["aligned", "data_offset", "param_offset", "both_offset", "sliced"])
+def test_per_channel_walks(backend, dtype, shape, axis, layout, launches):
     """Each walk on data and parameters that start at a 16-byte boundary or
-    one element past it (``offset``: the packs of parameters that the
-    across-channels walk reads would be misaligned, so the host must take
-    the stepping walk; the data's misaligned packs go element by element)."""
+    one element past it (a parameter offset misaligns the packs of
+    parameters that the across-channels walk reads, so the host must take
+    the stepping walk; a data offset sends every pack through the partial
+    packs), and on data that is a column slice of a wider array (the
+    strided kernel's packs)."""
     n, size = shape[axis], math.prod(shape)
+    xo = 1 if layout in ("data_offset", "both_offset") else 0
+    po = 1 if layout in ("param_offset", "both_offset") else 0
     rng = np.random.default_rng(36)
     s = rng.uniform(0.02, 0.3, n + 1).astype(F32)
     z = np.round(rng.uniform(-9, 9, n + 1), 1).astype(F32)
-    ns, nz = s[offset:offset + n], z[offset:offset + n]
-    bs, bz = backend.asarray(s)[offset:offset + n], backend.asarray(z)[offset:offset + n]
-    x0 = rand((size + 1,), dtype, 37, 15.0)
-    x = x0[offset:offset + size].reshape(shape)
-    quantize(backend, backend.asarray(x0)[offset:offset + size].reshape(shape), bs, bz, axis, launches, x, ns, nz)
-    q0 = all_int8((size + 1,), 38)
-    q = q0[offset:offset + size].reshape(shape)
+    ns, nz = s[po:po + n], z[po:po + n]
+    bs, bz = backend.asarray(s)[po:po + n], backend.asarray(z)[po:po + n]
+
+    def place(a):  # (NumPy view, backend view) of ``a``'s first ``size`` elements laid out per ``layout``
+        if layout == "sliced":
+            wide = np.concatenate([a[:size].reshape(-1, shape[-1]), a[:size].reshape(-1, shape[-1])], axis=1)
+            return a[:size].reshape(shape), backend.asarray(wide)[:, :shape[-1]].reshape(shape)
+        return a[xo:xo + size].reshape(shape), backend.asarray(a)[xo:xo + size].reshape(shape)
+
+    x, bx = place(rand((size + 1,), dtype, 37, 15.0))
+    quantize(backend, bx, bs, bz, axis, launches, x, ns, nz)
+    q, bq = place(all_int8((size + 1,), 38))
     for odt in DTYPES:
-        dequantize(backend, backend.asarray(q0)[offset:offset + size].reshape(shape), bs, bz, axis, odt, launches,
-                   q, ns, nz)
+        dequantize(backend, bq, bs, bz, axis, odt, launches, q, ns, nz)
+
+
+def test_per_channel_strided_parameters(backend, launches):
+    """Parameters given as strided views of the data's kind (every other
+    element) are read as what they hold, not as a contiguous run."""
+    rng = np.random.default_rng(39)
+    x = rand((6, 48), F32, 40, 15.0)
+    s = rng.uniform(0.02, 0.3, 96).astype(F32)
+    z = np.round(rng.uniform(-9, 9, 96), 1).astype(F32)
+    for axis, n in ((0, 6), (-1, 48)):
+        bs, bz = backend.asarray(s)[:2 * n:2], backend.asarray(z)[:2 * n:2]
+        quantize(backend, backend.asarray(x), bs, bz, axis, launches, x, s[:2 * n:2], z[:2 * n:2])
+        q = all_int8((6, 48), 41)
+        dequantize(backend, backend.asarray(q), bs, bz, axis, F32, launches, q, s[:2 * n:2], z[:2 * n:2])
 
 
 def test_per_channel_walk_choice():

@@ -137,7 +137,7 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
             raise ValueError(f"cufuse.{name}: every {what} must be {need}")
         return arr
     if vk == A.CUPY:
-        return arr.astype(real, copy=False)
+        return R._cp.ascontiguousarray(arr, dtype=real)  # the kernels index scale[c]: no strides
     return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: same device as the data
 
 
@@ -169,7 +169,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         dev = A.device_of(x, kind)
         with R._cp.cuda.Device(dev):
             if kind == A.CUPY:
-                sc, zp = (R._cp.asarray(v, dtype=real) for v in (sc, zp))
+                sc, zp = (R._cp.ascontiguousarray(R._cp.asarray(v, dtype=real)) for v in (sc, zp))
             else:
                 t = A.torch()
                 sc, zp = (v if t.is_tensor(v) else t.from_numpy(v).to(f"cuda:{dev}") for v in (sc, zp))
