@@ -123,9 +123,15 @@ __device__ __forceinline__ long long decode_operands(const Tin* const (&in)[NIN]
 // several 16-byte loads (L1 absorbs their stride). Measured on an H200 at
 // 50M elements: quantize f32->int8 went from 59% of copy (4-byte int8
 // stores) to 89%; dequantize int8->f32 with 16 elements per thread (four
-// 16-byte stores per thread, 64 bytes apart) fell from 78% to 38%.
-template <typename Tout, typename Tin> struct PackWidth {
-    static constexpr int value = 16 / sizeof(Tout);
+// 16-byte stores per thread, 64 bytes apart) fell from 78% to 38%. A
+// functor may say `static constexpr int pack_bytes = B;` for stores of B
+// bytes instead (the host's ElementwiseOp(pack_bytes=) must agree).
+template <typename Op, typename = void> struct op_pack_bytes { static constexpr int value = 16; };
+template <typename Op> struct op_pack_bytes<Op, void_t<decltype(Op::pack_bytes)>> {
+    static constexpr int value = Op::pack_bytes;
+};
+template <typename Op, typename Tout, typename Tin> struct PackWidth {
+    static constexpr int value = op_pack_bytes<Op>::value / static_cast<int>(sizeof(Tout));
 };
 
 // One pack of V outputs from V elements of each input (already loaded).
@@ -177,7 +183,7 @@ template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_contiguous_one_loop(const Op& op, Tout* out, const Tin* const (&in)[NIN],
                                                       long long nm) {
     using C = typename op_compute<Op, Tin>::type;
-    constexpr int V = PackWidth<Tout, Tin>::value;
+    constexpr int V = PackWidth<Op, Tout, Tin>::value;
     C sc[NIN];
     bool is_s[NIN];
     const long long n = decode_operands<NIN, C>(in, nm, is_s, sc);
@@ -218,7 +224,7 @@ __device__ __forceinline__ void run_contiguous(const Op& op, Tout* out, const Ti
         return;
     }
     using C = typename op_compute<Op, Tin>::type;
-    constexpr int V = PackWidth<Tout, Tin>::value;
+    constexpr int V = PackWidth<Op, Tout, Tin>::value;
     C sc[NIN];
     bool is_s[NIN];
     const long long n = decode_operands<NIN, C>(in, nm, is_s, sc);
@@ -345,7 +351,7 @@ template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_strided(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm,
                                             const Layout& L) {
     using C = typename op_compute<Op, Tin>::type;
-    constexpr int V = PackWidth<Tout, Tin>::value;
+    constexpr int V = PackWidth<Op, Tout, Tin>::value;
     C sc[NIN];
     bool is_s[NIN];
     const long long n = decode_operands<NIN, C>(in, nm, is_s, sc);
@@ -381,7 +387,7 @@ template <typename Op, int NIN, typename Tout, typename Tin>
 __device__ __forceinline__ void run_tiled(const Op& op, Tout* out, const Tin* const (&in)[NIN], long long nm,
                                           const Layout& L) {
     using C = typename op_compute<Op, Tin>::type;
-    constexpr int V = PackWidth<Tout, Tin>::value;
+    constexpr int V = PackWidth<Op, Tout, Tin>::value;
     // Arrays only: the host sends calls with a scalar operand to the strided
     // kernel, so that no scalar decoding is live here (40 -> 32 registers for
     // bias_gelu, which is what lets 8 blocks of 256 threads fit on an SM).

@@ -122,11 +122,12 @@ template <typename R, int Walk, bool Wide> struct Channels {
 // dequantize kAcross (float16 80.6 -> 91.0); one loop for quantize kAcross
 // (float32 73.2 vs 71.0, float16 54.1 vs 51.5) and kAny (measured so when one
 // kernel held every walk).
-template <typename R, int Walk, bool Wide> struct QuantizeCh : Channels<R, Walk, Wide> {
+template <typename R, int Walk, bool Wide, int PackBytes> struct QuantizeCh : Channels<R, Walk, Wide> {
     using compute = R;
     static constexpr bool indexed = true;
     static constexpr bool packed = true;
     static constexpr bool one_loop = Walk != kInChannel;
+    static constexpr int pack_bytes = PackBytes;  // codes per pack (cufuse/ops/quantize.py: _quant_pack_bytes)
     using pack_out = signed char;  // pack() writes the codes themselves
     using Channels<R, Walk, Wide>::Channels;
     __device__ __forceinline__ signed char operator()(long long i, R x) const {

@@ -659,11 +659,12 @@ def test_dequantize_empty(backend, shape, axis, n, with_out, launches):
 
 # ------------------------------------------------------ per-channel walks
 # Shapes that take each walk of the per-channel kernels (kernels/quantize.cu
-# Channels; packs of 16 codes for quantize, 8 / 4 / 2 values for dequantize to
-# float16 / float32 / float64): a pack in one channel ((6, 48) axis 0,
-# (3, 4, 32) axis 1), a pack across channels ((5, 48) and (7, 64) on the last
-# axis; (5, 40) only for dequantize to float16/32), and the stepping walk
-# ((9, 1) axis 0, float64 output on the last axis).
+# Channels; packs of 8 codes for quantize of float32, 16 for float16/64; 8 /
+# 4 / 2 values for dequantize to float16 / float32 / float64): a pack in one
+# channel ((6, 48) axis 0, (3, 4, 32) axis 1), a pack across channels
+# ((5, 48) and (7, 64) on the last axis; (5, 40) for all but quantize of
+# float16/64 and dequantize to float64), and the stepping walk ((9, 1) axis
+# 0, float64 output on the last axis).
 WALK_CASES = [((6, 48), 0), ((3, 4, 32), 1), ((5, 48), -1), ((7, 64), 1), ((5, 40), -1), ((9, 1), 0)]
 
 

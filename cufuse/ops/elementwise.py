@@ -32,9 +32,10 @@ def _compute_dtype(dtype):
     return _F32 if dtype == _F16 else dtype
 
 
-def pack_width(in_dt, out_dt):
-    """Elements per pack (kernels/elementwise.cuh PackWidth): one 16-byte store."""
-    return 16 // out_dt.itemsize
+def pack_width(in_dt, out_dt, pack_bytes=16):
+    """Elements per pack (kernels/elementwise.cuh PackWidth): one store of
+    ``pack_bytes`` (16 unless the functor says otherwise)."""
+    return pack_bytes // out_dt.itemsize
 
 
 class ElementwiseOp:
@@ -48,10 +49,12 @@ class ElementwiseOp:
     ``numpy_impl(*values, **np_params)`` is the fallback, on values already in
     the compute dtype. ``indexed`` ops see each element's logical C-order
     index, so they only take the contiguous kernel for C-contiguous output.
+    ``pack_bytes(in_dtype, out_dtype)``: the bytes of a pack's store, as the
+    functor's ``pack_bytes`` says (default 16).
     """
 
     def __init__(self, name, functor, arity, numpy_impl, *, signatures=None, params=(), indexed=False,
-                 family=FAMILY):
+                 family=FAMILY, pack_bytes=None):
         self.name = name
         self.family = family
         self.arity = arity
@@ -60,8 +63,10 @@ class ElementwiseOp:
         self.signatures = signatures or [(dt, dt) for dt in R.FLOAT_CTYPES]
         self.in_dtypes = tuple(dict.fromkeys(i for i, _ in self.signatures))
         self._pack = {}
+        self._width = {}  # (input dtype, output dtype) -> elements per pack
         self._expr = {}
         for in_dt, out_dt in self.signatures:
+            self._width[(in_dt, out_dt)] = pack_width(in_dt, out_dt, pack_bytes(in_dt, out_dt) if pack_bytes else 16)
             fname = functor(in_dt, out_dt) if callable(functor) else functor
             targs = (fname, R.CTYPES[out_dt], R.CTYPES[in_dt], *params)
             label = in_dt.name if in_dt == out_dt else f"{in_dt.name}->{out_dt.name}"
@@ -77,7 +82,7 @@ class ElementwiseOp:
             self._expr[(in_dt, out_dt)] = tuple(entries)
             if in_dt == out_dt:
                 self._expr[in_dt] = self._expr[(in_dt, out_dt)]
-                self._pack[in_dt] = pack_width(in_dt, out_dt)
+                self._pack[in_dt] = self._width[(in_dt, out_dt)]
         self._fast = {}  # (dtype, device) and dtype -> contiguous kernel entry, for same-dtype ops
 
     # ------------------------------------------------------------ hot path
@@ -287,7 +292,7 @@ class ElementwiseOp:
         contiguous = len(cshape) == 1 and all(st[0] == 1 for st in cstrides)
         if contiguous and (not self.indexed or A.is_c_contiguous(shape, ost)):
             fn = self._fn((dt, odt), dev)  # one dense run (indexed ops: in C order)
-            R.launch(fn, n // pack_width(dt, odt) or 1, dev, (optr, *ptrs, nm, *params), stream)
+            R.launch(fn, n // self._width[(dt, odt)] or 1, dev, (optr, *ptrs, nm, *params), stream)
             return
         if len(cshape) > _STRIDED_NDIM:
             # More dims than the strided kernel indexes: copy the operands to
@@ -300,7 +305,7 @@ class ElementwiseOp:
         it = iter(cstrides)
         parts = [(optr, next(it), odt.itemsize)]
         parts += [None if x is None else (ptrs[k], next(it), dt.itemsize) for k, x in enumerate(ins)]
-        layout, work = strided_layout(_MAX_OPERANDS, cshape, parts, pack_width(dt, odt), n)
+        layout, work = strided_layout(_MAX_OPERANDS, cshape, parts, self._width[(dt, odt)], n)
         fn = self._fn((dt, odt), dev, 2 if layout["vec"] == 2 else 1)
         R.launch(fn, work, dev, (optr, *ptrs, nm, layout, *params), stream)
 
