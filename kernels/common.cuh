@@ -454,7 +454,6 @@ template <Hint H, typename P> __device__ __forceinline__ P load_hinted(const P* 
         return *p;
     }
 }
-template <typename P> __device__ __forceinline__ P load_stream(const P* p) { return load_hinted<Hint::stream>(p); }
 
 // A pack converted to the compute type; float16 pairs convert two at a time.
 template <typename C, typename T, int N> __device__ __forceinline__ void unpack(const Pack<T, N>& p, C (&out)[N]) {

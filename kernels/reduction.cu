@@ -60,7 +60,7 @@ __device__ __forceinline__ A row_part(const Tin* xr, long long cols, long long p
     if (active && lane == 0 && head && split == 0) ek = 0;
     if (active && lane == 1 && last * V - head < cols && (last > 0 || !head) && split == splits - 1) ek = last;
     P e;
-    if (ek >= 0) e = load_stream(xp + ek);
+    if (ek >= 0) e = load_hinted<Hint::stream>(xp + ek);
     A acc[U];  // one chain of additions per pack in flight
 #pragma unroll
     for (int u = 0; u < U; ++u) acc[u] = A(0);
@@ -78,7 +78,7 @@ __device__ __forceinline__ A row_part(const Tin* xr, long long cols, long long p
     for (; n >= U; n -= U, xl += U * tpr) {
         P p[U];
 #pragma unroll
-        for (int u = 0; u < U; ++u) p[u] = load_stream(xl + u * tpr);
+        for (int u = 0; u < U; ++u) p[u] = load_hinted<Hint::stream>(xl + u * tpr);
 #pragma unroll
         for (int u = 0; u < U; ++u) add(acc[u], p[u]);
     }
@@ -86,7 +86,7 @@ __device__ __forceinline__ A row_part(const Tin* xr, long long cols, long long p
         P p[U];
 #pragma unroll
         for (int u = 0; u < U; ++u)
-            if (u < n) p[u] = load_stream(xl + u * tpr);
+            if (u < n) p[u] = load_hinted<Hint::stream>(xl + u * tpr);
 #pragma unroll
         for (int u = 0; u < U; ++u)
             if (u < n) add(acc[u], p[u]);
@@ -196,7 +196,7 @@ __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Ti
         for (; n >= U; n -= U, xl += U * stride) {
             P p[U];
 #pragma unroll
-            for (int u = 0; u < U; ++u) p[u] = load_stream(reinterpret_cast<const P*>(xl + u * stride));
+            for (int u = 0; u < U; ++u) p[u] = load_hinted<Hint::stream>(reinterpret_cast<const P*>(xl + u * stride));
 #pragma unroll
             for (int u = 0; u < U; ++u) add(p[u]);
         }
@@ -204,7 +204,7 @@ __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Ti
             P p[U];
 #pragma unroll
             for (int u = 0; u < U; ++u)
-                if (u < n) p[u] = load_stream(reinterpret_cast<const P*>(xl + u * stride));
+                if (u < n) p[u] = load_hinted<Hint::stream>(reinterpret_cast<const P*>(xl + u * stride));
 #pragma unroll
             for (int u = 0; u < U; ++u)
                 if (u < n) add(p[u]);

@@ -64,23 +64,34 @@ __device__ __forceinline__ void cluster_sync() {
 
 // A value of another block of the cluster: `smem` is this block's copy of
 // the variable, `rank` the block to read it from; any type of whole words.
-template <typename S> __device__ __forceinline__ S load_cluster(const S* smem, unsigned rank) {
+// An S built word by word: word(i) gives its i-th 32-bit word (S is a
+// struct of whole words: the statistics below, moved between threads).
+template <typename S, typename F> __device__ __forceinline__ S from_words(F word) {
     static_assert(sizeof(S) % 4 == 0, "words only");
+    unsigned w[sizeof(S) / 4];
+#pragma unroll
+    for (int i = 0; i < int(sizeof(S) / 4); ++i) w[i] = word(i);
     S out;
+    memcpy(&out, w, sizeof(S));
+    return out;
+}
+
+// A value of another block of the cluster: `smem` is this block's copy of
+// the variable, `rank` the block to read it from.
+template <typename S> __device__ __forceinline__ S load_cluster(const S* smem, unsigned rank) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     const unsigned local = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     unsigned remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
-    unsigned w[sizeof(S) / 4];
-#pragma unroll
-    for (int i = 0; i < int(sizeof(S) / 4); ++i)
-        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(w[i]) : "r"(remote + 4 * i) : "memory");
-    memcpy(&out, w, sizeof(S));
+    return from_words<S>([&](int i) {
+        unsigned r;
+        asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(r) : "r"(remote + 4 * i) : "memory");
+        return r;
+    });
 #else
     __trap();
-    out = *smem;
+    return *smem;
 #endif
-    return out;
 }
 
 // ---- statistics merged across the parts of a row ---------------------------
@@ -89,24 +100,13 @@ template <typename S> __device__ __forceinline__ S load_cluster(const S* smem, u
 // commutative bit for bit (contracted multiply-adds are not): every merge
 // below takes its operands in one fixed order.
 template <typename S> __device__ __forceinline__ S shfl_xor(const S& v, int o) {
-    static_assert(sizeof(S) % 4 == 0, "words only");
     unsigned w[sizeof(S) / 4];
     memcpy(w, &v, sizeof(S));
-#pragma unroll
-    for (int i = 0; i < int(sizeof(S) / 4); ++i) w[i] = __shfl_xor_sync(0xffffffffu, w[i], o);
-    S out;
-    memcpy(&out, w, sizeof(S));
-    return out;
+    return from_words<S>([&](int i) { return __shfl_xor_sync(0xffffffffu, w[i], o); });
 }
 
 template <typename S> __device__ __forceinline__ S load_cg(const S* p) {  // through L2, never L1
-    static_assert(sizeof(S) % 4 == 0, "words only");
-    unsigned w[sizeof(S) / 4];
-#pragma unroll
-    for (int i = 0; i < int(sizeof(S) / 4); ++i) w[i] = __ldcg(reinterpret_cast<const unsigned*>(p) + i);
-    S out;
-    memcpy(&out, w, sizeof(S));
-    return out;
+    return from_words<S>([&](int i) { return __ldcg(reinterpret_cast<const unsigned*>(p) + i); });
 }
 
 // ---- the row group ----------------------------------------------------------

@@ -32,10 +32,10 @@ def _compute_dtype(dtype):
     return _F32 if dtype == _F16 else dtype
 
 
-def pack_width(in_dt, out_dt, pack_bytes=16):
+def pack_width(in_dt, out_dt, pack_bytes=None):
     """Elements per pack (kernels/elementwise.cuh PackWidth): one store of
-    ``pack_bytes`` (16 unless the functor says otherwise)."""
-    return pack_bytes // out_dt.itemsize
+    ``pack_bytes(in_dt, out_dt)`` bytes (16 when the functor does not say)."""
+    return (pack_bytes(in_dt, out_dt) if pack_bytes else 16) // out_dt.itemsize
 
 
 class ElementwiseOp:
@@ -66,7 +66,7 @@ class ElementwiseOp:
         self._width = {}  # (input dtype, output dtype) -> elements per pack
         self._expr = {}
         for in_dt, out_dt in self.signatures:
-            self._width[(in_dt, out_dt)] = pack_width(in_dt, out_dt, pack_bytes(in_dt, out_dt) if pack_bytes else 16)
+            self._width[(in_dt, out_dt)] = pack_width(in_dt, out_dt, pack_bytes)
             fname = functor(in_dt, out_dt) if callable(functor) else functor
             targs = (fname, R.CTYPES[out_dt], R.CTYPES[in_dt], *params)
             label = in_dt.name if in_dt == out_dt else f"{in_dt.name}->{out_dt.name}"
@@ -84,6 +84,10 @@ class ElementwiseOp:
                 self._expr[in_dt] = self._expr[(in_dt, out_dt)]
                 self._pack[in_dt] = self._width[(in_dt, out_dt)]
         self._fast = {}  # (dtype, device) and dtype -> contiguous kernel entry, for same-dtype ops
+
+    def width(self, in_dt, out_dt):
+        """Elements per pack of the (input dtype, output dtype) kernels."""
+        return self._width[(in_dt, out_dt)]
 
     # ------------------------------------------------------------ hot path
     def _fn(self, key, device, entry=0):

@@ -73,16 +73,13 @@ def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None
     Wide[, PackBytes]>`` (PackBytes when ``pack_bytes(in, out)`` is given);
     ACROSS reads parameters in packs of 4, so it has only the signatures
     whose packs are a multiple of 4 elements."""
-    def width(i, o):
-        return pack_width(i, o, pack_bytes(i, o) if pack_bytes else 16)
-
     def fname(i, o, walk, wide):
         pb = f", {pack_bytes(i, o)}" if pack_bytes else ""
         return f"{functor}<{_rname(real_of(i, o))}, {walk}, {'true' if wide else 'false'}{pb}>"
 
     ops = {}
     for walk, wide in _WALKS:
-        sigs = [sg for sg in signatures if walk != ACROSS or width(*sg) % 4 == 0]
+        sigs = [sg for sg in signatures if walk != ACROSS or pack_width(*sg, pack_bytes) % 4 == 0]
         ops[walk, wide] = ElementwiseOp(name, lambda i, o, w=walk, d=wide: fname(i, o, w, d), 1, numpy_impl,
                                         signatures=sigs, params=_CHANNEL_PARAMS, indexed=True,
                                         family=f"quantize:ch{'wide' if wide else walk}", pack_bytes=pack_bytes)
@@ -147,7 +144,7 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
         raise ValueError(f"cufuse.{name}: {what} has shape {tuple(arr.shape)}; axis {axis} of the data "
                          f"has length {nch}, so ({nch},) is needed")
     if vk == A.NUMPY:
-        arr = np.asarray(arr, dtype=real)
+        arr = np.ascontiguousarray(arr, dtype=real)  # the kernels index scale[c]: no strides
         if positive and not np.all(arr > 0) or not np.all(np.isfinite(arr)):
             need = "finite and > 0" if positive else "finite"
             raise ValueError(f"cufuse.{name}: every {what} must be {need}")
@@ -185,7 +182,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         dev = A.device_of(x, kind)
         with R._cp.cuda.Device(dev):
             if kind == A.CUPY:
-                sc, zp = (R._cp.ascontiguousarray(R._cp.asarray(v, dtype=real)) for v in (sc, zp))
+                sc, zp = (R._cp.asarray(v) for v in (sc, zp))  # dense already (_channel_param)
             else:
                 t = A.torch()
                 sc, zp = (v if t.is_tensor(v) else t.from_numpy(v).to(f"cuda:{dev}") for v in (sc, zp))
@@ -196,7 +193,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         ptrs = (A.pointer_of(sc, kind), A.pointer_of(zp, kind))
         params = (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
                   inner, np.uint64(A.fast_div_magic(inner)), nch, np.uint64(A.fast_div_magic(nch)))
-        v = per_channel[ANY, False]._width[(in_dt, out_dtype)]  # every walk's op packs alike
+        v = per_channel[ANY, False].width(in_dt, out_dtype)  # every walk's op packs alike
         walk = _walk(int(np.prod(x.shape, dtype=np.int64)), inner, nch, v, ptrs, real.itemsize)
     else:  # the fallback broadcasts the parameters along ``axis``
         bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
