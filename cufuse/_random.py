@@ -1,7 +1,7 @@
 """Seeds for cufuse's random ops, and Philox4x32-10 in NumPy.
 
-The GPU kernels (kernels/common.cuh: philox4x32_10, philox_word) and the
-NumPy fallback compute the same words for the same (seed, element index), so
+The GPU kernels (kernels/common.cuh: philox4x32_10, philox_lane) and the
+NumPy fallback compute the same lanes for the same (seed, element index), so
 a mask drawn on the GPU equals the fallback's, bit for bit.
 """
 from __future__ import annotations
@@ -57,10 +57,16 @@ def philox4x32_10(counter, key):
     return tuple(c.astype(np.uint32) for c in (c0, c1, c2, c3))
 
 
-def philox_words(seed: int, n: int) -> np.ndarray:
-    """Word i % 4 of Philox4x32-10 at counter i // 4, key ``seed``, for i < n."""
-    groups = (n + 3) // 4
-    q = np.arange(groups, dtype=np.uint64)
-    words = philox4x32_10((q & _LO, q >> _S32, np.zeros_like(q), np.zeros_like(q)),
-                          (seed & 0xFFFFFFFF, seed >> 32))
-    return np.stack(words, axis=1).reshape(-1)[:n]
+def philox_lanes(seed: int, n: int, bits: int = 32) -> np.ndarray:
+    """Lane i % L of Philox4x32-10 at counter i // L, key ``seed``, for i < n,
+    as uint32: ``bits`` 32, L = 4 (the four words); ``bits`` 16, L = 8 (the
+    low half of each word, then its high half)."""
+    if bits not in (16, 32):
+        raise ValueError(f"philox_lanes: bits must be 16 or 32, got {bits}")
+    per = 128 // bits
+    q = np.arange((n + per - 1) // per, dtype=np.uint64)
+    words = np.stack(philox4x32_10((q & _LO, q >> _S32, np.zeros_like(q), np.zeros_like(q)),
+                                   (seed & 0xFFFFFFFF, seed >> 32)), axis=1)
+    if bits == 16:
+        words = np.stack((words & np.uint32(0xFFFF), words >> np.uint32(16)), axis=2)
+    return words.reshape(-1)[:n]

@@ -367,13 +367,23 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, uint2 k) {
     return c;
 }
 
-// Word i % 4 of Philox4x32-10 at counter i / 4 under a 64-bit key.
-__device__ __forceinline__ unsigned philox_word(unsigned long long seed, long long i) {
-    const unsigned long long q = static_cast<unsigned long long>(i) >> 2;
-    const uint4 r = philox4x32_10(make_uint4(static_cast<unsigned>(q), static_cast<unsigned>(q >> 32), 0u, 0u),
-                                  make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32)));
-    const int w = static_cast<int>(i & 3);
-    return w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
+// Philox4x32-10 at the 64-bit counter q (words 2, 3 zero) under a 64-bit key.
+__device__ __forceinline__ uint4 philox_block(unsigned long long seed, unsigned long long q) {
+    return philox4x32_10(make_uint4(static_cast<unsigned>(q), static_cast<unsigned>(q >> 32), 0u, 0u),
+                         make_uint2(static_cast<unsigned>(seed), static_cast<unsigned>(seed >> 32)));
+}
+// Lane j of a block of `Bits`-bit lanes: Bits 32, word j; Bits 16, the low
+// (j even) or high (j odd) half of word j / 2.
+template <int Bits> __device__ __forceinline__ unsigned lane_of(const uint4& r, int j) {
+    const int w = Bits == 32 ? j : j >> 1;
+    const unsigned word = w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
+    return Bits == 32 ? word : (word >> (16 * (j & 1))) & 0xFFFFu;
+}
+// Element i's lane: lane i % L of the block at counter i / L, L = 128 / Bits
+// (the NumPy fallback: cufuse/_random.py philox_lanes).
+template <int Bits> __device__ __forceinline__ unsigned philox_lane(unsigned long long seed, long long i) {
+    constexpr int L = 128 / Bits;
+    return lane_of<Bits>(philox_block(seed, static_cast<unsigned long long>(i) / L), static_cast<int>(i % L));
 }
 
 // A pack of N storage elements, moved in 16-byte (or narrower) accesses; it

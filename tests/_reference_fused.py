@@ -125,21 +125,34 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return tuple(w.astype(np.uint32) for w in c)
 
 
-def philox_words(n, seed):
-    """The uint32 word used for C-order element i, i in range(n)."""
+def mask_bits(dtype):
+    """Bits of Philox output per mask element: 16 for float16 results, 32 otherwise."""
+    return 16 if np.dtype(dtype) == F16 else 32
+
+
+def philox_words(n, seed, bits=32):
+    """The lane (as uint32) used for C-order element i, i in range(n): with
+    32 bits, word i % 4 of the block at counter i // 4; with 16 bits, lane
+    i % 8 of the block at counter i // 8, lane 2j the low half of word j and
+    lane 2j + 1 its high half."""
     seed = int(seed)
-    blocks = -(-n // 4)
-    b = np.arange(blocks, dtype=np.uint64)
+    per = 128 // bits
+    b = np.arange(-(-n // per), dtype=np.uint64)
     out = philox4x32_10(b & _MASK32, b >> _SH32, 0, 0, seed & 0xFFFFFFFF, seed >> 32)
-    return np.stack(out, axis=1).reshape(-1)[:n]
+    words = np.stack(out, axis=1).astype(np.uint64)
+    if bits == 16:
+        words = np.stack([words % 65536, words // 65536], axis=2)
+    return words.reshape(-1)[:n].astype(np.uint32)
 
 
-def keep_threshold(p):
-    return math.floor(p * 2.0 ** 32)
+def keep_threshold(p, bits=32):
+    return math.floor(p * 2.0 ** bits)
 
 
-def dropout_keep_mask(shape, seed, p):
-    """Boolean keep mask of the spec, for an array of ``shape`` (C-order index)."""
+def dropout_keep_mask(shape, seed, p, dtype=F32):
+    """Boolean keep mask of the spec, for an array of ``shape`` (C-order index)
+    and result dtype ``dtype``."""
     n = math.prod(shape)
-    w = philox_words(n, seed)
-    return (w.astype(np.uint64) >= np.uint64(keep_threshold(p))).reshape(shape)
+    bits = mask_bits(dtype)
+    w = philox_words(n, seed, bits)
+    return (w.astype(np.uint64) >= np.uint64(keep_threshold(p, bits))).reshape(shape)

@@ -3,8 +3,10 @@
 
 The mask reference is tests/_reference_fused.py (NumPy Philox4x32-10, checked
 here against Random123's known-answer vectors): element i (C-order logical
-index) uses word i % 4 of philox(counter=(i//4 lo, i//4 hi, 0, 0),
-key=(seed lo, seed hi)) and is kept iff word >= floor(p * 2**32). Kept values
+index) uses lane i % L of philox(counter=(i//L lo, i//L hi, 0, 0),
+key=(seed lo, seed hi)) and is kept iff lane >= floor(p * 2**B): B-bit lanes,
+B = 32 and L = 4 (the four words) for float32/float64 results, B = 16 and
+L = 8 (low half of each word, then high half) for float16 ones. Kept values
 are gelu(x) * (1 / (1 - p)) within ``TOL``; dropped values are exactly 0.
 Inputs never make gelu exactly 0 (|x| in [0.05, 3]), so ``result != 0`` is
 the mask.
@@ -20,7 +22,7 @@ import cufuse
 
 from _reference import DTYPES, TOL, Backend, check_kind
 from _reference_fused import (F16, F32, F64, assert_close_tol, dropout_keep_mask, gelu64, keep_threshold,
-                              philox4x32_10, philox_words)
+                              mask_bits, philox4x32_10, philox_words)
 
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 approx_param = pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -39,7 +41,7 @@ def check_result(got, x, seed, p, approximate, dtype, mask=None):
     dtype = np.dtype(dtype)
     assert got.dtype == dtype and got.shape == x.shape
     if mask is None:
-        mask = dropout_keep_mask(x.shape, seed, p)
+        mask = dropout_keep_mask(x.shape, seed, p, dtype)
     kept = got != 0
     if not np.array_equal(kept, mask):
         bad = np.flatnonzero(kept.ravel() != mask.ravel())
@@ -83,15 +85,22 @@ def test_philox_reference_known_answers(ctr, key, expected):
 
 
 def test_philox_words_layout():
-    """Element i uses word i % 4 of the block at counter i // 4; the seed's
-    low / high 32 bits are key words 0 / 1."""
+    """32-bit lanes: element i uses word i % 4 of the block at counter i // 4;
+    16-bit lanes: the low (i even) or high half of word (i // 2) % 4 of the
+    block at counter i // 8. The seed's low / high 32 bits are key words 0 / 1."""
     seed = 0x0123456789ABCDEF
     w = philox_words(10, seed)
-    for i in range(10):
-        block = philox4x32_10(i // 4, 0, 0, 0, 0x89ABCDEF, 0x01234567)
-        assert w[i] == block[i % 4]
+    h = philox_words(20, seed, 16)
+    for i in range(20):
+        block = philox4x32_10(i // 8, 0, 0, 0, 0x89ABCDEF, 0x01234567)
+        word = int(block[(i // 2) % 4])
+        assert h[i] == (word & 0xFFFF if i % 2 == 0 else word >> 16)
+        if i < 10:
+            assert w[i] == philox4x32_10(i // 4, 0, 0, 0, 0x89ABCDEF, 0x01234567)[i % 4]
     assert keep_threshold(0.5) == 2 ** 31 and keep_threshold(0.0) == 0
     assert keep_threshold(0.1) == 429496729
+    assert keep_threshold(0.1, 16) == 6553
+    assert mask_bits(F16) == 16 and mask_bits(F32) == 32 and mask_bits(F64) == 32
 
 
 # ---------------------------------------------------------------- the mask
@@ -108,26 +117,29 @@ def test_mask_matches_philox(backend, dtype, approximate, seed, p, launches):
     check_result(got, x, seed, p, approximate, dtype)
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 4097])
-def test_mask_small_sizes(backend, n, launches):
-    x = dropout_input((n,), F32, n)
+@pytest.mark.parametrize("dtype", [F32, F16], ids=lambda d: d.name)
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 7, 8, 9, 15, 16, 17, 4097])
+def test_mask_small_sizes(backend, dtype, n, launches):
+    x = dropout_input((n,), dtype, n)
     got = run(backend, x, launches, p=0.5, seed=99)
-    check_result(got, x, 99, 0.5, "none", F32)
+    check_result(got, x, 99, 0.5, "none", dtype)
 
 
+@pytest.mark.parametrize("dtype", [F64, F16], ids=lambda d: d.name)
 @pytest.mark.parametrize("offset", [0, 1, 2])
-def test_threshold_boundary(backend, offset):
-    """p chosen so that floor(p * 2**32) equals, or is one above, the word of
-    element 5: kept iff word >= threshold (the boundary is inclusive)."""
+def test_threshold_boundary(backend, dtype, offset):
+    """p chosen so that floor(p * 2**B) equals, or is one above, the lane of
+    element 5: kept iff lane >= threshold (the boundary is inclusive)."""
     seed = 4242
-    x = dropout_input((64,), F64, 2)
-    w5 = int(philox_words(64, seed)[5])
-    # offset 0: threshold == w5 (kept); 1: p * 2**32 = w5 + 0.5, threshold still w5 (kept);
+    bits = mask_bits(dtype)
+    x = dropout_input((64,), dtype, 2)
+    w5 = int(philox_words(64, seed, bits)[5])
+    # offset 0: threshold == w5 (kept); 1: p * 2**B = w5 + 0.5, threshold still w5 (kept);
     # 2: threshold == w5 + 1 (dropped)
-    p = {0: w5 / 2 ** 32, 1: (w5 + 0.5) / 2 ** 32, 2: (w5 + 1) / 2 ** 32}[offset]
-    assert p < 1 and keep_threshold(p) == w5 + (offset == 2)
+    p = {0: w5 / 2 ** bits, 1: (w5 + 0.5) / 2 ** bits, 2: (w5 + 1) / 2 ** bits}[offset]
+    assert p < 1 and keep_threshold(p, bits) == w5 + (offset == 2)
     got = run(backend, x, p=p, seed=seed)
-    check_result(got, x, seed, p, "none", F64)
+    check_result(got, x, seed, p, "none", dtype)
     assert (got[5] != 0) == (offset < 2)
 
 
@@ -169,21 +181,25 @@ def test_mask_non_contiguous(backend, dtype, view, launches):
 
 
 # -------------------------------------------------------------- statistics
+@pytest.mark.parametrize("dtype", [F32, F16], ids=lambda d: d.name)
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_statistics(backend, p):
+def test_statistics(backend, dtype, p):
     """10M elements on the GPU, 1M on the fallbacks: kept fraction within 5
-    sigma of 1 - p, masks of adjacent elements (and lags up to 8) uncorrelated,
-    and the mask is the Philox one."""
+    sigma of 1 - p (of floor(p * 2**B) / 2**B, p as the B-bit lanes see it),
+    masks of adjacent elements (and lags up to 16: both halves of a word,
+    the next block) uncorrelated, and the mask is the Philox one."""
     n = 10_000_000 if backend.gpu else 1_000_000
     seed = 31337 + int(p * 10)
-    x = dropout_input((n,), F32, 4)
+    x = dropout_input((n,), dtype, 4)
     got = run(backend, x, p=p, seed=seed)
-    mask = check_result(got, x, seed, p, "none", F32)
+    mask = check_result(got, x, seed, p, "none", dtype)
+    bits = mask_bits(dtype)
+    p = keep_threshold(p, bits) / 2 ** bits
     frac = mask.mean()
     sigma = math.sqrt(p * (1 - p) / n)
     assert abs(frac - (1 - p)) < 5 * sigma, (frac, 1 - p, sigma)
     m = mask.astype(np.float64)
-    for lag in range(1, 9):
+    for lag in range(1, 17):
         r = np.corrcoef(m[:-lag], m[lag:])[0, 1]
         assert abs(r) < 0.01, (lag, r)
 

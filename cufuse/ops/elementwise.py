@@ -50,12 +50,15 @@ class ElementwiseOp:
     the compute dtype. ``indexed`` ops see each element's logical C-order
     index, so they only take the contiguous kernel for C-contiguous output.
     ``pack_bytes(in_dtype, out_dtype)``: the bytes of a pack's store, as the
-    functor's ``pack_bytes`` says (default 16).
+    functor's ``pack_bytes`` says (default 16). ``np_dtype``: ``numpy_impl``
+    also gets ``dtype=``, the result's storage dtype (its values come in the
+    compute dtype: float16 as float32).
     """
 
     def __init__(self, name, functor, arity, numpy_impl, *, signatures=None, params=(), indexed=False,
-                 family=FAMILY, pack_bytes=None):
+                 family=FAMILY, pack_bytes=None, np_dtype=False):
         self.name = name
+        self.np_dtype = np_dtype
         self.family = family
         self.arity = arity
         self.numpy_impl = numpy_impl
@@ -237,6 +240,8 @@ class ElementwiseOp:
                 arr = x.numpy() if torch_cpu else x
                 vals.append(arr.astype(cdt, copy=False))
         with np.errstate(all="ignore"):  # overflow to inf is the answer, as on the GPU
+            if self.np_dtype:
+                np_params = {**np_params, "dtype": plan.out_dtype}
             res = np.asarray(self.numpy_impl(*vals, **np_params))
             if res.shape != plan.shape:  # all-scalar-but-one 0-d operands
                 res = np.array(np.broadcast_to(res, plan.shape))
@@ -561,9 +566,15 @@ def _check_approximate(name, approximate):
     return approximate == "tanh"
 
 
-def _dropout_numpy(x, *, approximate, seed, threshold, scale):
+def _mask_bits(dtype):
+    """Bits of Philox output per element of gelu_dropout's mask (kernels/dropout.cu kBits)."""
+    return 16 if dtype == _F16 else 32
+
+
+def _dropout_numpy(x, *, approximate, seed, threshold, scale, dtype):
     g = gelu_numpy(x, approximate)
-    keep = (_random.philox_words(seed, x.size) >= np.uint32(threshold)).reshape(x.shape)
+    bits = _mask_bits(dtype)
+    keep = (_random.philox_lanes(seed, x.size, bits) >= threshold >> (32 - bits)).reshape(x.shape)
     return np.where(keep, g * x.dtype.type(scale), x.dtype.type(0))
 
 
@@ -576,7 +587,8 @@ _bias_gelu = {t: op.public("xb", "") for t, op in _bias_gelu_ops.items()}
 _dropout_ops = {
     t: ElementwiseOp("gelu_dropout", lambda i, o, t=t: f"GeluDropout<{'true' if t else 'false'}, {R.CTYPES[o]}>",
                      1, _dropout_numpy,
-                     params=("unsigned long long", "unsigned long long", "double"), indexed=True, family="dropout")
+                     params=("unsigned long long", "unsigned long long", "double"), indexed=True, family="dropout",
+                     np_dtype=True)
     for t in (False, True)
 }
 
@@ -596,10 +608,13 @@ def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, o
 
     Each element is kept with probability 1 - p and scaled by 1 / (1 - p);
     dropped elements are exactly 0. ``training=False`` or ``p=0`` gives plain
-    GELU. The mask is a function of (seed, element index) only: element i (its
-    C-order position in ``x``) is kept iff word i % 4 of Philox4x32-10 at
-    counter i // 4 under the 64-bit key ``seed`` is >= floor(p * 2**32), the
-    same on the GPU and in the NumPy fallback. ``seed=None`` draws the next
+    GELU. The mask is a function of (seed, element index, result dtype) only:
+    element i (its C-order position in ``x``) is kept iff lane i % L of
+    Philox4x32-10 at counter i // L under the 64-bit key ``seed`` is
+    >= floor(p * 2**B), the same on the GPU and in the NumPy fallback. The
+    lanes are B-bit: B = 32 (L = 4, the four words) for float32 and float64
+    results, B = 16 (L = 8, each word's low half, then its high half) for
+    float16 ones, whose speed is bound by the generator's arithmetic. ``seed=None`` draws the next
     seed from cufuse's generator (``cufuse.manual_seed`` makes it reproducible).
     ``approximate`` as in ``bias_gelu``. Takes one array; ``out=`` as in the other ops.
     """
@@ -612,7 +627,9 @@ def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, o
     if not training or p == 0.0:
         return _bias_gelu[tanh](x, 0.0, out=out)
     seed = _random.next_seed() if seed is None else _random.check_seed(seed, "cufuse.gelu_dropout")
-    threshold = int(p * 4294967296.0)  # floor(p * 2**32): exact, p * 2**32 is a scaled double
+    # floor(p * 2**32): exact, p * 2**32 is a scaled double; 16-bit lanes
+    # compare with threshold >> 16 = floor(p * 2**16)
+    threshold = int(p * 4294967296.0)
     scale = 1.0 / (1.0 - p)
     return _dropout_ops[tanh]._general(
         (x,), out, params=(np.uint64(seed), np.uint64(threshold), scale),
