@@ -41,18 +41,20 @@ class Launch(NamedTuple):
     grid: tuple
     block: tuple
     stream: object  # None: CuPy's current stream
+    kernel: str = ""  # the name expression launched (e.g. "ew1<QuantizeCh<float, 1, false, 8>, ...>")
 
 
 class _CountingFunction:
     """Wraps a compiled kernel (cupy.cuda.Function) and records every call."""
 
-    def __init__(self, fn, calls):
+    def __init__(self, fn, calls, kernel=""):
         self._fn = fn
         self._calls = calls
+        self._kernel = kernel
 
     def __call__(self, *args, **kwargs):
         stream = args[4] if len(args) > 4 else kwargs.get("stream")
-        self._calls.append(Launch(args[0], args[1], stream))
+        self._calls.append(Launch(args[0], args[1], stream, self._kernel))
         return self._fn(*args, **kwargs)
 
 
@@ -67,8 +69,8 @@ def launches(monkeypatch):
     calls = []
     real = R.get_function
 
-    def counting_get_function(*args, **kwargs):
-        return _CountingFunction(real(*args, **kwargs), calls)
+    def counting_get_function(family, expression, *args, **kwargs):
+        return _CountingFunction(real(family, expression, *args, **kwargs), calls, expression)
 
     monkeypatch.setattr(R, "get_function", counting_get_function)
     caches = [op._fast for op in ELEMENTWISE_OPS.values()]

@@ -700,6 +700,28 @@ def test_per_channel_walks(backend, dtype, shape, axis, layout, launches):
         dequantize(backend, bq, bs, bz, axis, odt, launches, q, ns, nz)
 
 
+@pytest.mark.parametrize("dtype", [F32, F16], ids=lambda d: d.name)
+@pytest.mark.parametrize("shape, axis, param_offset, walk", [
+    ((6, 48), 0, 0, 0), ((3, 4, 32), 1, 0, 0),     # a pack in one channel
+    ((5, 48), -1, 0, 1), ((7, 64), 1, 0, 1),       # a pack across channels
+    ((5, 48), -1, 1, 2), ((9, 1), 0, 0, 2)])       # misaligned parameters; a channel shorter than a pack
+def test_per_channel_walk_taken(backend, dtype, shape, axis, param_offset, walk, launches):
+    """The kernel that runs is the walk's own (kernels/quantize.cu Channels'
+    Walk: 0 in one channel, 1 across, 2 stepping): results alone would not
+    show a host that always took the slow stepping walk."""
+    if not backend.gpu:
+        pytest.skip("GPU backends only")
+    n = shape[axis]
+    s = backend.asarray(np.linspace(0.02, 0.3, n + 1).astype(F32))[param_offset:param_offset + n]
+    z = backend.asarray(np.zeros(n + 1, F32))[param_offset:param_offset + n]
+    x = rand(shape, dtype, 42, 15.0)
+    quantize(backend, backend.asarray(x), s, z, axis, launches, x, backend.to_numpy(s), backend.to_numpy(z))
+    assert [k for k in (ln.kernel for ln in launches) if "QuantizeCh" in k], launches
+    for ln in launches:
+        if "QuantizeCh" in ln.kernel:
+            assert f"QuantizeCh<float, {walk}, false" in ln.kernel, (ln.kernel, walk)
+
+
 def test_per_channel_strided_parameters(backend, launches):
     """Parameters given as strided views of the data's kind (every other
     element) are read as what they hold, not as a contiguous run."""
