@@ -4,15 +4,18 @@
 #include "elementwise.cuh"
 
 // dropout(gelu(x)), gelu to the precision of the output type T: element i
-// is kept iff its lane of Philox4x32-10 (common.cuh: philox_lane<Bits>, key
-// `seed`) is >= floor(p * 2**Bits) (`threshold` is floor(p * 2**32)); kept values are scaled by
-// 1 / (1 - p). Bits is 16 for float16 outputs (8 elements per Philox call),
-// 32 otherwise (4 per call): float16 is bound by the generator's
-// arithmetic, not by memory (H200, 50M, % of copy: see bench/NOTES.md).
-template <bool Tanh, typename T> struct GeluDropout {
+// is kept iff its Bits-bit lane of Philox4x32-10 (common.cuh:
+// philox_lane<Bits>, key `seed`) is >= floor(p * 2**Bits) (`threshold` is
+// floor(p * 2**32)); kept values are scaled by 1 / (1 - p). The host takes
+// Bits = 16 (8 elements per Philox call) for float16 outputs with p in
+// [1/32, 31/32], where p's resolution of 2**-16 stays within half an ulp of
+// float16 in the keep rate; 32 (4 per call) otherwise. float16 is bound by
+// the generator's arithmetic, not by memory (H200, 50M, % of copy, 32 -> 16
+// bits: 52.7 -> 63.0; bench/NOTES.md).
+template <bool Tanh, typename T, int Bits> struct GeluDropout {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;  // one Philox call serves 4 or 8 consecutive elements
-    static constexpr int kBits = cufuse::is_half<T>::value ? 16 : 32;
+    static constexpr int kBits = Bits;
     static constexpr int kLanes = 128 / kBits;  // elements per Philox call
     unsigned long long seed, threshold;
     double scale;

@@ -211,7 +211,7 @@ __device__ __forceinline__ void run_contiguous_one_loop(const Op& op, Tout* out,
 // The contiguous driver: whole 16-byte packs while every pointer is aligned,
 // then the tail (n % V), or everything when a pointer is misaligned. A
 // `packed` op (one whose pack() shares work among the pack's elements, e.g.
-// one Philox call per 4 dropout elements) has an expensive per-element
+// one Philox call per 4 or 8 dropout elements) has an expensive per-element
 // operator(), so its tail goes through pack() too, in partial packs with
 // element loads and stores (one instance of the op per kernel: gelu_dropout
 // float32 44 -> 28 registers, ptxas sm_90); other ops take the tail element

@@ -62,8 +62,6 @@ __device__ __forceinline__ void cluster_sync() {
 #endif
 }
 
-// A value of another block of the cluster: `smem` is this block's copy of
-// the variable, `rank` the block to read it from; any type of whole words.
 // An S built word by word: word(i) gives its i-th 32-bit word (S is a
 // struct of whole words: the statistics below, moved between threads).
 template <typename S, typename F> __device__ __forceinline__ S from_words(F word) {

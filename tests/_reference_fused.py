@@ -125,9 +125,10 @@ def philox4x32_10(c0, c1, c2, c3, k0, k1):
     return tuple(w.astype(np.uint32) for w in c)
 
 
-def mask_bits(dtype):
-    """Bits of Philox output per mask element: 16 for float16 results, 32 otherwise."""
-    return 16 if np.dtype(dtype) == F16 else 32
+def mask_bits(dtype, p):
+    """Bits of Philox output per mask element: 16 for float16 results when
+    1/32 <= p <= 31/32 (the spec's bound for 16-bit lanes), 32 otherwise."""
+    return 16 if np.dtype(dtype) == F16 and 0.03125 <= p <= 0.96875 else 32
 
 
 def philox_words(n, seed, bits=32):
@@ -153,6 +154,6 @@ def dropout_keep_mask(shape, seed, p, dtype=F32):
     """Boolean keep mask of the spec, for an array of ``shape`` (C-order index)
     and result dtype ``dtype``."""
     n = math.prod(shape)
-    bits = mask_bits(dtype)
+    bits = mask_bits(dtype, p)
     w = philox_words(n, seed, bits)
     return (w.astype(np.uint64) >= np.uint64(keep_threshold(p, bits))).reshape(shape)

@@ -5,8 +5,8 @@ The mask reference is tests/_reference_fused.py (NumPy Philox4x32-10, checked
 here against Random123's known-answer vectors): element i (C-order logical
 index) uses lane i % L of philox(counter=(i//L lo, i//L hi, 0, 0),
 key=(seed lo, seed hi)) and is kept iff lane >= floor(p * 2**B): B-bit lanes,
-B = 32 and L = 4 (the four words) for float32/float64 results, B = 16 and
-L = 8 (low half of each word, then high half) for float16 ones. Kept values
+B = 16 and L = 8 (low half of each word, then high half) for float16
+results with 1/32 <= p <= 31/32, B = 32 and L = 4 (the four words) otherwise. Kept values
 are gelu(x) * (1 / (1 - p)) within ``TOL``; dropped values are exactly 0.
 Inputs never make gelu exactly 0 (|x| in [0.05, 3]), so ``result != 0`` is
 the mask.
@@ -100,12 +100,16 @@ def test_philox_words_layout():
     assert keep_threshold(0.5) == 2 ** 31 and keep_threshold(0.0) == 0
     assert keep_threshold(0.1) == 429496729
     assert keep_threshold(0.1, 16) == 6553
-    assert mask_bits(F16) == 16 and mask_bits(F32) == 32 and mask_bits(F64) == 32
+    assert mask_bits(F16, 0.1) == 16 and mask_bits(F32, 0.1) == 32 and mask_bits(F64, 0.1) == 32
+    assert mask_bits(F16, 1 / 32) == mask_bits(F16, 31 / 32) == 16
+    assert mask_bits(F16, 0.031) == mask_bits(F16, 0.97) == mask_bits(F16, 1e-5) == 32
 
 
 # ---------------------------------------------------------------- the mask
 SEED_P = [(0, 0.1), (12345, 0.5), (2 ** 32 + 7, 1 / 3), (2 ** 64 - 1, 0.9), (0xDEADBEEF, 0.25),
-          (0x0123456789ABCDEF, 0.999), (987654321, 1e-9)]
+          (0x0123456789ABCDEF, 0.999), (987654321, 1e-9),
+          # float16's 16-bit lanes apply for 1/32 <= p <= 31/32 only
+          (77, 1 / 32), (78, 31 / 32), (79, 0.031), (80, 0.97), (81, 0.01)]
 
 
 @dtype_param
@@ -125,22 +129,26 @@ def test_mask_small_sizes(backend, dtype, n, launches):
     check_result(got, x, 99, 0.5, "none", dtype)
 
 
-@pytest.mark.parametrize("dtype", [F64, F16], ids=lambda d: d.name)
+@pytest.mark.parametrize("dtype, bits, parity", [(F64, 32, 1), (F16, 16, 0), (F16, 16, 1)],
+                         ids=["float64", "float16-low-half", "float16-high-half"])
 @pytest.mark.parametrize("offset", [0, 1, 2])
-def test_threshold_boundary(backend, dtype, offset):
+def test_threshold_boundary(backend, dtype, bits, parity, offset):
     """p chosen so that floor(p * 2**B) equals, or is one above, the lane of
-    element 5: kept iff lane >= threshold (the boundary is inclusive)."""
+    element k: kept iff lane >= threshold (the boundary is inclusive). For
+    float16, k is the first element of the given parity (low / high half of
+    a word) whose lane puts p where 16-bit lanes apply."""
     seed = 4242
-    bits = mask_bits(dtype)
     x = dropout_input((64,), dtype, 2)
-    w5 = int(philox_words(64, seed, bits)[5])
-    # offset 0: threshold == w5 (kept); 1: p * 2**B = w5 + 0.5, threshold still w5 (kept);
-    # 2: threshold == w5 + 1 (dropped)
-    p = {0: w5 / 2 ** bits, 1: (w5 + 0.5) / 2 ** bits, 2: (w5 + 1) / 2 ** bits}[offset]
-    assert p < 1 and keep_threshold(p, bits) == w5 + (offset == 2)
+    lanes = philox_words(64, seed, bits)
+    k = next(i for i in range(parity, 64, 2) if bits == 32 or 0.04 < lanes[i] / 2 ** bits < 0.96)
+    w = int(lanes[k])
+    # offset 0: threshold == w (kept); 1: p * 2**B = w + 0.5, threshold still w (kept);
+    # 2: threshold == w + 1 (dropped)
+    p = {0: w / 2 ** bits, 1: (w + 0.5) / 2 ** bits, 2: (w + 1) / 2 ** bits}[offset]
+    assert p < 1 and keep_threshold(p, bits) == w + (offset == 2) and mask_bits(dtype, p) == bits
     got = run(backend, x, p=p, seed=seed)
     check_result(got, x, seed, p, "none", dtype)
-    assert (got[5] != 0) == (offset < 2)
+    assert (got[k] != 0) == (offset < 2)
 
 
 VIEWS = ["transposed", "permuted_3d", "step", "step_2d", "offset", "sliced_2d", "negative_step"]
@@ -193,7 +201,7 @@ def test_statistics(backend, dtype, p):
     x = dropout_input((n,), dtype, 4)
     got = run(backend, x, p=p, seed=seed)
     mask = check_result(got, x, seed, p, "none", dtype)
-    bits = mask_bits(dtype)
+    bits = mask_bits(dtype, p)
     p = keep_threshold(p, bits) / 2 ** bits
     frac = mask.mean()
     sigma = math.sqrt(p * (1 - p) / n)

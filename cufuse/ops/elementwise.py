@@ -566,14 +566,25 @@ def _check_approximate(name, approximate):
     return approximate == "tanh"
 
 
-def _mask_bits(dtype):
-    """Bits of Philox output per element of gelu_dropout's mask (kernels/dropout.cu kBits)."""
-    return 16 if dtype == _F16 else 32
+# p in [1/32, 31/32]: float16 masks may use 16-bit lanes, whose resolution
+# of p (2**-16) moves the keep rate by at most 2**-11 relative (half an ulp
+# of float16) there. Outside, a 16-bit lane would drop nothing for p < 2**-16
+# and bias the expected value by percents for p near 1.
+_LANE16_P = (1 / 32, 31 / 32)
 
 
-def _dropout_numpy(x, *, approximate, seed, threshold, scale, dtype):
+def _lanes16(p):
+    return _LANE16_P[0] <= p <= _LANE16_P[1]
+
+
+def _mask_bits(dtype, lanes16):
+    """Bits of Philox output per element of gelu_dropout's mask (kernels/dropout.cu Bits)."""
+    return 16 if lanes16 and dtype == _F16 else 32
+
+
+def _dropout_numpy(x, *, approximate, seed, threshold, scale, dtype, lanes16):
     g = gelu_numpy(x, approximate)
-    bits = _mask_bits(dtype)
+    bits = _mask_bits(dtype, lanes16)
     keep = (_random.philox_lanes(seed, x.size, bits) >= threshold >> (32 - bits)).reshape(x.shape)
     return np.where(keep, g * x.dtype.type(scale), x.dtype.type(0))
 
@@ -584,12 +595,13 @@ _bias_gelu_ops = {
     True: ElementwiseOp("bias_gelu", "BiasGeluTanh", 2, lambda x, b: gelu_numpy(x + b, "tanh")),
 }
 _bias_gelu = {t: op.public("xb", "") for t, op in _bias_gelu_ops.items()}
-_dropout_ops = {
-    t: ElementwiseOp("gelu_dropout", lambda i, o, t=t: f"GeluDropout<{'true' if t else 'false'}, {R.CTYPES[o]}>",
-                     1, _dropout_numpy,
-                     params=("unsigned long long", "unsigned long long", "double"), indexed=True, family="dropout",
-                     np_dtype=True)
-    for t in (False, True)
+_dropout_ops = {  # (tanh, lanes16): float32/float64 results take 32-bit lanes either way
+    (t, l16): ElementwiseOp(
+        "gelu_dropout",
+        lambda i, o, t=t, l16=l16: f"GeluDropout<{'true' if t else 'false'}, {R.CTYPES[o]}, {_mask_bits(o, l16)}>",
+        1, _dropout_numpy, params=("unsigned long long", "unsigned long long", "double"), indexed=True,
+        family="dropout", np_dtype=True)
+    for t in (False, True) for l16 in (False, True)
 }
 
 
@@ -612,9 +624,10 @@ def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, o
     element i (its C-order position in ``x``) is kept iff lane i % L of
     Philox4x32-10 at counter i // L under the 64-bit key ``seed`` is
     >= floor(p * 2**B), the same on the GPU and in the NumPy fallback. The
-    lanes are B-bit: B = 32 (L = 4, the four words) for float32 and float64
-    results, B = 16 (L = 8, each word's low half, then its high half) for
-    float16 ones, whose speed is bound by the generator's arithmetic. ``seed=None`` draws the next
+    lanes are B-bit: B = 16 (L = 8, each word's low half, then its high
+    half) for float16 results with 1/32 <= p <= 31/32, whose speed is bound
+    by the generator's arithmetic; B = 32 (L = 4, the four words) otherwise.
+    ``seed=None`` draws the next
     seed from cufuse's generator (``cufuse.manual_seed`` makes it reproducible).
     ``approximate`` as in ``bias_gelu``. Takes one array; ``out=`` as in the other ops.
     """
@@ -631,13 +644,16 @@ def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, o
     # compare with threshold >> 16 = floor(p * 2**16)
     threshold = int(p * 4294967296.0)
     scale = 1.0 / (1.0 - p)
-    return _dropout_ops[tanh]._general(
+    lanes16 = _lanes16(p)
+    return _dropout_ops[tanh, lanes16]._general(
         (x,), out, params=(np.uint64(seed), np.uint64(threshold), scale),
-        np_params={"approximate": approximate, "seed": seed, "threshold": threshold, "scale": scale})
+        np_params={"approximate": approximate, "seed": seed, "threshold": threshold, "scale": scale,
+                   "lanes16": lanes16})
 
 
 bias_gelu.__doc__ += _COMMON
 
 OPS = {"add_relu": _add_relu, "mul_tanh": _mul_tanh, "add_mul_exp": _add_mul_exp, "fma": _fma,
        "bias_gelu": _bias_gelu_ops[False], "bias_gelu_tanh": _bias_gelu_ops[True],
-       "gelu_dropout": _dropout_ops[False], "gelu_dropout_tanh": _dropout_ops[True]}
+       "gelu_dropout": _dropout_ops[False, False], "gelu_dropout_tanh": _dropout_ops[True, False],
+       "gelu_dropout_lanes16": _dropout_ops[False, True], "gelu_dropout_tanh_lanes16": _dropout_ops[True, True]}
