@@ -20,7 +20,7 @@ import pytest
 
 import cufuse
 
-from _reference import DTYPES, Backend, check_kind, rand
+from _reference import DTYPES, Backend, check_kind, gpu_count, rand
 from _reference_fused import (F16, F32, F64, I8, assert_close_tol, dequantize_ref, quant_compute_dtype,
                               quantize_ref)
 
@@ -720,6 +720,25 @@ def test_per_channel_walk_taken(backend, dtype, shape, axis, param_offset, walk,
     for ln in launches:
         if "QuantizeCh" in ln.kernel:
             assert f"QuantizeCh<float, {walk}, false" in ln.kernel, (ln.kernel, walk)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("what", ["scale", "zero_point"])
+def test_per_channel_parameters_on_another_gpu(what, launches):
+    """A CuPy parameter on another GPU than the data is refused before any
+    launch (the kernel would read a pointer of the other device)."""
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import cupy as cp
+    x = cp.asarray(rand((6, 48), F32, 43, 15.0))
+    with cp.cuda.Device(1):
+        other = cp.full(48, 0.1 if what == "scale" else 0.0, F32)
+    kw = {"scale": cp.full(48, 0.1, F32), "zero_point": cp.zeros(48, F32)} | {what: other}
+    with pytest.raises(ValueError, match=f"{what} is on GPU 1 but the data is on GPU 0"):
+        cufuse.quantize_int8(x, kw["scale"], kw["zero_point"], axis=-1)
+    with pytest.raises(ValueError, match=f"{what} is on GPU 1 but the data is on GPU 0"):
+        cufuse.dequantize_int8(cp.zeros((6, 48), cp.int8), kw["scale"], kw["zero_point"], axis=-1)
+    assert launches == []
 
 
 def test_per_channel_strided_parameters(backend, launches):

@@ -150,7 +150,11 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
             raise ValueError(f"cufuse.{name}: every {what} must be {need}")
         return arr
     if vk == A.CUPY:
-        return R._cp.ascontiguousarray(arr, dtype=real)  # the kernels index scale[c]: no strides
+        if arr.data.device_id != A.device_of(x, kind):
+            raise ValueError(f"cufuse.{name}: {what} is on GPU {arr.data.device_id} but the data is on GPU "
+                             f"{A.device_of(x, kind)}; per-channel parameters must be on the data's GPU")
+        with R._cp.cuda.Device(arr.data.device_id):
+            return R._cp.ascontiguousarray(arr, dtype=real)  # the kernels index scale[c]: no strides
     return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: same device as the data
 
 
