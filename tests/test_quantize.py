@@ -916,3 +916,49 @@ def test_scale_array_of_another_kind_refused(launches):
     with pytest.raises((TypeError, ValueError)):
         cufuse.quantize_int8(x, cp.full(5, 0.1, F32), 0.0, 1)    # NumPy x, CuPy scale
     assert launches == []
+
+
+# ------------------------------------------------------- more than 2**31 elements
+@pytest.mark.slow
+@pytest.mark.cuda
+@pytest.mark.parametrize("axis", [0, -1])
+def test_per_channel_more_than_2_31_elements(axis, launches):
+    """32769 x 65537 (> 2**31) elements take the per-channel kernels' Wide
+    walk (64-bit channel division, kernels/quantize.cu Channels<..., Wide>):
+    quantize from float16 and dequantize to float16, checked exactly at
+    sampled positions, the first/last elements and those around 2**31."""
+    import cupy as cp
+    from cufuse.ops import quantize as Q
+    rows, cols = 32769, 65537
+    n = rows * cols
+    assert n > 2**31
+    nch = rows if axis == 0 else cols
+    rng = np.random.default_rng(44)
+    s = rng.uniform(0.02, 0.3, nch).astype(F32)
+    z = np.round(rng.uniform(-9, 9, nch), 1).astype(F32)
+    xtile = rand((cols,), F16, 45, 15.0)
+    qtile = all_int8((cols,), 46)
+    idx = np.unique(np.concatenate([np.arange(4096), np.arange(n - 4096, n), np.arange(2**31 - 2048, 2**31 + 2048),
+                                    rng.integers(0, n, 8192)]))
+    ch = idx // cols if axis == 0 else idx % cols
+    x = q = res = None
+    try:
+        x = cp.empty((rows, cols), F16)
+        x[...] = cp.asarray(xtile)   # every row alike; the channels still vary along both axes
+        res = cufuse.quantize_int8(x, s, z, axis=axis)
+        assert len(launches) == 1 and all("QuantizeCh" in ln.kernel for ln in launches)
+        assert ", true" in launches[0].kernel, launches[0].kernel  # the Wide instance
+        assert Q._walk(n, 1 if axis == -1 else cols, nch, 16, (0, 0), 4) == (Q.ANY, True)
+        got = res.reshape(-1)[cp.asarray(idx)].get()
+        np.testing.assert_array_equal(got, quantize_ref(xtile[idx % cols], s[ch], z[ch]))
+        x = res = None
+        q = cp.empty((rows, cols), I8)
+        q[...] = cp.asarray(qtile)
+        res = cufuse.dequantize_int8(q, s, z, axis=axis, dtype=F16)
+        assert ", true" in launches[-1].kernel, launches[-1].kernel
+        got = res.reshape(-1)[cp.asarray(idx)].get()
+        exact = ((qtile[idx % cols].astype(F32) - z[ch]) * s[ch]).astype(F16)
+        np.testing.assert_array_equal(got, exact)
+    finally:
+        x = q = res = None
+        cp.get_default_memory_pool().free_all_blocks()
