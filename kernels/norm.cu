@@ -26,6 +26,7 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     // registers) and converted at each use; float/double ones may be
     // replaced by a pass (softmax keeps exp(x - max) for the store).
     static constexpr bool kMutable = Resident && !is_half<T>::value;
+    static constexpr bool kOnePart = G::kOnePart;  // one block's group holds the whole row
     // Indices within the row: 32-bit for a row held in registers (at most
     // 512 x 16 packs per block, 8 blocks), 64-bit when it streams (any
     // length). 64-bit ones held the float16 layer_norm kernel at 63 registers.
@@ -265,8 +266,13 @@ template <bool Log> struct Softmax {
         const C mp = r.reduce([](C t, long long) { return t; }, cufuse::MaxOp{}, 0);
         // A part of -inf only: exp(x - 0) = 0, not exp(-inf + inf) = NaN.
         const C base = mp == cufuse::MaxOp::identity<C>() ? C(0) : mp;
-        // A view with mutable held values keeps exp(t - base) for the store (softmax only).
-        constexpr bool keep = View::kMutable && !Log;
+        // A view with mutable held values keeps exp(t - base) for the store
+        // (softmax only), when it holds the whole row (base is then the row's
+        // max). A part of a split row recomputes exp(t - m) at the store
+        // instead of scaling its kept exp(t - base) by exp(base - m): that
+        // product can differ from exp(t - m) in the last bit, so that equal
+        // inputs in two parts gave outputs an ulp apart.
+        constexpr bool keep = View::kMutable && !Log && View::kOnePart;
         const C sp = r.reduce([&](C& t, long long) {
             const C p = cufuse::math::exp_fast(t - base);
             if (keep) t = p;
@@ -281,10 +287,8 @@ template <bool Log> struct Softmax {
             r.store(y, [&](C t, C, C) { return (t - m) - ls; }, static_cast<const T*>(nullptr),
                     static_cast<const T*>(nullptr));
         } else {
-            const C inv = C(1) / a.s;
-            // kept values were taken from this part's base, not the row's max
-            const C scale = keep ? (base == m ? inv : cufuse::math::exp_fast(base - m) * inv) : inv;
-            r.store(y, [&](C t, C, C) { return (keep ? t : cufuse::math::exp_fast(t - m)) * scale; },
+            const C inv = C(1) / a.s;  // kept values are exp(t - m): one part, base == m (or all -inf: NaN)
+            r.store(y, [&](C t, C, C) { return (keep ? t : cufuse::math::exp_fast(t - m)) * inv; },
                     static_cast<const T*>(nullptr), static_cast<const T*>(nullptr));
         }
     }

@@ -142,6 +142,7 @@ template <int CS> struct Group {
         groups = blockDim.x / tpr;
         rank = CS > 1 ? blockIdx.x % CS : 0;
     }
+    static constexpr bool kOnePart = CS == 1;  // a group holds its whole row
     __device__ __forceinline__ int parts() const { return CS; }
     // Index of the group's item (row, or row split) in the launch.
     __device__ __forceinline__ long long item() const {
@@ -209,6 +210,7 @@ struct SplitGroup {
         row = ticket / static_cast<unsigned>(nparts);
         rank = ticket % static_cast<unsigned>(nparts);
     }
+    static constexpr bool kOnePart = false;
     __device__ __forceinline__ int parts() const { return nparts; }
     __device__ __forceinline__ long long item() const { return row; }
 

@@ -217,18 +217,24 @@ def test_norm_split_rows(backend, op, dtype, rows, n, offset):
 @pytest.mark.parametrize("op", NORM_OPS + SOFTMAX_OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("n", [262144, 300000])
-def test_split_rows_one_statistic_per_row(backend, op, dtype, n):
+@pytest.mark.parametrize("peak", [False, True], ids=["spread", "peak"])
+def test_split_rows_one_statistic_per_row(backend, op, dtype, n, peak):
     """Equal inputs anywhere in a split row give bit-identical outputs: every
     thread of every block of the row used the same merged statistics. The
     values come from a set of 8 placed at random, so the parts' statistics
     differ (a merge whose result depends on the order of its operands shows
     up as two outputs for one input); 300000 float32 has parts of 15792
     elements, whose products with a mean round (2**k-element parts do not).
+    With ``peak`` one element per row (index 7) holds the row's maximum, so
+    that all but one part of a softmax row have a lower local maximum.
     Whole packs only: an element of a partial pack is computed by other code
     (per element), which may round differently."""
     rng = np.random.default_rng(3900 + n)
     vals = rng.standard_normal(8).astype(dtype)
     idx = rng.integers(0, 8, (4, n))
+    if peak:
+        vals = np.append(vals, vals.max() + 1).astype(dtype)
+        idx[:, 7] = 8
     got = backend.to_numpy(fn(op)(backend.asarray(vals[idx]), *(() if op in SOFTMAX_OPS else (n,))))
     for r in range(4):
         for k in range(8):
