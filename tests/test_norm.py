@@ -214,6 +214,29 @@ def test_norm_split_rows(backend, op, dtype, rows, n, offset):
     normalize(backend, op, x, nx, n, w, b, nw, nb, out=out)
 
 
+# Parts of cluster (65536) and split (262144) rows load a pack of the weight
+# and bias whole where it is whole and aligned in them, else element by
+# element (kernels/norm.cu: RowView::columns): weight and bias as views at
+# x's offset (whole packs on a shifted window) or at another one (per
+# element), each alone or both.
+@norm_param
+@pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: d.name)
+@pytest.mark.parametrize("n", [65536, 262144])
+@pytest.mark.parametrize("x_offset, p_offset", [(0, 0), (3, 3), (0, 1)], ids=str)
+@pytest.mark.parametrize("which", ["w", "b", "wb"])
+def test_norm_split_rows_affine_views(backend, op, dtype, n, x_offset, p_offset, which):
+    if "w" not in which and not has_bias(op):
+        pytest.skip("rms_norm has no bias")
+    x, nx, out = split_case(backend, dtype, 2, n, x_offset, 1460 + n)
+
+    def view(seed, scale):
+        base = rand((n + p_offset,), dtype, seed, scale)
+        return backend.asarray(base)[p_offset:], base[p_offset:]
+    w, nw = view(1461, 1.0) if "w" in which else (None, None)
+    b, nb = view(1462, 0.5) if "b" in which and has_bias(op) else (None, None)
+    normalize(backend, op, x, nx, n, w, b, nw, nb, out=out)
+
+
 @pytest.mark.parametrize("op", NORM_OPS + SOFTMAX_OPS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("n", [262144, 300000])

@@ -149,6 +149,45 @@ def test_long_columns(backend, op, n):
     reduce(backend, op, backend.asarray(x), x, axis=0)
 
 
+# Column reductions whose rows are split into chunks (too few tiles of
+# columns to fill the GPU): each chunk's block writes its sums, and a second
+# launch adds them up in chunk order (kernels/reduction.cu). Cases: many chunks of one tile;
+# columns that are not a whole number of packs (one column per thread);
+# several slabs (the middle axes of a 3-D / 4-D array); a base one element
+# past a 16-byte boundary (one column per thread).
+SPLIT_COLUMN_CASES = [((20000, 24), (0,), 0), ((6001, 257), (0,), 0), ((3, 4000, 100), (1,), 0),
+                      ((2, 3, 5000, 8), (1, 2), 0), ((4099, 64), (0,), 1)]
+
+
+def split_columns_case(backend, dtype, shape, offset, seed):
+    """(x in the backend, its NumPy values): C-contiguous, ``offset`` elements into its buffer."""
+    n = int(np.prod(shape))
+    flat = rand((offset + n,), dtype, seed, 0.25)
+    return backend.asarray(flat)[offset:].reshape(shape), flat[offset:].reshape(shape)
+
+
+@op_param
+@dtype_param
+@pytest.mark.parametrize("shape, axis, offset", SPLIT_COLUMN_CASES, ids=str)
+def test_split_columns(backend, op, dtype, shape, axis, offset):
+    x, nx = split_columns_case(backend, dtype, shape, offset, 470 + sum(shape))
+    reduce(backend, op, x, nx, axis=axis)
+
+
+@op_param
+@pytest.mark.parametrize("shape, axis, offset", SPLIT_COLUMN_CASES, ids=str)
+def test_split_columns_same_bits(backend, op, shape, axis, offset, launches):
+    """The rows are split (the first launch has several chunks), and the
+    result has the same bits on every run, whatever order the blocks ran in."""
+    if not backend.gpu:
+        pytest.skip("GPU backends only")
+    x, nx = split_columns_case(backend, F32, shape, offset, 480 + sum(shape))
+    first = reduce(backend, op, x, nx, axis=axis)
+    assert len(launches) == 2 and launches[0].grid[1] > 1, launches
+    for _ in range(5):
+        assert np.array_equal(backend.to_numpy(fn(op)(x, axis=axis)), first)
+
+
 @op_param
 @dtype_param
 def test_long_row_other_dtypes(backend, op, dtype):
