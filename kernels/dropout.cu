@@ -15,16 +15,15 @@
 template <bool Tanh, typename T, int Bits> struct GeluDropout {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;  // one Philox call serves 4 or 8 consecutive elements
-    static constexpr int kBits = Bits;
-    static constexpr int kLanes = 128 / kBits;  // elements per Philox call
+    static constexpr int kLanes = 128 / Bits;  // elements per Philox call
     unsigned long long seed, threshold;
     double scale;
     template <typename C> __device__ __forceinline__ C keep(C x, unsigned w) const {
         const C g = Tanh ? cufuse::math::gelu_tanh(x) : cufuse::math::gelu_erf_to<T>(x);
-        return w >= (threshold >> (32 - kBits)) ? g * static_cast<C>(scale) : C(0);  // floor(p * 2**kBits)
+        return w >= (threshold >> (32 - Bits)) ? g * static_cast<C>(scale) : C(0);  // floor(p * 2**Bits)
     }
     template <typename C> __device__ __forceinline__ C operator()(long long i, C x) const {
-        return keep(x, cufuse::philox_lane<kBits>(seed, i));
+        return keep(x, cufuse::philox_lane<Bits>(seed, i));
     }
     template <int V, typename C> __device__ __forceinline__ void pack(long long i0, const C (&x)[V], C (&y)[V]) const {
         if constexpr (V % kLanes == 0) {  // i0 is a multiple of V, so of kLanes: whole Philox blocks
@@ -32,7 +31,7 @@ template <bool Tanh, typename T, int Bits> struct GeluDropout {
             for (int g = 0; g < V / kLanes; ++g) {
                 const uint4 r = cufuse::philox_block(seed, static_cast<unsigned long long>(i0) / kLanes + g);
 #pragma unroll
-                for (int j = 0; j < kLanes; ++j) y[kLanes * g + j] = keep(x[kLanes * g + j], cufuse::lane_of<kBits>(r, j));
+                for (int j = 0; j < kLanes; ++j) y[kLanes * g + j] = keep(x[kLanes * g + j], cufuse::lane_of<Bits>(r, j));
             }
         } else {
 #pragma unroll

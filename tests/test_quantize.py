@@ -724,20 +724,31 @@ def test_per_channel_walk_taken(backend, dtype, shape, axis, param_offset, walk,
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("what", ["scale", "zero_point"])
-def test_per_channel_parameters_on_another_gpu(what, launches):
-    """A CuPy parameter on another GPU than the data is refused before any
-    launch (the kernel would read a pointer of the other device)."""
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_per_channel_parameters_on_another_gpu(what, lib, launches):
+    """A CuPy or torch parameter on another GPU than the data is refused
+    before any launch (the kernel would read a pointer of the other device)."""
     if gpu_count() < 2:
         pytest.skip("needs 2 GPUs")
-    import cupy as cp
-    x = cp.asarray(rand((6, 48), F32, 43, 15.0))
-    with cp.cuda.Device(1):
-        other = cp.full(48, 0.1 if what == "scale" else 0.0, F32)
-    kw = {"scale": cp.full(48, 0.1, F32), "zero_point": cp.zeros(48, F32)} | {what: other}
+    if lib == "cupy":
+        import cupy as cp
+
+        def on(a, dev):
+            with cp.cuda.Device(dev):
+                return cp.asarray(a)
+    else:
+        torch = pytest.importorskip("torch")
+
+        def on(a, dev):
+            return torch.from_numpy(a).to(f"cuda:{dev}")
+    x = on(rand((6, 48), F32, 43, 15.0), 0)
+    q = on(np.zeros((6, 48), np.int8), 0)
+    kw = {"scale": on(np.full(48, 0.1, F32), 0), "zero_point": on(np.zeros(48, F32), 0)}
+    kw[what] = on(np.full(48, 0.1 if what == "scale" else 0.0, F32), 1)
     with pytest.raises(ValueError, match=f"{what} is on GPU 1 but the data is on GPU 0"):
         cufuse.quantize_int8(x, kw["scale"], kw["zero_point"], axis=-1)
     with pytest.raises(ValueError, match=f"{what} is on GPU 1 but the data is on GPU 0"):
-        cufuse.dequantize_int8(cp.zeros((6, 48), cp.int8), kw["scale"], kw["zero_point"], axis=-1)
+        cufuse.dequantize_int8(q, kw["scale"], kw["zero_point"], axis=-1)
     assert launches == []
 
 

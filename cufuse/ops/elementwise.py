@@ -573,10 +573,6 @@ def _check_approximate(name, approximate):
 _LANE16_P = (1 / 32, 31 / 32)
 
 
-def _lanes16(p):
-    return _LANE16_P[0] <= p <= _LANE16_P[1]
-
-
 def _mask_bits(dtype, lanes16):
     """Bits of Philox output per element of gelu_dropout's mask (kernels/dropout.cu Bits)."""
     return 16 if lanes16 and dtype == _F16 else 32
@@ -644,7 +640,7 @@ def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, o
     # compare with threshold >> 16 = floor(p * 2**16)
     threshold = int(p * 4294967296.0)
     scale = 1.0 / (1.0 - p)
-    lanes16 = _lanes16(p)
+    lanes16 = _LANE16_P[0] <= p <= _LANE16_P[1]
     return _dropout_ops[tanh, lanes16]._general(
         (x,), out, params=(np.uint64(seed), np.uint64(threshold), scale),
         np_params={"approximate": approximate, "seed": seed, "threshold": threshold, "scale": scale,

@@ -328,6 +328,3 @@ def _softmax(name, x, axis, out):
         return _rows.contiguous(back, kind)
     out[...] = back
     return out
-
-
-OPS = _OPS

@@ -149,13 +149,14 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
             need = "finite and > 0" if positive else "finite"
             raise ValueError(f"cufuse.{name}: every {what} must be {need}")
         return arr
+    dev = A.device_of(arr, vk)
+    if dev != A.device_of(x, kind):  # the kernel would read a pointer of another device
+        raise ValueError(f"cufuse.{name}: {what} is on GPU {dev} but the data is on GPU "
+                         f"{A.device_of(x, kind)}; per-channel parameters must be on the data's GPU")
     if vk == A.CUPY:
-        if arr.data.device_id != A.device_of(x, kind):
-            raise ValueError(f"cufuse.{name}: {what} is on GPU {arr.data.device_id} but the data is on GPU "
-                             f"{A.device_of(x, kind)}; per-channel parameters must be on the data's GPU")
-        with R._cp.cuda.Device(arr.data.device_id):
+        with R._cp.cuda.Device(dev):
             return R._cp.ascontiguousarray(arr, dtype=real)  # the kernels index scale[c]: no strides
-    return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: same device as the data
+    return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: the data's device (checked above)
 
 
 def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
@@ -190,8 +191,6 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
             else:
                 t = A.torch()
                 sc, zp = (v if t.is_tensor(v) else t.from_numpy(v).to(f"cuda:{dev}") for v in (sc, zp))
-                if sc.get_device() != dev or zp.get_device() != dev:
-                    raise ValueError(f"cufuse.{name}: scale and zero_point must be on the data's GPU ({dev})")
         inner = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
         nch = x.shape[axis]
         ptrs = (A.pointer_of(sc, kind), A.pointer_of(zp, kind))
@@ -238,7 +237,3 @@ def dequantize_int8(q, /, scale, zero_point=0.0, axis=None, dtype=np.float32, *,
     """
     odt = A.float_dtype_arg("dequantize_int8", dtype)
     return _run("dequantize_int8", (lambda in_dt, s, z: _dequant, _dequant_ch), q, scale, zero_point, axis, out, odt)
-
-
-OPS = {"quantize_int8": _quant, "quantize_int8_div": _quant_div, "quantize_int8_channel": _quant_ch,
-       "dequantize_int8": _dequant, "dequantize_int8_channel": _dequant_ch}

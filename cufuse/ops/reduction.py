@@ -267,6 +267,3 @@ def sum_squared(x, axis=-1, keepdims=False, dtype=None, *, out=None):
 def mean_abs(x, axis=-1, keepdims=False, dtype=None, *, out=None):
     """mean(|x|) over ``axis``; a mean over nothing is NaN. Otherwise as ``sum_squared``."""
     return _mean_abs(x, axis, keepdims, dtype, out)
-
-
-OPS = {"sum_squared": _sum_squared, "mean_abs": _mean_abs}
