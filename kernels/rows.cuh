@@ -156,18 +156,23 @@ template <int CS> struct Group {
     }
     // The parts' statistics merged (every thread gets the same bits): a
     // cluster's blocks in rank order; one part: `v` itself. At most one
-    // combine per kernel.
+    // combine per kernel. One thread per block merges and shares the result
+    // through shared memory (see SplitGroup::combine for why).
     template <typename S> __device__ __forceinline__ S combine(const S& v) const {
         if constexpr (CS == 1) {
             return v;
         } else {
-            __shared__ S block_part;
+            __shared__ S block_part, merged;
             if (threadIdx.x == 0) block_part = v;
             cluster_sync();
-            S acc = load_cluster(&block_part, 0);
+            if (threadIdx.x == 0) {
+                S acc = load_cluster(&block_part, 0);
 #pragma unroll
-            for (unsigned r = 1; r < CS; ++r) acc = S::merge(acc, load_cluster(&block_part, r));
-            return acc;
+                for (unsigned r = 1; r < CS; ++r) acc = S::merge(acc, load_cluster(&block_part, r));
+                merged = acc;
+            }
+            __syncthreads();
+            return merged;
         }
     }
     // Before the block leaves: no block of a cluster may leave while another
@@ -233,22 +238,33 @@ struct SplitGroup {
             }
         }
         __syncthreads();
-        // Every warp merges the parts: lanes in order, then the shuffle tree,
+        // Warp 0 merges the parts: lanes in order, then the shuffle tree,
         // where both lanes of a pair merge (lower lane, higher lane), so that
-        // all lanes, warps and blocks of the row get the same bits. Loaded
-        // through L2 (ld.global.cg): another row's part may share a line that
-        // this SM's L1 holds from before it was written.
-        const int l = threadIdx.x & 31;
-        S acc = S::identity();
-        for (int i = l; i < nparts; i += 32) acc = S::merge(acc, load_cg(reinterpret_cast<const S*>(base + i * kPartBytes)));
+        // all its lanes, and every block of the row, get the same bits; the
+        // block reads the result from shared memory. Every warp merging, as
+        // before, put layer_norm's merges (two divisions each) into the
+        // instructions of every thread, which holds only 32 values: H200,
+        // layer_norm 256 x 262144, % of copy, float32 53.5 -> 61.2, float16
+        // 56.1 -> 60.1 (scratch/split_probe.py).
+        // Loaded through L2 (ld.global.cg): another row's part may share a
+        // line that this SM's L1 holds from before it was written.
+        __shared__ S merged;
+        if (threadIdx.x < 32) {
+            const int l = threadIdx.x;
+            S acc = S::identity();
+            for (int i = l; i < nparts; i += 32)
+                acc = S::merge(acc, load_cg(reinterpret_cast<const S*>(base + i * kPartBytes)));
 #pragma unroll
-        for (int o = 16; o > 0; o >>= 1) {
-            const S other = shfl_xor(acc, o);
-            const bool upper = (l & o) != 0;
-            const S lo = upper ? other : acc, hi = upper ? acc : other;
-            acc = S::merge(lo, hi);  // one instance, one instruction sequence for every lane
+            for (int o = 16; o > 0; o >>= 1) {
+                const S other = shfl_xor(acc, o);
+                const bool upper = (l & o) != 0;
+                const S lo = upper ? other : acc, hi = upper ? acc : other;
+                acc = S::merge(lo, hi);  // one instance, one instruction sequence for every lane
+            }
+            if (l == 0) merged = acc;
         }
-        return acc;
+        __syncthreads();
+        return merged;
     }
     __device__ __forceinline__ void finish() const {}
 

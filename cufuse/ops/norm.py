@@ -119,7 +119,10 @@ class _RowOp:
         # (kernels/norm.cu: RowView's Whole): 40 registers instead of 60 for
         # float16 layer_norm, 64 -> 81% of copy at 8192x4096 (H200). Except
         # float32/float64 layer_norm at >= 8 packs per thread, which it made
-        # slower (8192x4096 float32 87 -> 79%; bench/NOTES.md).
+        # slower (8192x4096 float32 87 -> 79%; bench/NOTES.md): there ptxas
+        # issues 2 of a thread's 8 loads of x after the first pass's adds
+        # (SASS), a second round trip to memory (ncu, 1024x65536: 57M
+        # instructions in 220 us against 88M in 203 us).
         if whole and key[0] != "stream" and (not self.narrow or isz == 2 or key[1] < 8):
             key = key + ("whole",)
         fn = R.get_function(*self.exprs[(dt, key)], dev)
