@@ -159,20 +159,40 @@ def test_norm_leading_shapes(backend, op, lead, n):
     assert got.shape == lead + (n,)
 
 
+# float32 rows of 20000 and 32768 are clusters of 2 and 4 blocks on sm_90,
+# 65536 a split row of 8 blocks (cufuse/ops/norm.py plan); float16 rows of
+# 65536 and 131072 clusters of 4 and 8.
 @norm_param
-@pytest.mark.parametrize("n", [65536, 262144, 300000])
+@pytest.mark.parametrize("n", [20000, 32768, 65536, 262144, 300000])
 def test_norm_long_rows(backend, op, n):
     x = rand((2, n), F32, 1400 + n)
     w, b, nw, nb = affine(backend, op, full_affine(op), (n,), F32, 1410)
     normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb)
 
 
+@pytest.mark.parametrize("dtype, n, kernel", [
+    (F32, 20000, "norm_rows_cluster"), (F32, 32768, "norm_rows_cluster"), (F32, 65536, "norm_rows_split"),
+    (F16, 131072, "norm_rows_cluster"), (F16, 262144, "norm_rows_split")], ids=str)
+def test_long_row_kernel_taken(backend, dtype, n, kernel, launches):
+    """The plan's kernel is the one that runs (so the long-row tests above
+    cover clusters and split rows): on sm_90 float32 rows up to 32768 are
+    clusters, 65536 a split row; float16 rows up to 131072 clusters."""
+    if not backend.gpu:
+        pytest.skip("GPU backends only")
+    import cupy as cp
+    if "cluster" in kernel and int(cp.cuda.Device().compute_capability) < 90:
+        pytest.skip("clusters need sm_90")
+    x = rand((2, n), dtype, 1425)
+    normalize(backend, "layer_norm", backend.asarray(x), x, n)
+    assert [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")][-1].startswith(kernel + "<"), launches
+
+
 @norm_param
-@pytest.mark.parametrize("dtype", [F16, F64], ids=lambda d: d.name)
-def test_norm_long_rows_other_dtypes(backend, op, dtype):
-    x = rand((2, 65536), dtype, 1420)
-    w, b, nw, nb = affine(backend, op, full_affine(op), (65536,), dtype, 1421)
-    normalize(backend, op, backend.asarray(x), x, 65536, w, b, nw, nb)
+@pytest.mark.parametrize("dtype, n", [(F16, 65536), (F16, 131072), (F64, 65536)], ids=str)
+def test_norm_long_rows_other_dtypes(backend, op, dtype, n):
+    x = rand((2, n), dtype, 1420)
+    w, b, nw, nb = affine(backend, op, full_affine(op), (n,), dtype, 1421)
+    normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb)
 
 
 @norm_param
@@ -749,7 +769,7 @@ def test_softmax_empty(backend, op, shape, axis):
 
 
 @softmax_param
-@pytest.mark.parametrize("n", [65536, 262144, 300000])
+@pytest.mark.parametrize("n", [20000, 32768, 65536, 262144, 300000])
 def test_softmax_long_rows(backend, op, n):
     x = rand((2, n), F32, 3200 + n, 3.0)
     got = soft(backend, op, backend.asarray(x), x)
@@ -758,9 +778,9 @@ def test_softmax_long_rows(backend, op, n):
 
 
 @softmax_param
-@pytest.mark.parametrize("dtype", [F16, F64], ids=lambda d: d.name)
-def test_softmax_long_rows_other_dtypes(backend, op, dtype):
-    x = rand((2, 65536), dtype, 3210, 3.0)
+@pytest.mark.parametrize("dtype, n", [(F16, 65536), (F16, 131072), (F64, 65536)], ids=str)
+def test_softmax_long_rows_other_dtypes(backend, op, dtype, n):
+    x = rand((2, n), dtype, 3210, 3.0)
     soft(backend, op, backend.asarray(x), x)
 
 

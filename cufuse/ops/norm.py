@@ -74,8 +74,8 @@ class _RowOp:
         From sweeps on an H200 (bench/NOTES.md): rows up to 4096 packs take
         one group with 4 packs per thread (8 from 1024 packs, except float16
         layer_norm below 2048 packs, unless ``whole``: see launch); longer
-        rows a cluster of up to 8 256-thread blocks with 8 packs each (sm_90);
-        longer ones (or without clusters) blocks of 8 packs per thread that
+        rows a cluster of up to 8 (float16; else 4) 256-thread blocks with 8
+        packs each (sm_90); longer ones (or without clusters) blocks of 8 packs per thread that
         merge their statistics through global memory (norm_rows_split), up
         to a quarter of the SMs per row; beyond that, the streaming kernel."""
         v = 16 // dt.itemsize
@@ -87,9 +87,13 @@ class _RowOp:
             per_thread = 8 if npack >= 1024 and (dt.itemsize >= 4 or whole or not self.narrow) else 4
             tpr = min(max(_rows.pow2_at_least(-(-npack // per_thread)), 32), 512)
             return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
+        # A cluster of 8 only for float16: 1024x65536 float32 (% of copy,
+        # layer_norm / rms_norm / softmax, same run) cluster of 8 61.2 / 78.2 /
+        # 75.9 -> split 256 x 8 in 8 parts 63.6 / 79.6 / 80.2; float16 cluster
+        # of 4 61.1 / 73.9 / 71.5 against split 62.2 / 72.3 / 67.4.
         if R.compute_capability(dev) >= 90:
             for cs in _CLUSTERS:
-                if -(-npack // cs) <= 256 * 8:
+                if -(-npack // cs) <= 256 * 8 and (cs < 8 or dt.itemsize == 2):
                     return ("cluster", 8, cs), 256, cs
         # Split rows (H200, % of copy, f32 / f16, layer_norm, rms_norm, softmax):
         # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
