@@ -159,9 +159,9 @@ def test_norm_leading_shapes(backend, op, lead, n):
     assert got.shape == lead + (n,)
 
 
-# float32 rows of 20000 and 32768 are clusters of 2 and 4 blocks on sm_90,
-# 65536 a split row of 8 blocks (cufuse/ops/norm.py plan); float16 rows of
-# 65536 and 131072 clusters of 4 and 8.
+# float32 rows of 20000 and 32768 are clusters of 4 blocks on sm_90, 65536
+# a split row of 8 blocks (cufuse/ops/norm.py plan); float16 rows of 65536
+# and 131072 clusters of 4 and 8 (test_long_row_kernel_taken).
 @norm_param
 @pytest.mark.parametrize("n", [20000, 32768, 65536, 262144, 300000])
 def test_norm_long_rows(backend, op, n):
@@ -171,12 +171,18 @@ def test_norm_long_rows(backend, op, n):
 
 
 @pytest.mark.parametrize("dtype, n, kernel", [
-    (F32, 20000, "norm_rows_cluster"), (F32, 32768, "norm_rows_cluster"), (F32, 65536, "norm_rows_split"),
-    (F16, 131072, "norm_rows_cluster"), (F16, 262144, "norm_rows_split")], ids=str)
+    (F32, 20000, "norm_rows_cluster<LayerNorm<false>, float, 8, 4, false>"),
+    (F32, 32768, "norm_rows_cluster<LayerNorm<false>, float, 8, 4, false>"),
+    (F32, 65536, "norm_rows_split<LayerNorm<false>, float, 8, false>"),
+    (F16, 65536, "norm_rows_cluster<LayerNorm<false>, __half, 8, 4, true>"),
+    (F16, 131072, "norm_rows_cluster<LayerNorm<false>, __half, 8, 8, true>"),
+    (F16, 262144, "norm_rows_split<LayerNorm<false>, __half, 8, true>")], ids=str)
 def test_long_row_kernel_taken(backend, dtype, n, kernel, launches):
-    """The plan's kernel is the one that runs (so the long-row tests above
-    cover clusters and split rows): on sm_90 float32 rows up to 32768 are
-    clusters, 65536 a split row; float16 rows up to 131072 clusters."""
+    """The plan's kernel (and cluster size) is the one that runs, so that the
+    long-row tests above cover clusters of 4 and 8 and split rows: on sm_90
+    float32 rows up to 32768 are clusters of 4, 65536 a split row; float16
+    rows up to 131072 clusters. (The float32 layer_norm kernels at 8 packs
+    per thread are the general ones, float16's the whole ones: norm.py.)"""
     if not backend.gpu:
         pytest.skip("GPU backends only")
     import cupy as cp
@@ -184,7 +190,7 @@ def test_long_row_kernel_taken(backend, dtype, n, kernel, launches):
         pytest.skip("clusters need sm_90")
     x = rand((2, n), dtype, 1425)
     normalize(backend, "layer_norm", backend.asarray(x), x, n)
-    assert [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")][-1].startswith(kernel + "<"), launches
+    assert [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")] == [kernel], launches
 
 
 @norm_param
@@ -234,14 +240,15 @@ def test_norm_split_rows(backend, op, dtype, rows, n, offset):
     normalize(backend, op, x, nx, n, w, b, nw, nb, out=out)
 
 
-# Parts of cluster (65536) and split (262144) rows load a pack of the weight
-# and bias whole where it is whole and aligned in them, else element by
-# element (kernels/norm.cu: RowView::columns): weight and bias as views at
-# x's offset (whole packs on a shifted window) or at another one (per
-# element), each alone or both.
+# Parts of cluster rows (32768 float32, 65536 float16: clusters of 4) and
+# split rows (65536 float32, 262144) load a pack of the weight and bias whole
+# where it is whole and aligned in them, else element by element
+# (kernels/norm.cu: RowView::columns): weight and bias as views at x's offset
+# (whole packs on a shifted window) or at another one (per element), each
+# alone or both.
 @norm_param
 @pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: d.name)
-@pytest.mark.parametrize("n", [65536, 262144])
+@pytest.mark.parametrize("n", [32768, 65536, 262144])
 @pytest.mark.parametrize("x_offset, p_offset", [(0, 0), (3, 3), (0, 1)], ids=str)
 @pytest.mark.parametrize("which", ["w", "b", "wb"])
 def test_norm_split_rows_affine_views(backend, op, dtype, n, x_offset, p_offset, which):

@@ -151,7 +151,7 @@ def test_long_columns(backend, op, n):
 
 # Column reductions whose rows are split into chunks (too few tiles of
 # columns to fill the GPU): each chunk's block writes its sums, and a second
-# launch adds them up in chunk order (kernels/reduction.cu). Cases: many chunks of one tile;
+# launch adds them up in a fixed order (kernels/reduction.cu). Cases: many chunks of one tile;
 # columns that are not a whole number of packs (one column per thread);
 # several slabs (the middle axes of a 3-D / 4-D array); a base one element
 # past a 16-byte boundary (one column per thread).

@@ -6,7 +6,8 @@ held in registers: read once, reduced, written once. A row up to 4096
 16-byte packs belongs to a group of threads of one block (warp shuffle,
 shared memory); a longer one to several blocks, each holding a part, that
 merge their statistics once per row: on sm_90 a thread-block cluster's
-distributed shared memory (up to 8 blocks of 2048 packs), beyond that (or
+distributed shared memory (up to 8 blocks of 2048 packs for float16, 4 for
+others), beyond that (or
 without clusters) a workspace in global memory (a row's blocks wait for one
 another: at most a quarter of the SMs per row, see plan). Rows longer than
 that fall back to a kernel that re-reads the row.
@@ -89,8 +90,12 @@ class _RowOp:
             return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
         # A cluster of 8 only for float16: 1024x65536 float32 (% of copy,
         # layer_norm / rms_norm / softmax, same run) cluster of 8 61.2 / 78.2 /
-        # 75.9 -> split 256 x 8 in 8 parts 63.6 / 79.6 / 80.2; float16 cluster
-        # of 4 61.1 / 73.9 / 71.5 against split 62.2 / 72.3 / 67.4.
+        # 75.9 -> split 256 x 8 in 8 parts 63.6 / 79.6 / 80.2. Not measured:
+        # float16 rows of a cluster of 8 (65537-131072 columns) against split
+        # rows, float64, and float32 rows of 5-7 split parts. (float16
+        # 1024x65536, a cluster of 4: 61.1 / 73.9 / 71.5, split 62.2 / 72.3 /
+        # 67.4.) A cluster of 2 is never planned: rows of up to 4096 packs
+        # take one group, and 2 blocks hold no more.
         if R.compute_capability(dev) >= 90:
             for cs in _CLUSTERS:
                 if -(-npack // cs) <= 256 * 8 and (cs < 8 or dt.itemsize == 2):
@@ -98,7 +103,7 @@ class _RowOp:
         # Split rows (H200, % of copy, f32 / f16, layer_norm, rms_norm, softmax):
         # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
         # 53/74/76, 54/69/63; 64x1048576: streaming kernel 19/28/16 -> split 512 x 8
-        # 39/64/62. At 1024x65536 float16 the cluster stays ahead (60/73/71 vs 59/70/66).
+        # 39/64/62.
         # A split row's blocks wait for one another (kernels/rows.cuh
         # SplitGroup): parts are kept at most SMs / 4, so that four split
         # launches in flight at once (any streams) hold at most all SMs minus
