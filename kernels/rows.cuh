@@ -97,10 +97,19 @@ template <typename S> __device__ __forceinline__ S load_cluster(const S* smem, u
 // and merge(a, b), merge(earlier part, later part). It need not be
 // commutative bit for bit (contracted multiply-adds are not): every merge
 // below takes its operands in one fixed order.
-template <typename S> __device__ __forceinline__ S shfl_xor(const S& v, int o) {
+template <typename S> __device__ __forceinline__ S shfl_down(const S& v, int o) {
     unsigned w[sizeof(S) / 4];
     memcpy(w, &v, sizeof(S));
-    return from_words<S>([&](int i) { return __shfl_xor_sync(0xffffffffu, w[i], o); });
+    return from_words<S>([&](int i) { return __shfl_down_sync(0xffffffffu, w[i], o); });
+}
+
+// `v` of the thread where `mine` holds, for every thread of the block (all
+// must call it; once per kernel: the shared slot is not reused).
+template <typename S> __device__ __forceinline__ S block_broadcast(const S& v, bool mine) {
+    __shared__ S slot;
+    if (mine) slot = v;
+    __syncthreads();
+    return slot;
 }
 
 template <typename S> __device__ __forceinline__ S load_cg(const S* p) {  // through L2, never L1
@@ -162,17 +171,16 @@ template <int CS> struct Group {
         if constexpr (CS == 1) {
             return v;
         } else {
-            __shared__ S block_part, merged;
+            __shared__ S block_part;
             if (threadIdx.x == 0) block_part = v;
             cluster_sync();
+            S acc = S::identity();
             if (threadIdx.x == 0) {
-                S acc = load_cluster(&block_part, 0);
+                acc = load_cluster(&block_part, 0);
 #pragma unroll
                 for (unsigned r = 1; r < CS; ++r) acc = S::merge(acc, load_cluster(&block_part, r));
-                merged = acc;
             }
-            __syncthreads();
-            return merged;
+            return block_broadcast(acc, threadIdx.x == 0);
         }
     }
     // Before the block leaves: no block of a cluster may leave while another
@@ -238,33 +246,23 @@ struct SplitGroup {
             }
         }
         __syncthreads();
-        // Warp 0 merges the parts: lanes in order, then the shuffle tree,
-        // where both lanes of a pair merge (lower lane, higher lane), so that
-        // all its lanes, and every block of the row, get the same bits; the
-        // block reads the result from shared memory. Every warp merging, as
+        // Warp 0 merges the parts: lanes in order, then a shuffle tree into
+        // lane 0 (lower lane, higher lane), so that every block of the row
+        // gets the same bits; the block reads lane 0's result. Every warp merging, as
         // before, put layer_norm's merges (two divisions each) into the
         // instructions of every thread, which holds only 32 values: H200,
         // layer_norm 256 x 262144, % of copy, float32 53.5 -> 61.2, float16
         // 56.1 -> 60.1 (scratch/split_probe.py).
         // Loaded through L2 (ld.global.cg): another row's part may share a
         // line that this SM's L1 holds from before it was written.
-        __shared__ S merged;
+        S acc = S::identity();
         if (threadIdx.x < 32) {
-            const int l = threadIdx.x;
-            S acc = S::identity();
-            for (int i = l; i < nparts; i += 32)
+            for (int i = threadIdx.x; i < nparts; i += 32)
                 acc = S::merge(acc, load_cg(reinterpret_cast<const S*>(base + i * kPartBytes)));
 #pragma unroll
-            for (int o = 16; o > 0; o >>= 1) {
-                const S other = shfl_xor(acc, o);
-                const bool upper = (l & o) != 0;
-                const S lo = upper ? other : acc, hi = upper ? acc : other;
-                acc = S::merge(lo, hi);  // one instance, one instruction sequence for every lane
-            }
-            if (l == 0) merged = acc;
+            for (int o = 16; o > 0; o >>= 1) acc = S::merge(acc, shfl_down(acc, o));
         }
-        __syncthreads();
-        return merged;
+        return block_broadcast(acc, threadIdx.x == 0);
     }
     __device__ __forceinline__ void finish() const {}
 
