@@ -34,6 +34,12 @@ def size_label(n: int) -> str:
     return str(n)
 
 
+def _flush_mode() -> str:
+    """How the timer flushes L2 (cufuse._timing.FLUSH_MODE: "read" or "memset")."""
+    from cufuse import _timing
+    return _timing.FLUSH_MODE
+
+
 class GpuBench:
     """Device helpers shared by every benchmark of the session."""
 
@@ -101,13 +107,14 @@ class GpuBench:
     # ------------------------------------------------------------ timing
     def gpu_time_us(self, fn, stream, reps: int, warmup: int = 10, batch: int = 1) -> dict:
         """GPU microseconds per ``fn()`` on ``stream``: cufuse._timing.gpu_times
-        (CUDA events, a 512 MiB memset backlog before each repetition that
-        flushes L2 and outlasts the host's enqueue time; median of ``reps``)."""
+        (CUDA events, a backlog of 512 MiB read-only sweeps before each
+        repetition that flushes L2 and outlasts the host's enqueue time;
+        median of ``reps``)."""
         from cufuse import _timing
         return _timing.gpu_times(fn, stream, reps=reps, warmup=warmup, batch=batch)
 
     def flush_us(self) -> float:
-        """GPU microseconds of one 512 MiB memset (measured once)."""
+        """GPU microseconds of one 512 MiB L2 flush (measured once)."""
         from cufuse import _timing
         return _timing.flush_us(self.device)
 
@@ -118,27 +125,17 @@ class GpuBench:
 
     def copy_bandwidth(self) -> dict:
         """Device-to-device copy bandwidth, measured once per session: 1 GiB by
-        cudaMemcpyAsync and by ``dst[...] = src``, CUDA events, median of 20,
-        bytes = read + written. The reference is the faster of the two."""
+        cudaMemcpyAsync and by ``dst[...] = src``, timed as the ops are
+        (gpu_time_us: CUDA events, L2 flushed, median of 20), bytes = read +
+        written. The reference is the faster of the two."""
         if self._copy is None:
             cp = self.cp
             s = cp.cuda.get_current_stream()
             src = cp.random.default_rng(7).standard_normal(COPY_BYTES // 4, dtype=np.float32)
             dst = cp.empty_like(src)
-            start, end = cp.cuda.Event(), cp.cuda.Event()
 
-            def median_ms(fn, reps=20, warmup=3):
-                for _ in range(warmup):
-                    fn()
-                s.synchronize()
-                ts = []
-                for _ in range(reps):
-                    start.record(s)
-                    fn()
-                    end.record(s)
-                    end.synchronize()
-                    ts.append(cp.cuda.get_elapsed_time(start, end))
-                return statistics.median(ts)
+            def median_ms(fn):  # timed as every op is: cufuse._timing.gpu_times, L2 flushed
+                return self.gpu_time_us(fn, s, reps=20, warmup=3)["gpu_us"] / 1e3
 
             def memcpy():
                 cp.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, COPY_BYTES,
@@ -158,7 +155,8 @@ class GpuBench:
             if not ok:
                 raise AssertionError("device-to-device copy reference produced wrong data")
             self._copy = {"memcpy_GBps": g_memcpy, "assign_GBps": g_assign,
-                          "GBps": max(g_memcpy, g_assign), "flush_us": self.flush_us()}
+                          "GBps": max(g_memcpy, g_assign), "flush_us": self.flush_us(),
+                          "flush": _flush_mode()}
         return self._copy
 
     @staticmethod
@@ -344,11 +342,12 @@ def summary_lines(full=False) -> list[str]:
         if g._copy is not None:
             c = g._copy
             out.append(f"D2D copy reference (1 GiB, read+written): {c['GBps']:.0f} GB/s "
-                       f"(cudaMemcpyAsync {c['memcpy_GBps']:.0f}, dst[...]=src {c['assign_GBps']:.0f})")
+                       f"(cudaMemcpyAsync {c['memcpy_GBps']:.0f}, dst[...]=src {c['assign_GBps']:.0f}; "
+                       f"L2 flush: {c.get('flush', 'memset')})")
     if BANDWIDTH:
         out.append("")
-        out += ["Bandwidth. µs: CUDA-event median of one call, on the GPU (a 512 MiB memset before each call",
-                "flushes L2 and keeps the GPU busy while the host queues the call). GB/s: (inputs read once +",
+        out += ["Bandwidth. µs: CUDA-event median of one call, on the GPU (a read-only sweep of 512 MiB before each",
+                "call flushes L2 and keeps the GPU busy while the host queues the call). GB/s: (inputs read once +",
                 "output written once) / µs. % copy: of the D2D copy GB/s above. Peer cells: peer µs (peer µs /",
                 "cufuse µs; >1 = cufuse faster). cufuse writes into a preallocated out=; peers allocate."]
         by_key = {}
@@ -401,7 +400,7 @@ def summary_lines(full=False) -> list[str]:
     bad = [f"{r['op']}-{r['dtype']}-{size_label(r['n'])}-{r['impl']}" for r in BANDWIDTH if not r.get("backlog_ok", True)]
     if bad:
         out.append("")
-        out.append("host enqueue outlasted the memset backlog (GPU µs include host time) for: " + ", ".join(bad))
+        out.append("host enqueue outlasted the flush backlog (GPU µs include host time) for: " + ", ".join(bad))
     if SKIPPED:
         out.append("")
         out += [f"skipped peer {k}: {v}" for k, v in SKIPPED.items()]

@@ -383,24 +383,10 @@ extern "C" __global__ void read_ceiling(const float4* __restrict__ a, long long 
 _READ: dict = {}
 
 
-def _event_median_ms(fn, stream, reps=20, warmup=3):
-    for _ in range(warmup):
-        fn()
-    stream.synchronize()
-    start, end = cp.cuda.Event(), cp.cuda.Event()
-    ts = []
-    for _ in range(reps):
-        start.record(stream)
-        fn()
-        end.record(stream)
-        end.synchronize()
-        ts.append(cp.cuda.get_elapsed_time(start, end))
-    return statistics.median(ts)
-
-
 def read_ceiling(gpu) -> dict:
-    """Device read bandwidth, measured once (like copy_bandwidth: 1 GiB, CUDA
-    events, median of 20): a read-only kernel and ``src.sum()``, the faster."""
+    """Device read bandwidth, measured once (like copy_bandwidth: 1 GiB, timed
+    as the ops are, median of 20): a read-only kernel and ``src.sum()``, the
+    faster."""
     if not _READ:
         copy = gpu.copy_bandwidth()
         s = cp.cuda.get_current_stream()
@@ -411,11 +397,11 @@ def read_ceiling(gpu) -> dict:
             kern = cp.RawKernel(READ_SRC, "read_ceiling")
             n4 = src.size // 4
             grid = (n4 + 1023) // 1024
-            t = _event_median_ms(lambda: kern((grid,), (256,), (src, np.int64(n4), sink)), s)
+            t = gpu.gpu_time_us(lambda: kern((grid,), (256,), (src, np.int64(n4), sink)), s, 20, 3)["gpu_us"] / 1e3
             res["kernel_GBps"] = READ_BYTES / (t * 1e-3) / 1e9
         except Exception as e:  # never expected; the CuPy sum still gives a figure
             res["kernel_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
-        t = _event_median_ms(lambda: src.sum(), s)
+        t = gpu.gpu_time_us(lambda: src.sum(), s, 20, 3)["gpu_us"] / 1e3
         res["cupy_sum_GBps"] = READ_BYTES / (t * 1e-3) / 1e9
         del src, sink
         gpu.sync()

@@ -7,27 +7,59 @@ and ``cufuse.bench.compare`` both use it.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
 
+import numpy as np
+
 from . import _runtime as R
 
-FLUSH_BYTES = 512 << 20  # memset before each event-timed repetition (evicts L2: 50-60 MB on an H100/H200)
-_scratch: dict = {}       # device -> flush buffer
+FLUSH_BYTES = 512 << 20  # swept before each event-timed repetition (evicts L2: 50-60 MB on an H100/H200)
+# How the flush evicts L2. "read" (the default): a read-only sweep of the
+# buffer, which leaves L2 holding clean lines. "memset": writing the buffer
+# (cudaMemsetAsync, as triton's do_bench zeroes its cache buffer), which
+# leaves up to an L2's worth of dirty lines that the timed call then writes
+# back to DRAM as it evicts them: the flush's own traffic charged to the call.
+# H200, % of a 1 GiB memcpy, memset / read-only sweep before each call
+# (scratch/flush_probe.py): memcpy of 100 MB 89.2 / 93.5, of 32 MiB 78.5 /
+# 87.8; a read-only kernel over 100 MB 72.1 / 94.2; at 1 GiB the two differ
+# by ~1%. CUFUSE_BENCH_FLUSH=memset gives the old figures back.
+FLUSH_MODE = os.environ.get("CUFUSE_BENCH_FLUSH", "read")
+if FLUSH_MODE not in ("read", "memset"):
+    raise ValueError(f"CUFUSE_BENCH_FLUSH={FLUSH_MODE!r}: expected 'read' or 'memset'")
+_scratch: dict = {}       # device -> (flush buffer, sink)
 _flush_us: dict = {}      # device -> GPU µs of one flush
+_SWEEP_SRC = r"""
+extern "C" __global__ void cufuse_l2_sweep(const float4* __restrict__ a, long long n4, float* __restrict__ sink) {
+    const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n4) {
+        const float4 v = a[i];
+        if (v.x + v.y + v.z + v.w == -1.0e30f) sink[0] = v.x;  // never true (the buffer holds ones): keeps the load
+    }
+}
+"""
+_sweep: dict = {}         # device -> compiled sweep kernel
 
 
 def _flush(stream, device):
     cp = R._cp
-    buf = _scratch.get(device)
-    if buf is None:
+    got = _scratch.get(device)
+    if got is None:
         with cp.cuda.Device(device):
-            buf = _scratch[device] = cp.empty(FLUSH_BYTES, dtype="uint8")
-    cp.cuda.runtime.memsetAsync(buf.data.ptr, 0, FLUSH_BYTES, stream.ptr)
+            got = _scratch[device] = (cp.ones(FLUSH_BYTES // 4, dtype="float32"), cp.zeros(1, dtype="float32"))
+            if FLUSH_MODE == "read":
+                _sweep[device] = cp.RawKernel(_SWEEP_SRC, "cufuse_l2_sweep").kernel
+    buf, sink = got
+    if FLUSH_MODE == "memset":
+        cp.cuda.runtime.memsetAsync(buf.data.ptr, 0, FLUSH_BYTES, stream.ptr)
+    else:
+        n4 = FLUSH_BYTES // 16
+        R.launch_grid(_sweep[device], ((n4 + 255) // 256,), (256,), (buf, np.int64(n4), sink), stream)
 
 
 def flush_us(device=None) -> float:
-    """GPU microseconds of one 512 MiB memset on ``device`` (measured once)."""
+    """GPU microseconds of one 512 MiB flush on ``device`` (measured once)."""
     cp = R._cp
     device = cp.cuda.runtime.getDevice() if device is None else device
     us = _flush_us.get(device)
@@ -51,10 +83,10 @@ def gpu_times(fn, stream=None, *, reps=50, warmup=10, batch=1, flush=True) -> di
     fn queues its work on; None: CuPy's current stream): ``reps`` samples of
     ``batch`` back-to-back calls between two events, divided by ``batch``.
 
-    With ``flush``, memsets of a 512 MiB buffer are queued before each
-    repetition: they evict L2 (as triton's do_bench does) and keep the GPU
-    busy while the host queues the calls, so that the events bracket GPU work
-    and not the host's launch overhead. Enough memsets are queued to outlast
+    With ``flush``, sweeps of a 512 MiB buffer (FLUSH_MODE) are queued before
+    each repetition: they evict L2 and keep the GPU busy while the host queues
+    the calls, so that the events bracket GPU work and not the host's launch
+    overhead. Enough sweeps are queued to outlast
     twice the host enqueue time seen in the warm-up; ``backlog_ok`` says
     whether the measured enqueue time stayed under the backlog. Returns
     {"gpu_us" (median), "samples_us", "enqueue_us", "backlog_us", "backlog_ok"}.

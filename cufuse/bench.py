@@ -166,9 +166,9 @@ def compare(impls, *args, nbytes=None, repeats=50, warmup=10, flush=True, check=
 
     On the GPU (when a result is a CuPy array or a CUDA tensor): CUDA events
     on the stream the work goes to (torch's current stream for tensors),
-    ``warmup`` calls first, then ``repeats`` timed calls, each after a 512 MiB
-    memset that evicts L2 and keeps the GPU busy while the host queues the
-    call (``flush=False``: back-to-back, L2 warm). On the CPU: the host clock
+    ``warmup`` calls first, then ``repeats`` timed calls, each after a read-only
+    sweep of 512 MiB that evicts L2 (leaving it clean) and keeps the GPU busy
+    while the host queues the call (``flush=False``: back-to-back, L2 warm). On the CPU: the host clock
     over ``repeats`` calls. Reported: median and interquartile range in µs;
     GB/s when you give ``nbytes`` (bytes one call must move: inputs read once
     plus outputs written once); speedup = baseline median / median; with
