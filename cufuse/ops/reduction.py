@@ -218,6 +218,14 @@ def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, d
 # with (64, 4) and 4, 72.4% with (256, 1) and 4 (8 or 2 blocks per SM: worse
 # for every shape); float16 57.4% -> 61.7%.
 _COL_BLOCK = (64, 4)
+# The second launch (the chunks' partial sums, `splits` rows of outer * inner
+# float32/float64 columns) with the same kernel: its rows are few, so its
+# block spans fewer columns and more row phases, for more blocks (6250 x 8000:
+# 125 blocks, not 32). H200, sum_squared(axis=0), % of copy, (64, 4) ->
+# (16, 16) (scratch/col_probe.py, same run): 6250 x 8000 float16 74.4 -> 76.4,
+# float32 91.7 -> 91.8; 50000 x 1000 float16 65.4 -> 70.1, float32 86.6 ->
+# 87.8; (32, 8), (8, 32) and (4, 64) were between the two or below.
+_COL_FINAL_BLOCK = (16, 16)
 
 
 def _reduce_cols(fn, final, y, x, outer, r, inner, dt, acc, scale, kind, dev, stream):
@@ -243,7 +251,7 @@ def _reduce_cols(fn, final, y, x, outer, r, inner, dt, acc, scale, kind, dev, st
     n = outer * inner
     va = 16 // acc.itemsize
     vec2 = int(n % va == 0)
-    block2 = _COL_BLOCK
+    block2 = _COL_FINAL_BLOCK
     R.launch_grid(final, (-(-n // (block2[0] * (va if vec2 else 1))), 1), block2,
                   (yp, 0, pp, 1, splits, n, splits, np.int32(vec2), scale), stream)
     del part
