@@ -26,7 +26,10 @@ from . import _rows
 
 FAMILY = "norm"
 _NPS = (1, 2, 4, 8)           # packs (16 bytes) per thread of norm_rows instantiations
-_CLUSTERS = (2, 4, 8)         # blocks per row of norm_rows_cluster (sm_90, 8 packs per thread); 8 is the portable maximum
+# blocks per row of norm_rows_cluster (sm_90, 8 packs per thread); 8 is the
+# portable maximum. No 2: rows of up to _ONE_GROUP_PACKS take one group, and
+# two 256 x 8 blocks hold no more, so plan() never picked it.
+_CLUSTERS = (4, 8)
 _SPLIT_NP = 8                 # packs per thread of norm_rows_split
 _SPLIT_TPR = ((256, 32), (512, None))  # (threads per block, most parts) of norm_rows_split, in order of preference
 _SPLIT_LAUNCHES = 4           # split launches in flight at once (any streams) that cannot deadlock
@@ -94,8 +97,11 @@ class _RowOp:
         # float16 rows of a cluster of 8 (65537-131072 columns) against split
         # rows, float64, and float32 rows of 5-7 split parts. (float16
         # 1024x65536, a cluster of 4: 61.1 / 73.9 / 71.5, split 62.2 / 72.3 /
-        # 67.4.) A cluster of 2 is never planned: rows of up to 4096 packs
-        # take one group, and 2 blocks hold no more.
+        # 67.4.) There is no cluster of 2 (see _CLUSTERS). Again with the
+        # read-only L2 flush (session 19, scratch/split_probe.py csw): float16
+        # 1024x65536 cluster of 4 63.6 / 77.5 / 73.0 against split 256 x 8 in
+        # 4 parts 63.9 / 75.8 / 69.6; float32 split 256 x 8 in 8 parts 65.8 /
+        # 82.4 / 81.8 against a cluster of 8 64.0 / 80.8 / 78.2.
         if R.compute_capability(dev) >= 90:
             for cs in _CLUSTERS:
                 if -(-npack // cs) <= 256 * 8 and (cs < 8 or dt.itemsize == 2):
