@@ -221,10 +221,12 @@ _COL_BLOCK = (64, 4)
 # The second launch (the chunks' partial sums, `splits` rows of outer * inner
 # float32/float64 columns) with the same kernel: its rows are few, so its
 # block spans fewer columns and more row phases, for more blocks (6250 x 8000:
-# 125 blocks, not 32). H200, sum_squared(axis=0), % of copy, (64, 4) ->
-# (16, 16) (scratch/col_probe.py, same run): 6250 x 8000 float16 74.4 -> 76.4,
-# float32 91.7 -> 91.8; 50000 x 1000 float16 65.4 -> 70.1, float32 86.6 ->
-# 87.8; (32, 8), (8, 32) and (4, 64) were between the two or below.
+# 125 blocks, not 32; 50000 x 1000: 16, not 4). H200, sum_squared(axis=0), %
+# of copy, (64, 4) -> (16, 16) (scratch/col_probe.py, same run): 50000 x 1000
+# float16 65.4 -> 70.1, float32 86.6 -> 87.8; 6250 x 8000 float16 74.4 ->
+# 76.4, float32 91.7 -> 91.8, but within noise in a second instance (float16
+# 72.7 -> 74.6 with mean_abs 74.4 -> 72.5, float32 88.5-90.8 -> 87.9-88.4;
+# scratch/rowred_probe.py). (32, 8), (8, 32) and (4, 64) were no better.
 _COL_FINAL_BLOCK = (16, 16)
 
 
