@@ -34,12 +34,6 @@ def size_label(n: int) -> str:
     return str(n)
 
 
-def _flush_mode() -> str:
-    """How the timer flushes L2 (cufuse._timing.FLUSH_MODE: "read" or "memset")."""
-    from cufuse import _timing
-    return _timing.FLUSH_MODE
-
-
 class GpuBench:
     """Device helpers shared by every benchmark of the session."""
 
@@ -129,6 +123,7 @@ class GpuBench:
         (gpu_time_us: CUDA events, L2 flushed, median of 20), bytes = read +
         written. The reference is the faster of the two."""
         if self._copy is None:
+            from cufuse import _timing
             cp = self.cp
             s = cp.cuda.get_current_stream()
             src = cp.random.default_rng(7).standard_normal(COPY_BYTES // 4, dtype=np.float32)
@@ -156,7 +151,7 @@ class GpuBench:
                 raise AssertionError("device-to-device copy reference produced wrong data")
             self._copy = {"memcpy_GBps": g_memcpy, "assign_GBps": g_assign,
                           "GBps": max(g_memcpy, g_assign), "flush_us": self.flush_us(),
-                          "flush": _flush_mode()}
+                          "flush": _timing.FLUSH_MODE}
         return self._copy
 
     @staticmethod

@@ -168,8 +168,8 @@ def compare(impls, *args, nbytes=None, repeats=50, warmup=10, flush=True, check=
     on the stream the work goes to (torch's current stream for tensors),
     ``warmup`` calls first, then ``repeats`` timed calls, each after a read-only
     sweep of 512 MiB that evicts L2 (leaving it clean) and keeps the GPU busy
-    while the host queues the call (``flush=False``: back-to-back, L2 warm). On the CPU: the host clock
-    over ``repeats`` calls. Reported: median and interquartile range in µs;
+    while the host queues the call (``flush=False``: back-to-back, L2 warm).
+    On the CPU: the host clock over ``repeats`` calls. Reported: median and interquartile range in µs;
     GB/s when you give ``nbytes`` (bytes one call must move: inputs read once
     plus outputs written once); speedup = baseline median / median; with
     ``check``, the max abs and relative difference of each result from the
