@@ -80,7 +80,8 @@ def test_keyword_approximate(backend):
 LAYOUTS = ["contiguous_2d", "transposed", "transposed_bias_col", "offset", "offset_bias", "step",
            "negative_step", "bias_last_axis", "bias_last_axis_3d", "bias_column", "bias_middle_3d",
            "bias_row_2d", "bias_0d", "bias_py_float", "bias_py_int", "bias_np_scalar",
-           "x_py_float", "x_0d", "both_0d", "bias_larger_than_x"]
+           "x_py_float", "x_0d", "both_0d", "bias_larger_than_x", "bias_last_axis_large",
+           "bias_last_axis_large_sliced"]
 
 
 def make_layout(backend, layout, dtype):
@@ -106,6 +107,10 @@ def make_layout(backend, layout, dtype):
         x, b = dev((4097,), 1)[::-1], dev((4097,), 2, 0.5)
     elif layout == "bias_last_axis":
         x, b = dev((37, 129), 1), dev((129,), 2, 0.5)
+    elif layout == "bias_last_axis_large":     # float16: several packs per thread (tiled kernel)
+        x, b = dev((517, 1024), 1), dev((1024,), 2, 0.5)
+    elif layout == "bias_last_axis_large_sliced":  # the same in the strided kernel
+        x, b = dev((517, 1025), 1)[:, 1:], dev((1024,), 2, 0.5)
     elif layout == "bias_last_axis_3d":
         x, b = dev((5, 7, 96), 1), dev((96,), 2, 0.5)
     elif layout == "bias_column":

@@ -722,6 +722,32 @@ def test_per_channel_walk_taken(backend, dtype, shape, axis, param_offset, walk,
             assert f"QuantizeCh<float, {walk}, false" in ln.kernel, (ln.kernel, walk)
 
 
+@pytest.mark.parametrize("dtype", [F32, F16], ids=lambda d: d.name)
+@pytest.mark.parametrize("axis", [0, -1, None], ids=["axis0", "last_axis", "per_tensor"])
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "data_offset"])
+def test_several_packs_per_thread(backend, dtype, axis, offset, launches):
+    """(129, 1024): large enough that the kernels' threads take several packs
+    each, one grid stride apart (ElementwiseOp's packs_per_thread; one
+    stride lands on other channels), the last ones partial with a data
+    offset."""
+    shape, size = (129, 1024), 129 * 1024
+    n = 1024 if axis == -1 else 129 if axis == 0 else None
+    rng = np.random.default_rng(46)
+    if n is None:
+        ns, nz, bs, bz = 0.07, 2.0, 0.07, 2.0
+    else:
+        ns = rng.uniform(0.02, 0.3, n).astype(F32)
+        nz = np.round(rng.uniform(-9, 9, n), 1).astype(F32)
+        bs, bz = backend.asarray(ns), backend.asarray(nz)
+    x = rand((size + offset,), dtype, 47, 15.0)
+    quantize(backend, backend.asarray(x)[offset:].reshape(shape), bs, bz, axis, launches,
+             x[offset:].reshape(shape), ns, nz)
+    q = all_int8((size + offset,), 48)
+    for odt in DTYPES:
+        dequantize(backend, backend.asarray(q)[offset:].reshape(shape), bs, bz, axis, odt, launches,
+                   q[offset:].reshape(shape), ns, nz)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("what", ["scale", "zero_point"])
 @pytest.mark.parametrize("lib", ["cupy", "torch"])

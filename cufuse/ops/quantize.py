@@ -41,9 +41,17 @@ def _dequantize_np(q, scale, zero_point, real):
     return (q.astype(real) - zero_point) * scale
 
 
+# Packs per thread of each kernel (ElementwiseOp's packs_per_thread), where
+# more than one was faster. H200, 50M as (rows, 1024), % of copy, 1 -> the
+# count chosen (scratch/quant_probe.py, two rounds alike): quantize float16
+# per tensor 84.9 -> 94.6-95.0 (4), axis 0 79.7 -> 84.5-87.6 (4), float32 last axis
+# 83.1 -> 86.9 (4); dequantize to float32 per tensor 90.1 -> 90.6 (2), axis
+# 0 83.9 -> 87.0 (2), last axis 87.9 -> 89.2 (2), to float16 axis 0 88.5 ->
+# 88.9 (2), last axis 85.0 -> 85.3 (2). Float32 quantize per tensor and on
+# axis 0 and float16 quantize on the last axis were as fast or faster at 1.
 _quant = ElementwiseOp("quantize_int8", lambda i, o: f"Quantize<{_rname(i)}, {'false' if i == _F64 else 'true'}>", 1,
                        _quantize_np, signatures=[(d, _I8) for d in _FLOATS], params=("double", "double"),
-                       family="quantize")
+                       family="quantize", packs_per_thread=lambda i, o: 4 if i == _F16 else 1)
 # float scales outside reciprocal_ok's range divide per element (kernels/quantize.cu: Quantize)
 _quant_div = ElementwiseOp("quantize_int8", "Quantize<float, false>", 1, _quantize_np,
                            signatures=[(_F16, _I8), (_F32, _I8)], params=("double", "double"), family="quantize:div")
@@ -68,11 +76,12 @@ IN_CHANNEL, ACROSS, ANY = 0, 1, 2
 _WALKS = ((IN_CHANNEL, False), (ACROSS, False), (ANY, False), (ANY, True))
 
 
-def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None):
+def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None, ppt=None):
     """{(walk, wide): ElementwiseOp} of the functor template ``functor<R, Walk,
     Wide[, PackBytes]>`` (PackBytes when ``pack_bytes(in, out)`` is given);
     ACROSS reads parameters in packs of 4, so it has only the signatures
-    whose packs are a multiple of 4 elements."""
+    whose packs are a multiple of 4 elements. ``ppt(walk, in, out)``: packs
+    per thread (default 1)."""
     def fname(i, o, walk, wide):
         pb = f", {pack_bytes(i, o)}" if pack_bytes else ""
         return f"{functor}<{_rname(real_of(i, o))}, {walk}, {'true' if wide else 'false'}{pb}>"
@@ -82,7 +91,8 @@ def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None
         sigs = [sg for sg in signatures if walk != ACROSS or pack_width(*sg, pack_bytes) % 4 == 0]
         ops[walk, wide] = ElementwiseOp(name, lambda i, o, w=walk, d=wide: fname(i, o, w, d), 1, numpy_impl,
                                         signatures=sigs, params=_CHANNEL_PARAMS, indexed=True,
-                                        family=f"quantize:ch{'wide' if wide else walk}", pack_bytes=pack_bytes)
+                                        family=f"quantize:ch{'wide' if wide else walk}", pack_bytes=pack_bytes,
+                                        packs_per_thread=(lambda i, o, w=walk: ppt(w, i, o)) if ppt else 1)
     return ops
 
 
@@ -108,11 +118,14 @@ def _walk(n, inner, nch, v, ptrs, itemsize):
 
 
 _quant_ch = _channel_ops("quantize_int8", "QuantizeCh", lambda i, o: i, _quantize_np, [(d, _I8) for d in _FLOATS],
-                         _quant_pack_bytes)
+                         _quant_pack_bytes,
+                         lambda w, i, o: 4 if (w, i) in ((IN_CHANNEL, _F16), (ACROSS, _F32)) else 1)
 _dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
-                         signatures=[(_I8, d) for d in _FLOATS], params=("double", "double"), family="quantize")
+                         signatures=[(_I8, d) for d in _FLOATS], params=("double", "double"), family="quantize",
+                         packs_per_thread=lambda i, o: 2 if o == _F32 else 1)
 _dequant_ch = _channel_ops("dequantize_int8", "DequantizeCh", lambda i, o: o, _dequantize_np,
-                           [(_I8, d) for d in _FLOATS])
+                           [(_I8, d) for d in _FLOATS],
+                           ppt=lambda w, i, o: 2 if w in (IN_CHANNEL, ACROSS) and o != _F64 else 1)
 
 
 def _scalar_param(name, what, v, positive):
