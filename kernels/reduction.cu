@@ -10,9 +10,10 @@
 //     block of 64 packs of columns by 4 row phases down the rows of a chunk
 //     (cufuse/ops/reduction.py: _COL_BLOCK).
 // When there are too few rows (or columns) to fill the GPU, each is split in
-// `splits` chunks whose partial sums (in the accumulation type) a second
-// launch of the same kernels adds up in a fixed order: results are the same
-// from run to run. `scale` multiplies the final sum (1, or 1/count for a mean).
+// `splits` chunks whose partial sums (in the accumulation type) are added up
+// in a fixed order, so that results are the same from run to run: by a
+// second launch of the same kernels for rows, by the last block of each
+// column tile for columns. `scale` multiplies the final sum (1, or 1/count for a mean).
 #include "rows.cuh"
 
 struct Square {
@@ -158,10 +159,12 @@ __global__ void __launch_bounds__(kRowBlock) reduce_rows_block(Tout* out, A* par
 // pack of `vec` columns (vec is the pack width when inner and the base are
 // pack aligned, else 1), threadIdx.y a phase of the rows of chunk
 // blockIdx.y. Writes out[o * inner + c] (one chunk) or
-// partial[(chunk * outer + o) * inner + c].
+// partial[(chunk * outer + o) * inner + c]; with `tickets`, the last block of
+// each tile then adds the tile's partial sums up into out (one launch).
 template <int V, typename Map, typename Tin, typename A, typename Tout>
 __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Tin* x, long long outer, long long R,
-                                                 long long inner, long long chunk, double scale) {
+                                                 long long inner, long long chunk, double scale,
+                                                 unsigned* tickets) {
     using namespace cufuse;
     constexpr int U = 4;  // rows in flight per thread
     __shared__ A part[256 * V];
@@ -208,28 +211,68 @@ __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Ti
                 if (u < n) add(p[u]);
         }
     }
-    if (by > 1) {
+    // Row phase 0 adds the other phases' sums (shared memory), in order.
+    auto gather = [&]() {
+        if (by == 1) return;
 #pragma unroll
         for (int i = 0; i < V; ++i) part[(threadIdx.y * bx + threadIdx.x) * V + i] = acc[i];
         __syncthreads();
-        if (threadIdx.y != 0) return;
+        if (threadIdx.y == 0) {
 #pragma unroll
-        for (int i = 0; i < V; ++i)
-            for (int y = 1; y < by; ++y) acc[i] += part[(y * bx + threadIdx.x) * V + i];
-    }
-    if (c0 < inner) {
-#pragma unroll
-        for (int i = 0; i < V; ++i) {
-            const long long c = c0 + i;
-            if (gridDim.y > 1) partial[(blockIdx.y * outer + o) * inner + c] = acc[i];
-            else finish(out, static_cast<A*>(nullptr), o * inner + c, acc[i], scale);
+            for (int i = 0; i < V; ++i)
+                for (int y = 1; y < by; ++y) acc[i] += part[(y * bx + threadIdx.x) * V + i];
         }
+    };
+    gather();
+    const bool lead = threadIdx.y == 0 && c0 < inner;
+    if (gridDim.y == 1) {
+        if (lead) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) finish(out, static_cast<A*>(nullptr), o * inner + c0 + i, acc[i], scale);
+        }
+        return;
+    }
+    if (lead) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) partial[(blockIdx.y * outer + o) * inner + c0 + i] = acc[i];
+    }
+    if (!tickets) return;
+    // One launch: the last of the tile's gridDim.y blocks to finish (a ticket
+    // per tile, taken after its partial sums are visible: __threadfence) adds
+    // them up, chunk k by row phase k % by, then the phases in order, so the
+    // result does not depend on which block is last; it sets the ticket back
+    // to 0 for the next launch on the stream (cufuse/ops/reduction.py:
+    // _tickets).
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0 && threadIdx.y == 0) {
+        last = atomicAdd(tickets + blockIdx.x, 1u) == gridDim.y - 1;
+        if (last) tickets[blockIdx.x] = 0;
+    }
+    __syncthreads();
+    if (!last) return;
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc[i] = A(0);
+    if (c0 < inner) {
+#pragma unroll 4
+        for (int k = threadIdx.y; k < gridDim.y; k += by) {
+            const A* pk = partial + (k * outer + o) * inner + c0;
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[i] += __ldcg(pk + i);
+        }
+    }
+    gather();
+    if (lead) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) finish(out, static_cast<A*>(nullptr), o * inner + c0 + i, acc[i], scale);
     }
 }
 
 template <typename Map, typename Tin, typename A, typename Tout>
 __global__ void __launch_bounds__(256) reduce_cols(Tout* out, A* partial, const Tin* x, long long outer, long long R,
-                                                   long long inner, long long chunk, int vec, double scale) {
-    if (vec) reduce_cols_body<cufuse::PackOf<Tin>::V, Map>(out, partial, x, outer, R, inner, chunk, scale);
-    else reduce_cols_body<1, Map>(out, partial, x, outer, R, inner, chunk, scale);
+                                                   long long inner, long long chunk, int vec, double scale,
+                                                   unsigned* tickets) {
+    if (vec) reduce_cols_body<cufuse::PackOf<Tin>::V, Map>(out, partial, x, outer, R, inner, chunk, scale, tickets);
+    else reduce_cols_body<1, Map>(out, partial, x, outer, R, inner, chunk, scale, tickets);
 }

@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 
 import cufuse
+from cufuse import _runtime as R
+from cufuse.ops import reduction as RD
 
 from _reference import DTYPES, Backend, check_kind, gpu_count, rand
 from _reference_norm import (F16, F32, F64, REDUCE_REF, check, raises_each, reduce_shape, reduced_length,
@@ -155,8 +157,13 @@ def test_long_columns(backend, op, n):
 # columns that are not a whole number of packs (one column per thread);
 # several slabs (the middle axes of a 3-D / 4-D array); a base one element
 # past a 16-byte boundary (one column per thread).
+# The first five split the rows in more chunks than one launch adds up
+# (cufuse/ops/reduction.py _COL_ONE_LAUNCH_SPLITS: a second launch does), the
+# last three in fewer (for float32: the last block of each tile does; with
+# several tiles, an outer dimension, misaligned columns).
 SPLIT_COLUMN_CASES = [((20000, 24), (0,), 0), ((6001, 257), (0,), 0), ((3, 4000, 100), (1,), 0),
-                      ((2, 3, 5000, 8), (1, 2), 0), ((4099, 64), (0,), 1)]
+                      ((2, 3, 5000, 8), (1, 2), 0), ((4099, 64), (0,), 1),
+                      ((600, 8192), (0,), 0), ((8, 400, 2048), (1,), 0), ((601, 4099), (0,), 1)]
 
 
 def split_columns_case(backend, dtype, shape, offset, seed):
@@ -178,12 +185,16 @@ def test_split_columns(backend, op, dtype, shape, axis, offset):
 @pytest.mark.parametrize("shape, axis, offset", SPLIT_COLUMN_CASES, ids=str)
 def test_split_columns_same_bits(backend, op, shape, axis, offset, launches):
     """The rows are split (the first launch has several chunks), and the
-    result has the same bits on every run, whatever order the blocks ran in."""
+    result has the same bits on every run, whatever order the blocks ran in
+    (the chunks added up by a second launch, or by each tile's last block)."""
     if not backend.gpu:
         pytest.skip("GPU backends only")
     x, nx = split_columns_case(backend, F32, shape, offset, 480 + sum(shape))
     first = reduce(backend, op, x, nx, axis=axis)
-    assert len(launches) == 2 and launches[0].grid[1] > 1, launches
+    chunks = launches[0].grid[1]
+    assert chunks > 1 and len(launches) == (1 if chunks <= RD._COL_ONE_LAUNCH_SPLITS else 2), launches
+    if R.sm_count(0) <= 132:  # as many chunks as the list's comment says (more SMs: more chunks)
+        assert (chunks <= RD._COL_ONE_LAUNCH_SPLITS) == (SPLIT_COLUMN_CASES.index((shape, axis, offset)) >= 5)
     for _ in range(5):
         assert np.array_equal(backend.to_numpy(fn(op)(x, axis=axis)), first)
 
@@ -634,6 +645,31 @@ def test_torch_cuda_uses_current_stream(op, axis, launches):
     assert launches and all(ln.stream is not None and ln.stream.ptr == s.cuda_stream for ln in launches)
     nx = a.cpu().numpy()
     check(op, y.cpu().numpy(), REDUCE_REF[op](nx, axis), F32, reduced_length(nx.shape, axis))
+
+
+@pytest.mark.cuda
+@op_param
+def test_split_columns_one_launch_on_several_streams(op, launches):
+    """Column reductions whose tiles' last blocks add the chunks up (one
+    launch; tickets per stream) queued on three CuPy streams at once, four
+    times each: every result is right, so no stream's launches took another
+    stream's tickets."""
+    import cupy as cp
+    xs = [rand((600, 8192), F32, 990 + k, 0.25) for k in range(3)]
+    dev = [cp.asarray(x) for x in xs]
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in xs]
+    cp.cuda.Device().synchronize()
+    outs = []
+    for _ in range(4):
+        for k, (s, x) in enumerate(zip(streams, dev)):
+            with s:
+                outs.append((k, fn(op)(x, axis=0)))
+    for s in streams:
+        s.synchronize()
+    if R.sm_count(0) <= 132:  # more SMs split the rows in more chunks: two launches each
+        assert len(launches) == 12 and all(1 < ln.grid[1] <= RD._COL_ONE_LAUNCH_SPLITS for ln in launches), launches
+    for k, y in outs:
+        check(op, cp.asnumpy(y), REDUCE_REF[op](xs[k], 0), F32, 600)
 
 
 @pytest.mark.cuda

@@ -245,18 +245,49 @@ def _reduce_cols(fn, final, y, x, outer, r, inner, dt, acc, scale, kind, dev, st
     chunk = -(-r // splits)
     splits = -(-r // chunk)
     if splits == 1:
-        R.launch_grid(fn, (bx, 1), block, (yp, 0, xp, outer, r, inner, chunk, np.int32(vec), scale), stream)
+        R.launch_grid(fn, (bx, 1), block, (yp, 0, xp, outer, r, inner, chunk, np.int32(vec), scale, 0), stream)
         return
     part = _rows.empty((splits * outer * inner,), acc, kind, dev)
     pp = A.pointer_of(part, kind)
-    R.launch_grid(fn, (bx, splits), block, (0, pp, xp, outer, r, inner, chunk, np.int32(vec), 1.0), stream)
+    if splits <= _COL_ONE_LAUNCH_SPLITS:
+        R.launch_grid(fn, (bx, splits), block,
+                      (yp, pp, xp, outer, r, inner, chunk, np.int32(vec), scale, _tickets(dev, stream, bx)), stream)
+        del part
+        return
+    R.launch_grid(fn, (bx, splits), block, (0, pp, xp, outer, r, inner, chunk, np.int32(vec), 1.0, 0), stream)
     n = outer * inner
     va = 16 // acc.itemsize
     vec2 = int(n % va == 0)
     block2 = _COL_FINAL_BLOCK
     R.launch_grid(final, (-(-n // (block2[0] * (va if vec2 else 1))), 1), block2,
-                  (yp, 0, pp, 1, splits, n, splits, np.int32(vec2), scale), stream)
+                  (yp, 0, pp, 1, splits, n, splits, np.int32(vec2), scale, 0), stream)
     del part
+
+
+# Up to this many chunks, the last block of each column tile adds the
+# chunks' partial sums up (kernels/reduction.cu reduce_cols' tickets): one
+# launch. Beyond, the second launch above. H200, % of copy, two launches ->
+# one (scratch/rowred_probe.py, two rounds alike): sum_squared(axis=0) 6250 x
+# 8000 float32 (16 chunks) 87.5-88.3 -> 91.5-92.5, 500 x 100000 float16 (2
+# chunks) 62-63 -> 73; but 6250 x 8000 float16 (33 chunks) 70-72 -> 67 and
+# 50000 x 1000 float16 (264 chunks) 67 -> 44, float32 (132) 85 -> 79: one
+# block's gather of many chunks is slower than the second launch.
+_COL_ONE_LAUNCH_SPLITS = 16
+# Column tickets (kernels/reduction.cu reduce_cols): zeros, one per tile, per
+# (device, stream). A launch leaves them at 0, so launches on one stream
+# (which run in order) share them; another stream gets its own.
+_TICKETS: dict = {}
+
+
+def _tickets(dev, stream, n):
+    """Pointer to at least ``n`` zeroed tickets for launches on ``stream`` (None: CuPy's current) of ``dev``."""
+    cp = R._cp
+    s = stream or cp.cuda.get_current_stream()
+    t = _TICKETS.get((dev, s.ptr))
+    if t is None or t.size < n:
+        with cp.cuda.Device(dev), s:  # zeroed on the launch's stream, before it
+            t = _TICKETS[(dev, s.ptr)] = cp.zeros(max(n, 1024), np.uint32)
+    return t.data.ptr
 
 
 _sum_squared = _Reduction("sum_squared", "Square", mean=False)
