@@ -353,3 +353,16 @@ def test_extent_matches_numpy_byte_bounds(view):
          "negative": base[::-1, ::-3], "broadcast": np.broadcast_to(base[2:3], (6, 8))}[view]
     got = A.extent(x.ctypes.data, x.shape, _elem_strides(x), x.itemsize)
     assert got == byte_bounds(x)
+
+
+def test_packs_per_thread_of_every_signature():
+    """Every ElementwiseOp gives a packs-per-thread count (its grid divisor)
+    for each signature it instantiates: a positive int. Checked here because
+    the launch path that asks for it runs on a GPU only."""
+    from cufuse.ops import elementwise as E
+    from cufuse.ops import quantize as Q
+    ops = [*E.OPS.values(), Q._quant, Q._quant_div, Q._dequant, *Q._quant_ch.values(), *Q._dequant_ch.values()]
+    for op in ops:
+        for in_dt, out_dt in op.signatures:
+            p = op._ppt(in_dt, out_dt)
+            assert isinstance(p, int) and p >= 1, (op.name, in_dt, out_dt, p)

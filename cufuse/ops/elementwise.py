@@ -25,6 +25,7 @@ _MAX_OPERANDS = 4     # kernels/elementwise.cuh: kMaxOperands
 _LAYOUTS: dict = {}  # operand count -> numpy twin of LayoutT<n>
 _F16 = np.dtype(np.float16)
 _F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
 
 
 def _compute_dtype(dtype):
