@@ -255,7 +255,6 @@ __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Ti
 #pragma unroll
     for (int i = 0; i < V; ++i) acc[i] = A(0);
     if (c0 < inner) {
-#pragma unroll 4
         for (int k = threadIdx.y; k < gridDim.y; k += by) {
             const A* pk = partial + (k * outer + o) * inner + c0;
 #pragma unroll
