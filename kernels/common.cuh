@@ -66,7 +66,19 @@ __device__ __forceinline__ double abs(double x) { return ::fabs(x); }
 __device__ __forceinline__ float rint(float x) { return ::rintf(x); }  // half to even
 __device__ __forceinline__ double rint(double x) { return ::rint(x); }
 // relu that propagates NaN (x > 0 is false for NaN, so test the other way).
+// float on sm_80+: PTX max.NaN, one instruction (FMNMX.NAN) where the test
+// is two (FSETP + FSEL). H200, layer_norm_relu float16 (same run,
+// scratch/relu_probe.py): 16384x1024 74.8 -> 80.2% of copy, 8192x4096
+// 80.0 -> 86.7%; same outputs (float32 and add_relu unchanged). A zero
+// result may have either sign.
 template <typename C> __device__ __forceinline__ C relu(C x) { return x < C(0) ? C(0) : x; }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+template <> __device__ __forceinline__ float relu<float>(float x) {
+    float r;
+    asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(x));
+    return r;
+}
+#endif
 
 // GELU with PyTorch's two definitions. gelu(v) = v Phi(v), Phi the normal
 // CDF; written with erfc, Phi(v) = erfc(-v / sqrt 2) / 2, so that the left
