@@ -727,8 +727,8 @@ def test_per_channel_walk_taken(backend, dtype, shape, axis, param_offset, walk,
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "data_offset"])
 def test_several_packs_per_thread(backend, dtype, axis, offset, launches):
     """(129, 1024): large enough that the kernels' threads take several packs
-    each, one grid stride apart (ElementwiseOp's packs_per_thread; one
-    stride lands on other channels), the last ones partial with a data
+    each, one grid stride apart (ElementwiseOp's packs_per_thread; on axis 0
+    the next stride is in another channel), partial packs with a data
     offset."""
     shape, size = (129, 1024), 129 * 1024
     n = 1024 if axis == -1 else 129 if axis == 0 else None
