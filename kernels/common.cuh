@@ -65,20 +65,23 @@ __device__ __forceinline__ float abs(float x) { return ::fabsf(x); }
 __device__ __forceinline__ double abs(double x) { return ::fabs(x); }
 __device__ __forceinline__ float rint(float x) { return ::rintf(x); }  // half to even
 __device__ __forceinline__ double rint(double x) { return ::rint(x); }
-// relu that propagates NaN (x > 0 is false for NaN, so test the other way).
-// float on sm_80+: PTX max.NaN, one instruction (FMNMX.NAN) where the test
-// is two (FSETP + FSEL). H200, layer_norm_relu float16 (same run,
-// scratch/relu_probe.py): 16384x1024 74.8 -> 80.2% of copy, 8192x4096
-// 80.0 -> 86.7%; same outputs (float32 and add_relu unchanged). A zero
-// result may have either sign.
-template <typename C> __device__ __forceinline__ C relu(C x) { return x < C(0) ? C(0) : x; }
+// max(a, b) where NaN wins (either operand), as torch.max and relu keep NaN.
+// float on sm_80+: PTX max.NaN, one instruction (FMNMX.NAN) where the tests
+// are two or three (FSETP + FSEL). H200, same runs (scratch/relu_probe.py,
+// maxnan_probe.py), % of copy: layer_norm_relu float16 16384x1024 74.5 ->
+// 79.8, 8192x4096 80.0 -> 86.7; softmax (rows.cuh MaxOp) float16 8192x4096
+// 86.8 -> 94.1, 1024x65536 72.6 -> 74.9, 256x262144 65.5 -> 69.4;
+// log_softmax float16 8192x4096 90.7 -> 95.5; float32 and add_relu within
+// noise. Equal values either way; a zero result may have either sign.
+template <typename C> __device__ __forceinline__ C max_nan(C a, C b) { return (a != a || a > b) ? a : b; }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-template <> __device__ __forceinline__ float relu<float>(float x) {
+template <> __device__ __forceinline__ float max_nan<float>(float a, float b) {
     float r;
-    asm("max.NaN.f32 %0, %1, 0f00000000;" : "=f"(r) : "f"(x));
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
 #endif
+template <typename C> __device__ __forceinline__ C relu(C x) { return max_nan(x, C(0)); }
 
 // GELU with PyTorch's two definitions. gelu(v) = v Phi(v), Phi the normal
 // CDF; written with erfc, Phi(v) = erfc(-v / sqrt 2) / 2, so that the left

@@ -49,9 +49,7 @@ struct SumOp {
 };
 struct MaxOp {
     // NaN wins, as in torch.max: a row holding NaN gives NaN.
-    template <typename C> __device__ __forceinline__ C operator()(C a, C b) const {
-        return (a != a || a > b) ? a : b;
-    }
+    template <typename C> __device__ __forceinline__ C operator()(C a, C b) const { return math::max_nan(a, b); }
     template <typename C> static __device__ __forceinline__ C identity() { return C(-__int_as_float(0x7f800000)); }
 };
 
