@@ -62,7 +62,6 @@ class ElementwiseOp:
     def __init__(self, name, functor, arity, numpy_impl, *, signatures=None, params=(), indexed=False,
                  family=FAMILY, pack_bytes=None, np_dtype=False, packs_per_thread=1):
         self.name = name
-        self.packs_per_thread = packs_per_thread
         self.np_dtype = np_dtype
         self.family = family
         self.arity = arity
@@ -72,9 +71,15 @@ class ElementwiseOp:
         self.in_dtypes = tuple(dict.fromkeys(i for i, _ in self.signatures))
         self._pack = {}
         self._width = {}  # (input dtype, output dtype) -> elements per pack
+        self._per_thread = {}  # (input dtype, output dtype) -> packs per thread
         self._expr = {}
         for in_dt, out_dt in self.signatures:
             self._width[(in_dt, out_dt)] = pack_width(in_dt, out_dt, pack_bytes)
+            ppt = packs_per_thread(in_dt, out_dt) if callable(packs_per_thread) else packs_per_thread
+            if not isinstance(ppt, int) or ppt < 1:
+                raise ValueError(f"{name}: packs_per_thread gave {ppt!r} for {in_dt}->{out_dt}; "
+                                 "a positive int is needed")
+            self._per_thread[(in_dt, out_dt)] = ppt
             fname = functor(in_dt, out_dt) if callable(functor) else functor
             targs = (fname, R.CTYPES[out_dt], R.CTYPES[in_dt], *params)
             label = in_dt.name if in_dt == out_dt else f"{in_dt.name}->{out_dt.name}"
@@ -327,8 +332,8 @@ class ElementwiseOp:
         R.launch(fn, -(-work // self._ppt(dt, odt)), dev, (optr, *ptrs, nm, layout, *params), stream)
 
     def _ppt(self, in_dt, out_dt):
-        p = self.packs_per_thread
-        return p(in_dt, out_dt) if callable(p) else p
+        """Packs per thread of the (input dtype, output dtype) kernels."""
+        return self._per_thread[(in_dt, out_dt)]
 
 
 def needs_temporary(out, odt, ins, in_dtypes, kind, shape):
@@ -602,11 +607,15 @@ def _dropout_numpy(x, *, approximate, seed, threshold, scale, dtype, lanes16):
 # rounds alike): bias_gelu with a row bias, float16 erf 76.3 -> 82.6, tanh
 # 87.8 -> 92.2 (float32 96.8 / 98.4 at 1, 95.9 / 96.2 at 4); gelu_dropout
 # float16 62.6 -> 67.8, float32 85.3 -> 92.6.
+def _bias_gelu_ppt(in_dt, out_dt):
+    return 4 if out_dt == _F16 else 1
+
+
 _bias_gelu_ops = {
     False: ElementwiseOp("bias_gelu", lambda i, o: f"BiasGeluErf<{R.CTYPES[o]}>", 2,
-                         lambda x, b: gelu_numpy(x + b, "none"), packs_per_thread=lambda i, o: 4 if o == _F16 else 1),
+                         lambda x, b: gelu_numpy(x + b, "none"), packs_per_thread=_bias_gelu_ppt),
     True: ElementwiseOp("bias_gelu", "BiasGeluTanh", 2, lambda x, b: gelu_numpy(x + b, "tanh"),
-                        packs_per_thread=lambda i, o: 4 if o == _F16 else 1),
+                        packs_per_thread=_bias_gelu_ppt),
 }
 _bias_gelu = {t: op.public("xb", "") for t, op in _bias_gelu_ops.items()}
 _dropout_ops = {  # (tanh, lanes16): float32/float64 results take 32-bit lanes either way
