@@ -89,6 +89,21 @@ template <typename Op, typename = void> struct op_one_loop { static constexpr bo
 template <typename Op> struct op_one_loop<Op, void_t<decltype(Op::one_loop)>> {
     static constexpr bool value = op_packed<Op>::value && Op::one_loop;
 };
+// A one_loop op may also say `periodic = true`, and declare
+//   long long period() const;          packs after which the packs' setup repeats
+//   template <typename F> void with_setup(long long i0, F f) const;
+//       calls f(st) once with the state st that pack() needs for the pack at
+//       i0; st's type may depend on what setup found, so that each kind of
+//       state gets a loop of its own, with no branch per pack
+//   template <int V, typename C, typename Y> void pack(const S& st, long long i0, const C (&x)[V], Y (&y)[V]) const
+// Its contiguous kernel then strides the grid by a multiple of period() packs,
+// so that a thread sets up once for all its packs (per-channel quantize on the
+// last axis: the channels' scales, zero points and reciprocals stay in
+// registers). The strided and tiled kernels call the plain pack().
+template <typename Op, typename = void> struct op_periodic { static constexpr bool value = false; };
+template <typename Op> struct op_periodic<Op, void_t<decltype(Op::periodic)>> {
+    static constexpr bool value = op_one_loop<Op>::value && Op::periodic;
+};
 
 template <typename Op, int NIN, typename C>
 __device__ __forceinline__ auto apply_op(const Op& op, long long i, const C (&x)[NIN]) {
@@ -135,16 +150,17 @@ template <typename Op, typename Tout, typename Tin> struct PackWidth {
 };
 
 // One pack of V outputs from V elements of each input (already loaded).
-template <typename Op, int NIN, int V, typename C, typename Tout, typename Tin>
+// `st`: a periodic op's state for this pack (op_periodic), passed to pack().
+template <typename Op, int NIN, int V, typename C, typename Tout, typename Tin, typename... S>
 __device__ __forceinline__ Pack<Tout, V> compute_pack(const Op& op, long long i0, const Pack<Tin, V> (&x)[NIN],
-                                                      const bool (&is_s)[NIN], const C (&sc)[NIN]) {
+                                                      const bool (&is_s)[NIN], const C (&sc)[NIN], const S&... st) {
     Pack<Tout, V> y;
     if constexpr (op_packed<Op>::value && NIN == 1) {
         C a[V];
         typename op_pack_out<Op, C>::type r[V];
 #pragma unroll
         for (int j = 0; j < V; ++j) a[j] = is_s[0] ? sc[0] : to_compute<C>(x[0].v[j]);
-        op.template pack<V>(i0, a, r);
+        op.template pack<V>(st..., i0, a, r);
 #pragma unroll
         for (int j = 0; j < V; ++j) y.v[j] = from_compute<Tout>(r[j]);
     } else {
@@ -192,7 +208,7 @@ __device__ __forceinline__ void run_contiguous_one_loop(const Op& op, Tout* out,
     for (int k = 0; k < NIN; ++k) aligned = aligned && (is_s[k] || is_aligned<Tin, V>(in[k]));
     const long long tid = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
     const long long nthreads = static_cast<long long>(gridDim.x) * blockDim.x;
-    for (long long p = tid; p * V < n; p += nthreads) {
+    const auto body = [&](long long p, const auto&... st) {
         const long long i0 = p * V;
         const bool whole = aligned && i0 + V <= n;
         Pack<Tin, V> x[NIN];
@@ -202,9 +218,49 @@ __device__ __forceinline__ void run_contiguous_one_loop(const Op& op, Tout* out,
             if (whole) x[k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k]) + p);
             else x[k] = load_part<Tin, V>(in[k] + i0, n - i0);
         }
-        const Pack<Tout, V> y = compute_pack<Op, NIN, V, C, Tout>(op, i0, x, is_s, sc);
+        const Pack<Tout, V> y = compute_pack<Op, NIN, V, C, Tout>(op, i0, x, is_s, sc, st...);
         if (whole) store_pack(reinterpret_cast<Pack<Tout, V>*>(out) + p, y);
         else store_part(out + i0, y, n - i0);
+    };
+    if constexpr (op_periodic<Op>::value) {
+        // A grid stride that is a multiple of the period keeps each thread on
+        // packs of one setup; a grid smaller than one period sets up per pack.
+        const long long period = op.period();
+        if (nthreads >= period) {
+            const long long stride = nthreads - nthreads % period;
+            if (tid >= stride) return;
+            op.with_setup(tid * V, [&](const auto& st) {
+                if (!aligned || n % V) {
+                    for (long long p = tid; p * V < n; p += stride) body(p, st);
+                    return;
+                }
+                // Whole packs only, the next pack's loads issued before this
+                // pack's arithmetic and store. Per-channel quantize float16 on
+                // the last axis, 50M, H200, % of copy: 61.1 -> 72.5 with one
+                // pack ahead; two or three ahead 64.9 / 63.5 (54 -> 60
+                // registers; scratch/quant_probe.py, bench/NOTES.md).
+                const long long npack = n / V;
+                const auto load = [&](long long p, Pack<Tin, V> (&x)[NIN]) {
+                    if (p >= npack) return;
+#pragma unroll
+                    for (int k = 0; k < NIN; ++k)
+                        if (!is_s[k]) x[k] = load_pack(reinterpret_cast<const Pack<Tin, V>*>(in[k]) + p);
+                };
+                Pack<Tin, V> x[NIN], next[NIN];
+                load(tid, x);
+                for (long long p = tid; p < npack; p += stride) {
+                    load(p + stride, next);
+                    store_pack(reinterpret_cast<Pack<Tout, V>*>(out) + p,
+                               compute_pack<Op, NIN, V, C, Tout>(op, p * V, x, is_s, sc, st));
+#pragma unroll
+                    for (int k = 0; k < NIN; ++k) x[k] = next[k];
+                }
+            });
+        } else {
+            for (long long p = tid; p * V < n; p += nthreads) op.with_setup(p * V, [&](const auto& st) { body(p, st); });
+        }
+    } else {
+        for (long long p = tid; p * V < n; p += nthreads) body(p);
     }
 }
 

@@ -120,9 +120,9 @@ template <typename R, int Walk, bool Wide> struct Channels {
 // runs as above, % of copy): the aligned loop for kInChannel (dequantize
 // float16 axis 0 75.2 -> 90.7, quantize float16 63.7 -> 83.0) and for
 // dequantize kAcross (float16 80.6 -> 91.0); one loop for quantize kAcross
-// (float32 73.2 vs 71.0, float16 54.1 vs 51.5) and kAny (measured so when one
-// kernel held every walk).
-template <typename R, int Walk, bool Wide, int PackBytes> struct QuantizeCh : Channels<R, Walk, Wide> {
+// (float32 73.2 vs 71.0, float16 54.1 vs 51.5; since then periodic, below)
+// and kAny (measured so when one kernel held every walk).
+template <typename R, int Walk, bool Wide, int PackBytes> struct QuantizeChBase : Channels<R, Walk, Wide> {
     using compute = R;
     static constexpr bool indexed = true;
     static constexpr bool packed = true;
@@ -139,6 +139,100 @@ template <typename R, int Walk, bool Wide, int PackBytes> struct QuantizeCh : Ch
         this->template for_pack<V>(
             i0, [&](R s, R z) { quantize_pack<R, V>(x, s, R(1) / s, z, y); },
             [&](int j, R s, R z) { y[j] = cufuse::math::quantize_int8(x[j], s, z); });
+    }
+};
+
+template <typename R, int Walk, bool Wide, int PackBytes> struct QuantizeCh : QuantizeChBase<R, Walk, Wide, PackBytes> {
+    using QuantizeChBase<R, Walk, Wide, PackBytes>::QuantizeChBase;
+};
+
+// The last axis (kAcross) is periodic (elementwise.cuh op_periodic): a pack
+// spans V channels, and the packs one grid stride apart, a multiple of
+// channels / V packs, span the same V. Each thread loads their scales and
+// zero points once and takes the reciprocals once, where the stateless pack()
+// loaded 2V parameters per V codes, in loads 4V elements apart across the
+// warp: ncu put L1 at 90% and DRAM at 43% for float16 (bench/NOTES.md).
+// 50M as (rows, 1024), H200, % of copy, stateless -> periodic (16 packs per
+// thread, one pack loaded ahead): float16 51.6 -> 72.5, float32 87.1 -> 90.7
+// (scratch/quant_probe.py); float16 packs of 8 codes, not 16 (16: 56.2
+// against 61.2, before the load ahead; more registers).
+// Two kinds of state, so that each gets a loop of its own: Recip when every
+// channel of the pack is reciprocal_ok (a corrected product with inv), else
+// a division (a test per pack in one loop: float16 48.7 against 66.2 for a
+// kernel with no division at all). float only: double data divides anyway, and its state (2V
+// doubles) would take the kernel from 78 to 124 registers (ptxas sm_90).
+template <int V, bool Recip> struct AcrossParams {
+    float s[V], z[V], inv[Recip ? V : 1];
+};
+
+// V codes by true division, out of line: inlined, this rare path's code took
+// the float16 kernel from 48 to 64 registers (ptxas sm_90).
+template <int V>
+__device__ __noinline__ cufuse::Pack<signed char, V> quantize_dividing(cufuse::Pack<float, V> x, cufuse::Pack<float, V> s,
+                                                                       cufuse::Pack<float, V> z) {
+    cufuse::Pack<signed char, V> y;
+#pragma unroll
+    for (int j = 0; j < V; ++j) y.v[j] = cufuse::math::quantize_int8(x.v[j], s.v[j], z.v[j]);
+    return y;
+}
+
+template <int PackBytes>
+struct QuantizeCh<float, kAcross, false, PackBytes> : QuantizeChBase<float, kAcross, false, PackBytes> {
+    using R = float;
+    static constexpr int V = PackBytes;  // int8 codes per pack
+    static_assert(V % 4 == 0, "kAcross reads parameters in packs of 4");
+    static constexpr bool periodic = true;
+    using QuantizeChBase<R, kAcross, false, PackBytes>::QuantizeChBase;
+    using QuantizeChBase<R, kAcross, false, PackBytes>::pack;
+    __device__ __forceinline__ long long period() const { return this->channels / V; }
+    template <typename F> __device__ __forceinline__ void with_setup(long long i0, F f) const {
+        AcrossParams<V, true> st;
+        const long long c = this->channel(i0);
+        bool recip = true;
+#pragma unroll
+        for (int g = 0; g < V / 4; ++g) {
+            const auto s = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(this->scale + c) + g);
+            const auto z = cufuse::load_pack(reinterpret_cast<const cufuse::Pack<R, 4>*>(this->zp + c) + g);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                st.s[4 * g + j] = s.v[j];
+                st.z[4 * g + j] = z.v[j];
+                recip = recip && cufuse::math::reciprocal_ok(s.v[j], z.v[j]);
+            }
+        }
+        if (recip) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) st.inv[j] = R(1) / st.s[j];
+            f(st);
+        } else {
+            AcrossParams<V, false> sd;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                sd.s[j] = st.s[j];
+                sd.z[j] = st.z[j];
+            }
+            f(sd);
+        }
+    }
+    template <int W, bool Recip>
+    __device__ __forceinline__ void pack(const AcrossParams<V, Recip>& st, long long, const R (&x)[W],
+                                         signed char (&y)[W]) const {
+        static_assert(W == V, "a periodic pack is the functor's own width");
+        if constexpr (Recip) {
+#pragma unroll
+            for (int j = 0; j < V; ++j) y[j] = cufuse::math::quantize_int8(x[j], st.s[j], st.inv[j], st.z[j]);
+        } else {
+            cufuse::Pack<R, V> xp, sp, zp;
+#pragma unroll
+            for (int j = 0; j < V; ++j) {
+                xp.v[j] = x[j];
+                sp.v[j] = st.s[j];
+                zp.v[j] = st.z[j];
+            }
+            const auto yp = quantize_dividing<V>(xp, sp, zp);
+#pragma unroll
+            for (int j = 0; j < V; ++j) y[j] = yp.v[j];
+        }
     }
 };
 

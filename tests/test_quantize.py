@@ -225,7 +225,7 @@ def test_quantize_scale_range(backend, dtype, axis, launches):
              scales, zp)
 
 
-@pytest.mark.parametrize("axis", [None, 0], ids=lambda a: f"axis={a}")
+@pytest.mark.parametrize("axis", [None, 0, -1], ids=lambda a: f"axis={a}")
 def test_quantize_large_zero_point(backend, axis, launches):
     """|zero point| beyond 2**20 (the kernels then divide): quotients past
     2**30 that a large negative zero point brings back into the int8 range."""
@@ -236,8 +236,9 @@ def test_quantize_large_zero_point(backend, axis, launches):
     if axis is None:
         quantize(backend, backend.asarray(x), float(s), float(zp), None, launches, x)
     else:
-        sc, z = np.full(10, s, F32), np.full(10, zp, F32)
-        quantize(backend, backend.asarray(x), backend.asarray(sc), backend.asarray(z), 0, launches, x, sc, z)
+        n = x.shape[axis]
+        sc, z = np.full(n, s, F32), np.full(n, zp, F32)
+        quantize(backend, backend.asarray(x), backend.asarray(sc), backend.asarray(z), axis, launches, x, sc, z)
 
 
 def test_quantize_nan_with_zero_point(backend, launches):
@@ -809,6 +810,33 @@ def test_per_channel_walk_choice():
     assert Q._walk(90, 10, 9, 16, ok, 4) == (Q.ANY, False)
     assert Q._walk(2**31, 2**20, 2**11, 16, ok, 4) == (Q.ANY, True)  # indices past 2**31: 64-bit division
     assert Q._walk(2**31 - 16, 16, 2**27 - 1, 16, ok, 4) == (Q.IN_CHANNEL, False)
+    widths = {Q.IN_CHANNEL: 16, Q.ACROSS: 8, Q.ANY: 16}.get   # float16 quantize: 8 codes per pack across
+    assert Q._walk(200, 1, 40, widths, ok, 4) == (Q.ACROSS, False)
+    assert Q._walk(200, 1, 40, {Q.IN_CHANNEL: 8, Q.ACROSS: 16, Q.ANY: 8}.get, ok, 4) == (Q.ANY, False)
+    assert Q._walk(160, 16, 10, widths, ok, 4) == (Q.IN_CHANNEL, False)
+    assert Q._walk(160, 8, 20, widths, ok, 4) == (Q.ANY, False)       # inner 8: not a multiple of 16
+
+
+@pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: d.name)
+@pytest.mark.parametrize("shape", [(333, 72), (1, 40960), (3, 81920)], ids=str)
+def test_last_axis_thread_setup(backend, dtype, shape, launches):
+    """Per-channel quantize on the last axis loads each thread's channel
+    parameters once for all its packs (kernels/quantize.cu QuantizeCh on
+    kAcross, elementwise.cuh op_periodic), so the grid stride is rounded
+    down to a multiple of a row's packs: (333, 72) has 9 packs of 8 per row,
+    and threads past the rounded stride do nothing. With several packs per
+    thread a row of 40960 or 81920 is longer than the grid, and each pack
+    sets up its own. Some channels' scale or zero point is outside the
+    reciprocal's range (math::reciprocal_ok): their packs divide."""
+    rng = np.random.default_rng(61)
+    nch = shape[-1]
+    s = rng.uniform(0.02, 0.3, nch).astype(F32)
+    z = np.round(rng.uniform(-9, 9, nch), 1).astype(F32)
+    s[5::37], s[11::53], z[17::41] = 1e-30, 3e19, -1.5e9
+    x = rand(shape, dtype, 62, 15.0)
+    quantize(backend, backend.asarray(x), backend.asarray(s), backend.asarray(z), -1, launches, x, s, z)
+    for ln in launches:
+        assert "QuantizeCh<float, 1, false" in ln.kernel, ln.kernel
 
 
 # ---------------------------------------------------------------- round trip

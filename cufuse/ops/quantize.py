@@ -48,7 +48,10 @@ def _dequantize_np(q, scale, zero_point, real):
 # 83.1 -> 86.9 (4); dequantize to float32 per tensor 90.1 -> 90.6 (2), axis
 # 0 83.9 -> 87.0 (2), last axis 87.9 -> 89.2 (2), to float16 axis 0 88.5 ->
 # 88.9 (2), last axis 85.0 -> 85.3 (2). Float32 quantize per tensor and on
-# axis 0 and float16 quantize on the last axis were as fast or faster at 1.
+# axis 0 were as fast or faster at 1. Quantize on the last axis (ACROSS) sets
+# up each thread's channels once for all its packs (kernels/quantize.cu), so
+# it takes 16: float16 8 / 16 / 32 packs 67.8 / 72.8 / 67.6, float32 86.5 /
+# 90.8 / 84.6 (the stateless kernel before it: float16 51.6, float32 87.1).
 _quant = ElementwiseOp("quantize_int8", lambda i, o: f"Quantize<{_rname(i)}, {'false' if i == _F64 else 'true'}>", 1,
                        _quantize_np, signatures=[(d, _I8) for d in _FLOATS], params=("double", "double"),
                        family="quantize", packs_per_thread=lambda i, o: 4 if i == _F16 else 1)
@@ -78,40 +81,47 @@ _WALKS = ((IN_CHANNEL, False), (ACROSS, False), (ANY, False), (ANY, True))
 
 def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None, ppt=None):
     """{(walk, wide): ElementwiseOp} of the functor template ``functor<R, Walk,
-    Wide[, PackBytes]>`` (PackBytes when ``pack_bytes(in, out)`` is given);
-    ACROSS reads parameters in packs of 4, so it has only the signatures
-    whose packs are a multiple of 4 elements. ``ppt(walk, in, out)``: packs
-    per thread (default 1)."""
-    def fname(i, o, walk, wide):
-        pb = f", {pack_bytes(i, o)}" if pack_bytes else ""
-        return f"{functor}<{_rname(real_of(i, o))}, {walk}, {'true' if wide else 'false'}{pb}>"
-
+    Wide[, PackBytes]>`` (PackBytes when ``pack_bytes(walk, in, out)`` is
+    given); ACROSS reads parameters in packs of 4, so it has only the
+    signatures whose packs are a multiple of 4 elements. ``ppt(walk, in,
+    out)``: packs per thread (default 1)."""
     ops = {}
     for walk, wide in _WALKS:
-        sigs = [sg for sg in signatures if walk != ACROSS or pack_width(*sg, pack_bytes) % 4 == 0]
-        ops[walk, wide] = ElementwiseOp(name, lambda i, o, w=walk, d=wide: fname(i, o, w, d), 1, numpy_impl,
+        pbw = (lambda i, o, w=walk: pack_bytes(w, i, o)) if pack_bytes else None
+
+        def fname(i, o, walk=walk, wide=wide, pbw=pbw):
+            pb = f", {pbw(i, o)}" if pbw else ""
+            return f"{functor}<{_rname(real_of(i, o))}, {walk}, {'true' if wide else 'false'}{pb}>"
+
+        sigs = [sg for sg in signatures if walk != ACROSS or pack_width(*sg, pbw) % 4 == 0]
+        ops[walk, wide] = ElementwiseOp(name, fname, 1, numpy_impl,
                                         signatures=sigs, params=_CHANNEL_PARAMS, indexed=True,
-                                        family=f"quantize:ch{'wide' if wide else walk}", pack_bytes=pack_bytes,
+                                        family=f"quantize:ch{'wide' if wide else walk}", pack_bytes=pbw,
                                         packs_per_thread=(lambda i, o, w=walk: ppt(w, i, o)) if ppt else 1)
     return ops
 
 
-def _quant_pack_bytes(in_dt, out_dt):
+def _quant_pack_bytes(walk, in_dt, out_dt):
     """Codes per pack of the per-channel quantize (kernels/quantize.cu
-    QuantizeCh's PackBytes): 8 for float32 data, 16 otherwise. H200, 50M,
-    % of copy (scratch/chan_exp2.py): float32 last axis 73.5 (16) -> 85.5
-    (8), axis 0 92.0 -> 92.9; float16 axis 0 82.5 -> 76.5, last axis 54.3 -> 56.0."""
-    return 8 if in_dt == _F32 else 16
+    QuantizeCh's PackBytes): 8 for float32 data and for float16 on the last
+    axis (ACROSS), 16 otherwise. H200, 50M, % of copy (scratch/chan_exp2.py):
+    float32 last axis 73.5 (16) -> 85.5 (8), axis 0 92.0 -> 92.9; float16
+    axis 0 82.5 -> 76.5."""
+    return 8 if in_dt == _F32 or (walk == ACROSS and in_dt == _F16) else 16
 
 
-def _walk(n, inner, nch, v, ptrs, itemsize):
+def _walk(n, inner, nch, width, ptrs, itemsize):
     """(walk, wide) for ``n`` elements, ``inner`` elements per channel step,
-    ``nch`` channels, packs of ``v`` and parameters at ``ptrs`` (``itemsize``
-    bytes each): the conditions of kernels/quantize.cu Channels."""
+    ``nch`` channels, packs of ``width(walk)`` elements (an int: every walk's)
+    and parameters at ``ptrs`` (``itemsize`` bytes each): the conditions of
+    kernels/quantize.cu Channels."""
+    if not callable(width):
+        width = lambda walk, v=width: v  # noqa: E731
     if n >= 2**31:
         return ANY, True
-    if inner % v == 0:
+    if inner % width(IN_CHANNEL) == 0:
         return IN_CHANNEL, False
+    v = width(ACROSS)
     if inner == 1 and nch % v == 0 and v % 4 == 0 and all(p % (4 * itemsize) == 0 for p in ptrs):
         return ACROSS, False
     return ANY, False
@@ -119,7 +129,7 @@ def _walk(n, inner, nch, v, ptrs, itemsize):
 
 _quant_ch = _channel_ops("quantize_int8", "QuantizeCh", lambda i, o: i, _quantize_np, [(d, _I8) for d in _FLOATS],
                          _quant_pack_bytes,
-                         lambda w, i, o: 4 if (w, i) in ((IN_CHANNEL, _F16), (ACROSS, _F32)) else 1)
+                         lambda w, i, o: {(IN_CHANNEL, _F16): 4, (ACROSS, _F16): 16, (ACROSS, _F32): 16}.get((w, i), 1))
 _dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
                          signatures=[(_I8, d) for d in _FLOATS], params=("double", "double"), family="quantize",
                          packs_per_thread=lambda i, o: 2 if o == _F32 else 1)
@@ -209,8 +219,12 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         ptrs = (A.pointer_of(sc, kind), A.pointer_of(zp, kind))
         params = (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
                   inner, np.uint64(A.fast_div_magic(inner)), nch, np.uint64(A.fast_div_magic(nch)))
-        v = per_channel[ANY, False].width(in_dt, out_dtype)  # every walk's op packs alike
-        walk = _walk(int(np.prod(x.shape, dtype=np.int64)), inner, nch, v, ptrs, real.itemsize)
+        def width(w):
+            op = per_channel[w, False]
+            # ACROSS lacks the signatures whose packs are not a multiple of 4
+            return op.width(in_dt, out_dtype) if (in_dt, out_dtype) in op.signatures else 1
+
+        walk = _walk(int(np.prod(x.shape, dtype=np.int64)), inner, nch, width, ptrs, real.itemsize)
     else:  # the fallback broadcasts the parameters along ``axis``
         bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
         for key, v in (("scale", sc), ("zero_point", zp)):
