@@ -263,6 +263,23 @@ def sm_count(device: int) -> int:
     return n
 
 
+_resident: dict[tuple[int, int], int] = {}
+
+
+def resident_threads(fn, device: int) -> int:
+    """Threads of ``fn``, in blocks of BLOCK, that ``device`` runs at once:
+    its SMs times the blocks per SM that CUDA's occupancy calculator allows
+    for the kernel's registers and shared memory (cached per kernel)."""
+    key = (fn.ptr, device)
+    n = _resident.get(key)
+    if n is None:
+        from cupy_backends.cuda.api import driver
+        with _cp.cuda.Device(device):
+            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, BLOCK, 0)
+        n = _resident[key] = sm_count(device) * max(per_sm, 1) * BLOCK
+    return n
+
+
 def grid_cap(device: int) -> int:
     """Most blocks a grid-stride launch gets on ``device``."""
     return sm_count(device) * WAVES

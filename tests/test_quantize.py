@@ -818,15 +818,16 @@ def test_per_channel_walk_choice():
 
 
 @pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: d.name)
-@pytest.mark.parametrize("shape", [(333, 72), (1, 40960), (3, 81920)], ids=str)
+@pytest.mark.parametrize("shape", [(333, 72), (3, 81920), (2, 1 << 22)], ids=str)
 def test_last_axis_thread_setup(backend, dtype, shape, launches):
     """Per-channel quantize on the last axis loads each thread's channel
     parameters once for all its packs (kernels/quantize.cu QuantizeCh on
     kAcross, elementwise.cuh op_periodic), so the grid stride is rounded
     down to a multiple of a row's packs: (333, 72) has 9 packs of 8 per row,
-    and threads past the rounded stride do nothing. With several packs per
-    thread a row of 40960 or 81920 is longer than the grid, and each pack
-    sets up its own. Some channels' scale or zero point is outside the
+    and threads past the rounded stride do nothing. The grid is at most one
+    wave (ElementwiseOp's one_wave), so a row of 2**22 elements has more
+    packs than the grid has threads (on GPUs of up to 256 SMs), and each
+    pack sets up its own. Some channels' scale or zero point is outside the
     reciprocal's range (math::reciprocal_ok): their packs divide."""
     rng = np.random.default_rng(61)
     nch = shape[-1]

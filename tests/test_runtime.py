@@ -366,3 +366,8 @@ def test_packs_per_thread_of_every_signature():
         for in_dt, out_dt in op.signatures:
             p = op._ppt(in_dt, out_dt)
             assert isinstance(p, int) and p >= 1, (op.name, in_dt, out_dt, p)
+            assert isinstance(op._one_wave[(in_dt, out_dt)], bool), (op.name, in_dt, out_dt)
+    # one_wave: per-channel quantize on the last axis of float16/float32 data only (a periodic functor)
+    waves = {(w, i.name) for (w, wide), op in Q._quant_ch.items() for (i, o), ow in op._one_wave.items() if ow}
+    assert waves == {(Q.ACROSS, "float16"), (Q.ACROSS, "float32")}, waves
+    assert not any(ow for op in ops if op not in Q._quant_ch.values() for ow in op._one_wave.values())

@@ -56,11 +56,15 @@ class ElementwiseOp:
     compute dtype: float16 as float32). ``packs_per_thread`` (an int, or a
     function of (input dtype, output dtype) giving one): the grid covers the
     packs (or elements) in that many grid strides instead of one, which
-    spreads a functor's per-thread setup over more packs.
+    spreads a functor's per-thread setup over more packs. ``one_wave`` (a
+    bool, or such a function): the contiguous kernel's grid is at most what
+    the GPU runs at once (``_runtime.resident_threads``), each thread taking
+    packs one grid stride apart, with no partly filled last wave (for a
+    periodic functor, kernels/elementwise.cuh op_periodic).
     """
 
     def __init__(self, name, functor, arity, numpy_impl, *, signatures=None, params=(), indexed=False,
-                 family=FAMILY, pack_bytes=None, np_dtype=False, packs_per_thread=1):
+                 family=FAMILY, pack_bytes=None, np_dtype=False, packs_per_thread=1, one_wave=False):
         self.name = name
         self.np_dtype = np_dtype
         self.family = family
@@ -72,6 +76,7 @@ class ElementwiseOp:
         self._pack = {}
         self._width = {}  # (input dtype, output dtype) -> elements per pack
         self._per_thread = {}  # (input dtype, output dtype) -> packs per thread
+        self._one_wave = {}  # (input dtype, output dtype) -> contiguous grid of one wave at most
         self._expr = {}
         for in_dt, out_dt in self.signatures:
             self._width[(in_dt, out_dt)] = pack_width(in_dt, out_dt, pack_bytes)
@@ -80,6 +85,7 @@ class ElementwiseOp:
                 raise ValueError(f"{name}: packs_per_thread gave {ppt!r} for {in_dt}->{out_dt}; "
                                  "a positive int is needed")
             self._per_thread[(in_dt, out_dt)] = ppt
+            self._one_wave[(in_dt, out_dt)] = bool(one_wave(in_dt, out_dt) if callable(one_wave) else one_wave)
             fname = functor(in_dt, out_dt) if callable(functor) else functor
             targs = (fname, R.CTYPES[out_dt], R.CTYPES[in_dt], *params)
             label = in_dt.name if in_dt == out_dt else f"{in_dt.name}->{out_dt.name}"
@@ -113,8 +119,8 @@ class ElementwiseOp:
         itemsize) of the contiguous kernel for
         ``dt`` on ``dev``, or None for a dtype the kernels do not take. Cached
         in ``_fast`` under (dt, dev) and, for the hot path, under dt alone."""
-        if dt not in self._pack:
-            return None
+        if dt not in self._pack or self._one_wave[(dt, dt)]:
+            return None  # one_wave kernels size their grid on the general path only
         key = (dt, dev)
         ent = self._fast.get(key)
         if ent is None:
@@ -314,6 +320,8 @@ class ElementwiseOp:
         if contiguous and (not self.indexed or A.is_c_contiguous(shape, ost)):
             fn = self._fn((dt, odt), dev)  # one dense run (indexed ops: in C order)
             work = n // (self._width[(dt, odt)] * self._ppt(dt, odt)) or 1
+            if self._one_wave[(dt, odt)]:
+                work = min(work, R.resident_threads(fn, dev))
             R.launch(fn, work, dev, (optr, *ptrs, nm, *params), stream)
             return
         if len(cshape) > _STRIDED_NDIM:

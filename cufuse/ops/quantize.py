@@ -50,8 +50,11 @@ def _dequantize_np(q, scale, zero_point, real):
 # 88.9 (2), last axis 85.0 -> 85.3 (2). Float32 quantize per tensor and on
 # axis 0 were as fast or faster at 1. Quantize on the last axis (ACROSS) sets
 # up each thread's channels once for all its packs (kernels/quantize.cu), so
-# it takes 16: float16 8 / 16 / 32 packs 67.8 / 72.8 / 67.6, float32 86.5 /
-# 90.8 / 84.6 (the stateless kernel before it: float16 51.6, float32 87.1).
+# its grid is one wave (ElementwiseOp's one_wave), each thread looping over
+# packs one grid stride apart; same run, 16 packs per thread -> one wave:
+# float16 72.6 -> 75.0, float32 89.4 -> 91.7 (8 / 32 packs per thread:
+# float16 67.8 / 67.6; the stateless kernel before it: float16 51.6, float32
+# 87.1).
 _quant = ElementwiseOp("quantize_int8", lambda i, o: f"Quantize<{_rname(i)}, {'false' if i == _F64 else 'true'}>", 1,
                        _quantize_np, signatures=[(d, _I8) for d in _FLOATS], params=("double", "double"),
                        family="quantize", packs_per_thread=lambda i, o: 4 if i == _F16 else 1)
@@ -79,12 +82,13 @@ IN_CHANNEL, ACROSS, ANY = 0, 1, 2
 _WALKS = ((IN_CHANNEL, False), (ACROSS, False), (ANY, False), (ANY, True))
 
 
-def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None, ppt=None):
+def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None, ppt=None, one_wave=None):
     """{(walk, wide): ElementwiseOp} of the functor template ``functor<R, Walk,
     Wide[, PackBytes]>`` (PackBytes when ``pack_bytes(walk, in, out)`` is
     given); ACROSS reads parameters in packs of 4, so it has only the
     signatures whose packs are a multiple of 4 elements. ``ppt(walk, in,
-    out)``: packs per thread (default 1)."""
+    out)``: packs per thread (default 1); ``one_wave(walk, in, out)``:
+    ElementwiseOp's one_wave (default False)."""
     ops = {}
     for walk, wide in _WALKS:
         pbw = (lambda i, o, w=walk: pack_bytes(w, i, o)) if pack_bytes else None
@@ -97,7 +101,8 @@ def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None
         ops[walk, wide] = ElementwiseOp(name, fname, 1, numpy_impl,
                                         signatures=sigs, params=_CHANNEL_PARAMS, indexed=True,
                                         family=f"quantize:ch{'wide' if wide else walk}", pack_bytes=pbw,
-                                        packs_per_thread=(lambda i, o, w=walk: ppt(w, i, o)) if ppt else 1)
+                                        packs_per_thread=(lambda i, o, w=walk: ppt(w, i, o)) if ppt else 1,
+                                        one_wave=(lambda i, o, w=walk: one_wave(w, i, o)) if one_wave else False)
     return ops
 
 
@@ -129,7 +134,8 @@ def _walk(n, inner, nch, width, ptrs, itemsize):
 
 _quant_ch = _channel_ops("quantize_int8", "QuantizeCh", lambda i, o: i, _quantize_np, [(d, _I8) for d in _FLOATS],
                          _quant_pack_bytes,
-                         lambda w, i, o: {(IN_CHANNEL, _F16): 4, (ACROSS, _F16): 16, (ACROSS, _F32): 16}.get((w, i), 1))
+                         lambda w, i, o: 4 if (w, i) == (IN_CHANNEL, _F16) else 1,
+                         lambda w, i, o: w == ACROSS and i != _F64)
 _dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
                          signatures=[(_I8, d) for d in _FLOATS], params=("double", "double"), family="quantize",
                          packs_per_thread=lambda i, o: 2 if o == _F32 else 1)
