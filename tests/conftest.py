@@ -52,6 +52,9 @@ class _CountingFunction:
         self._calls = calls
         self._kernel = kernel
 
+    def __getattr__(self, name):  # the kernel's own attributes (ptr: _runtime.resident_threads)
+        return getattr(self._fn, name)
+
     def __call__(self, *args, **kwargs):
         stream = args[4] if len(args) > 4 else kwargs.get("stream")
         self._calls.append(Launch(args[0], args[1], stream, self._kernel))
