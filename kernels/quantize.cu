@@ -152,15 +152,16 @@ template <typename R, int Walk, bool Wide, int PackBytes> struct QuantizeCh : Qu
 // zero points once and takes the reciprocals once, where the stateless pack()
 // loaded 2V parameters per V codes, in loads 4V elements apart across the
 // warp: ncu put L1 at 90% and DRAM at 43% for float16 (bench/NOTES.md).
-// 50M as (rows, 1024), H200, % of copy, stateless -> periodic (16 packs per
-// thread, one pack loaded ahead): float16 51.6 -> 72.5, float32 87.1 -> 90.7
-// (scratch/quant_probe.py); float16 packs of 8 codes, not 16 (16: 56.2
-// against 61.2, before the load ahead; more registers).
-// Two kinds of state, so that each gets a loop of its own: Recip when every
-// channel of the pack is reciprocal_ok (a corrected product with inv), else
-// a division (a test per pack in one loop: float16 48.7 against 66.2 for a
-// kernel with no division at all). float only: double data divides anyway, and its state (2V
-// doubles) would take the kernel from 78 to 124 registers (ptxas sm_90).
+// 50M as (rows, 1024), H200, % of copy, stateless -> periodic (one pack
+// loaded ahead, a grid of one wave: cufuse/ops/quantize.py): float16 51.6 ->
+// 75.0, float32 87.1 -> 91.7 (scratch/quant_probe.py, bench/NOTES.md);
+// float16 packs of 8 codes, not 16 (16: 56.2 against 61.2, before the load
+// ahead; more registers). Two kinds of state, so that each gets a loop of
+// its own: Recip when every channel of the pack is reciprocal_ok (a
+// corrected product with inv), else a division (a test per pack in one
+// loop: float16 48.7 against 66.2 for a kernel with no division at all).
+// float only: double data divides anyway, and its state (2V doubles) would
+// take the kernel from 78 to 124 registers (ptxas sm_90).
 template <int V, bool Recip> struct AcrossParams {
     float s[V], z[V], inv[Recip ? V : 1];
 };
