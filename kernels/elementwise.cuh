@@ -104,6 +104,31 @@ template <typename Op, typename = void> struct op_periodic { static constexpr bo
 template <typename Op> struct op_periodic<Op, void_t<decltype(Op::periodic)>> {
     static constexpr bool value = op_one_loop<Op>::value && Op::periodic;
 };
+// A periodic op of one input may say `async_stages = D`: where its input
+// packs are 16 bytes, the contiguous kernel's whole-pack loop then copies
+// each thread's next D packs into shared memory (cp.async, sm_80+) instead
+// of holding one next pack in registers: more loads in flight at the same
+// registers (run_contiguous_one_loop).
+template <typename Op, typename = void> struct op_async_stages { static constexpr int value = 0; };
+template <typename Op> struct op_async_stages<Op, void_t<decltype(Op::async_stages)>> {
+    static constexpr int value = op_periodic<Op>::value ? Op::async_stages : 0;
+};
+constexpr int kEwBlock = 256;  // threads per elementwise block (cufuse/_runtime.py: BLOCK)
+
+// Each thread's D slots of shared memory for the packs in flight
+// (op_async_stages): one array per (pack type, D) and block.
+template <typename P, int D> __device__ __forceinline__ P (&stage_ring())[D][kEwBlock] {
+    __shared__ P ring[D][kEwBlock];
+    return ring;
+}
+__device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait_async() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
 
 template <typename Op, int NIN, typename C>
 __device__ __forceinline__ auto apply_op(const Op& op, long long i, const C (&x)[NIN]) {
@@ -234,12 +259,42 @@ __device__ __forceinline__ void run_contiguous_one_loop(const Op& op, Tout* out,
                     for (long long p = tid; p * V < n; p += stride) body(p, st);
                     return;
                 }
+                const long long npack = n / V;
+                constexpr int D = sizeof(Pack<Tin, V>) == 16 && NIN == 1 ? op_async_stages<Op>::value : 0;
+                if constexpr (D > 0) {
+                    // Whole packs only, each thread's next D packs in flight
+                    // as asynchronous copies into its slots of shared memory
+                    // (one commit group per pack, empty past the end: the
+                    // wait for the oldest is always wait_group D - 1).
+                    // Per-channel quantize float16 on the last axis, 50M,
+                    // H200, % of copy, against the one pack ahead in
+                    // registers below (73.7-75.1): D = 2, 3, 4, 6: 80.1,
+                    // 82.8, 84.3-84.8, 80.6 (scratch/quant_probe.py).
+                    using PI = Pack<Tin, V>;
+                    PI (&ring)[D][kEwBlock] = stage_ring<PI, D>();
+                    const PI* src = reinterpret_cast<const PI*>(in[0]);
+                    const auto issue = [&](long long p, int slot) {
+                        if (p < npack) copy_async_16(&ring[slot][threadIdx.x], src + p);
+                        commit_async();
+                    };
+#pragma unroll
+                    for (int d = 0; d < D; ++d) issue(tid + d * stride, d);
+                    int slot = 0;
+                    for (long long p = tid; p < npack; p += stride) {
+                        wait_async<D - 1>();  // this thread's copy of pack p has landed
+                        PI x[1] = {ring[slot][threadIdx.x]};
+                        issue(p + D * stride, slot);
+                        store_pack(reinterpret_cast<Pack<Tout, V>*>(out) + p,
+                                   compute_pack<Op, NIN, V, C, Tout>(op, p * V, x, is_s, sc, st));
+                        slot = slot + 1 == D ? 0 : slot + 1;
+                    }
+                    return;
+                }
                 // Whole packs only, the next pack's loads issued before this
                 // pack's arithmetic and store. Per-channel quantize float16 on
                 // the last axis, 50M, H200, % of copy: 61.1 -> 72.5 with one
                 // pack ahead; two or three ahead 64.9 / 63.5 (54 -> 60
                 // registers; scratch/quant_probe.py, bench/NOTES.md).
-                const long long npack = n / V;
                 const auto load = [&](long long p, Pack<Tin, V> (&x)[NIN]) {
                     if (p >= npack) return;
 #pragma unroll
@@ -654,7 +709,7 @@ __device__ __forceinline__ void run_fused_rows(const F& f, void* const* p, long 
 }  // namespace cufuse
 
 // ---- kernel entry points (global namespace: short name expressions) --------
-#define CUFUSE_EW_BOUNDS __launch_bounds__(256)
+#define CUFUSE_EW_BOUNDS __launch_bounds__(cufuse::kEwBlock)
 
 template <typename Op, typename Tout, typename Tin, typename... P>
 __global__ void CUFUSE_EW_BOUNDS ew1(Tout* out, const Tin* a, long long nm, P... p) {

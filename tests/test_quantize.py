@@ -818,7 +818,7 @@ def test_per_channel_walk_choice():
 
 
 @pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: d.name)
-@pytest.mark.parametrize("shape", [(333, 72), (3, 81920), (2, 1 << 22)], ids=str)
+@pytest.mark.parametrize("shape", [(333, 72), (3, 81920), (2, 1 << 22), (9000, 1024)], ids=str)
 def test_last_axis_thread_setup(backend, dtype, shape, launches):
     """Per-channel quantize on the last axis loads each thread's channel
     parameters once for all its packs (kernels/quantize.cu QuantizeCh on
@@ -827,7 +827,10 @@ def test_last_axis_thread_setup(backend, dtype, shape, launches):
     and threads past the rounded stride do nothing. The grid is at most one
     wave (ElementwiseOp's one_wave), so a row of 2**22 elements has more
     packs than the grid has threads (on GPUs of up to 256 SMs), and each
-    pack sets up its own. Some channels' scale or zero point is outside the
+    pack sets up its own. (9000, 1024) gives a thread 8-9 packs on an H200
+    (4-5 on a GPU of 256 SMs), which float16 copies into shared memory 4
+    packs ahead (elementwise.cuh op_async_stages), so that each thread's 4
+    slots are reused. Some channels' scale or zero point is outside the
     reciprocal's range (math::reciprocal_ok): their packs divide."""
     rng = np.random.default_rng(61)
     nch = shape[-1]
