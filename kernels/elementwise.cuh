@@ -106,12 +106,17 @@ template <typename Op> struct op_periodic<Op, void_t<decltype(Op::periodic)>> {
 };
 // A periodic op of one input may say `async_stages = D`: where its input
 // packs are 16 bytes, the contiguous kernel's whole-pack loop then copies
-// each thread's next D packs into shared memory (cp.async, sm_80+) instead
-// of holding one next pack in registers: more loads in flight at the same
-// registers (run_contiguous_one_loop).
+// each thread's next D packs into shared memory (cp.async, sm_80+; older
+// GPUs keep the registers) instead of holding one next pack in registers:
+// more loads in flight at the same registers (run_contiguous_one_loop).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+constexpr bool kAsyncCopy = true;
+#else
+constexpr bool kAsyncCopy = false;
+#endif
 template <typename Op, typename = void> struct op_async_stages { static constexpr int value = 0; };
 template <typename Op> struct op_async_stages<Op, void_t<decltype(Op::async_stages)>> {
-    static constexpr int value = op_periodic<Op>::value ? Op::async_stages : 0;
+    static constexpr int value = op_periodic<Op>::value && kAsyncCopy ? Op::async_stages : 0;
 };
 constexpr int kEwBlock = 256;  // threads per elementwise block (cufuse/_runtime.py: BLOCK)
 
@@ -121,6 +126,7 @@ template <typename P, int D> __device__ __forceinline__ P (&stage_ring())[D][kEw
     __shared__ P ring[D][kEwBlock];
     return ring;
 }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
     const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
@@ -129,6 +135,11 @@ __device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_g
 template <int N> __device__ __forceinline__ void wait_async() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
+#else
+__device__ __forceinline__ void copy_async_16(void*, const void*) {}  // never called (op_async_stages is 0)
+__device__ __forceinline__ void commit_async() {}
+template <int N> __device__ __forceinline__ void wait_async() {}
+#endif
 
 template <typename Op, int NIN, typename C>
 __device__ __forceinline__ auto apply_op(const Op& op, long long i, const C (&x)[NIN]) {
