@@ -480,6 +480,28 @@ template <Hint H, typename P> __device__ __forceinline__ P load_hinted(const P* 
     }
 }
 
+// Asynchronous 16-byte copies from global to shared memory (cp.async.cg,
+// sm_80+; kAsyncCopy is false on older GPUs, whose callers keep their
+// register loads and never call these). commit_async closes a group of
+// copies; wait_async<N> waits until at most N groups are still in flight,
+// after which the thread sees the data of the others in shared memory.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+constexpr bool kAsyncCopy = true;
+__device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait_async() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+#else
+constexpr bool kAsyncCopy = false;
+__device__ __forceinline__ void copy_async_16(void*, const void*) {}
+__device__ __forceinline__ void commit_async() {}
+template <int N> __device__ __forceinline__ void wait_async() {}
+#endif
+
 // A pack converted to the compute type; float16 pairs convert two at a time.
 template <typename C, typename T, int N> __device__ __forceinline__ void unpack(const Pack<T, N>& p, C (&out)[N]) {
     if constexpr (is_half<T>::value && N % 2 == 0) {

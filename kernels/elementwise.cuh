@@ -108,12 +108,8 @@ template <typename Op> struct op_periodic<Op, void_t<decltype(Op::periodic)>> {
 // packs are 16 bytes, the contiguous kernel's whole-pack loop then copies
 // each thread's next D packs into shared memory (cp.async, sm_80+; older
 // GPUs keep the registers) instead of holding one next pack in registers:
-// more loads in flight at the same registers (run_contiguous_one_loop).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-constexpr bool kAsyncCopy = true;
-#else
-constexpr bool kAsyncCopy = false;
-#endif
+// more loads in flight at the same registers (run_contiguous_one_loop;
+// common.cuh: copy_async_16).
 template <typename Op, typename = void> struct op_async_stages { static constexpr int value = 0; };
 template <typename Op> struct op_async_stages<Op, void_t<decltype(Op::async_stages)>> {
     static constexpr int value = op_periodic<Op>::value && kAsyncCopy ? Op::async_stages : 0;
@@ -126,20 +122,6 @@ template <typename P, int D> __device__ __forceinline__ P (&stage_ring())[D][kEw
     __shared__ P ring[D][kEwBlock];
     return ring;
 }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-__device__ __forceinline__ void copy_async_16(void* smem, const void* gmem) {
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void commit_async() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void wait_async() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
-}
-#else
-__device__ __forceinline__ void copy_async_16(void*, const void*) {}  // never called (op_async_stages is 0)
-__device__ __forceinline__ void commit_async() {}
-template <int N> __device__ __forceinline__ void wait_async() {}
-#endif
 
 template <typename Op, int NIN, typename C>
 __device__ __forceinline__ auto apply_op(const Op& op, long long i, const C (&x)[NIN]) {
