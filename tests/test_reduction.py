@@ -137,6 +137,34 @@ def test_long_rows_misaligned(backend, op, dtype, rows, n, offset):
 
 
 @op_param
+@dtype_param
+@pytest.mark.parametrize("case", ["whole", "split", "offset", "odd_stride", "odd_length"])
+def test_long_rows_whole_kernel(backend, op, dtype, case, launches):
+    """Rows of at least 512 packs that start on 16-byte boundaries and hold
+    whole packs take the block kernel without head and tail packs
+    (reduce_rows_block<..., true>); a row one element into the buffer, rows
+    an odd number of elements apart, or a length that is not a whole number
+    of packs take the general one. "split": 3 rows of 2**17 packs, each split
+    over several blocks whose partial sums a second launch adds."""
+    v = 16 // np.dtype(dtype).itemsize
+    rows, n = (3, v << 17) if case == "split" else (5, 8000 if v == 8 else 4000)
+    if case == "odd_length":
+        n += 1
+    pitch = n + (1 if case == "odd_stride" else 0)
+    lead = 1 if case == "offset" else 0
+    flat = rand((lead + rows * pitch,), dtype, 490 + n + lead + pitch, 0.25)
+    x = flat[lead:].reshape(rows, pitch)[:, :n]
+    reduce(backend, op, backend.asarray(flat)[lead:].reshape(rows, pitch)[:, :n], x)
+    if not backend.gpu:
+        return
+    blocks = [ln for ln in launches if ln.kernel.startswith("reduce_rows_block<")]
+    assert blocks, launches
+    assert blocks[0].kernel.endswith(", true>") == (case in ("whole", "split")), blocks[0].kernel
+    if case == "split":
+        assert blocks[0].grid[1] > 1 and len(launches) == 2, launches
+
+
+@op_param
 def test_long_row_last_split_only_tail(backend, op):
     """One float16 row split so that its last split holds no whole pack, only
     the partial tail pack (1 x 2093049 one element into the buffer)."""

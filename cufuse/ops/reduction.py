@@ -28,7 +28,8 @@ def _acc(in_dt, out_dt):
 
 def _exprs(map_, tin, tout):
     targs = (map_, R.FLOAT_CTYPES[tin], R.FLOAT_CTYPES[_acc(tin, tout)], R.FLOAT_CTYPES[tout])
-    return tuple(R.name_expression(k, *targs) for k in ("reduce_rows", "reduce_cols", "reduce_rows_block"))
+    return tuple(R.name_expression(k, *targs) for k in ("reduce_rows", "reduce_cols", "reduce_rows_block")) + (
+        R.name_expression("reduce_rows_block", *targs, "true"),)
 
 
 # The second pass (partial sums of split rows or columns) for every accumulation and result type.
@@ -92,12 +93,12 @@ class _Reduction:
             target = _rows.empty(res_shape, odt, kind, dev)
         scale = 1.0 / count if self.mean else 1.0
         stream = _rows.stream_for(kind, dev)
-        rows_fn, cols_fn, block_fn = (R.get_function(f, e, dev) for f, e in self.exprs[(dt, odt)])
+        rows_fn, cols_fn, block_fn, block_whole_fn = (R.get_function(f, e, dev) for f, e in self.exprs[(dt, odt)])
         final = [R.get_function(f, e, dev) for f, e in _FINAL[(acc, odt)]]
         view = _view(x, kind, shape, axes)
         if view[0] == "rows":
             _, xv, rows, cols, ldx = view
-            _reduce_rows((rows_fn, block_fn), final[0], target, xv, rows, cols, ldx, dt, acc, odt, scale, kind, dev,
+            _reduce_rows((rows_fn, block_fn, block_whole_fn), final[0], target, xv, rows, cols, ldx, dt, acc, odt, scale, kind, dev,
                          stream)
         else:
             _, xv, outer, r, inner = view
@@ -168,6 +169,9 @@ _BLOCK_THREAD_PACKS = 4
 _BLOCK_MIN_PACKS = 512
 _BLOCK_PACKS = 4096
 _BLOCK_WAVES = 16
+# Aligned rows of whole packs take reduce_rows_block<..., true>, which skips
+# the head and tail pack logic (kernels/reduction.cu, with the measurement).
+_ROW_WHOLE = True
 
 
 def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, dev, stream):
@@ -183,7 +187,8 @@ def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, d
         per = -(-npack // min(splits, 65535))
         splits = -(-npack // per)
         nt = min(max(_rows.pow2_at_least(-(-per // _BLOCK_THREAD_PACKS)), 32), _ROW_BLOCK)
-        fn, grid, block = fns[1], (rows, splits), (nt,)
+        whole = _ROW_WHOLE and aligned and cols % v == 0
+        fn, grid, block = fns[2 if whole else 1], (rows, splits), (nt,)
 
         def args(out, partial, s):
             return out, partial, xp, cols, ldx, per, s
