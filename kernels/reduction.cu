@@ -59,7 +59,8 @@ __device__ __forceinline__ A row_part(const Tin* xr, long long cols, long long p
     const Map map;
     long long ek = -1;
     if (active && lane == 0 && head && split == 0) ek = 0;
-    if (!Whole && active && lane == 1 && last * V - head < cols && (last > 0 || !head) && split == splits - 1) ek = last;
+    if (!Whole && active && lane == 1 && last * V - head < cols && (last > 0 || !head) && split == splits - 1)
+        ek = last;
     P e;
     if (ek >= 0) e = load_hinted<Hint::stream>(xp + ek);
     A acc[U];  // one chain of additions per pack in flight
@@ -135,21 +136,20 @@ __global__ void __launch_bounds__(512) reduce_rows(Tout* out, A* partial, const 
 // no head or tail pack to find. A block lives for one or two round trips,
 // so the instructions before its first load count: 102 -> 58 of them, 32
 // -> 22 registers; 6250 x 8000 float16 90.1-90.4 -> 91.3-91.7% of copy in
-// three same-run pairs (scratch/rowred_probe.py), float32 within noise; with
-// 4 packs per pass (kRowBlockWholeU) 91.9-92.2.
+// three same-run pairs (scratch/rowred_probe.py), float32 within noise. Its
+// 4 packs per pass (kRowBlockWholeU: 22 -> 32 registers, still 8 blocks of
+// 256 per SM, where the general kernel would take 50): 91.3 -> 91.9-92.2.
 constexpr int kRowBlock = 512;
-constexpr int kRowBlockU = 2;  // packs in flight per thread
-// Whole rows: 4 (22 -> 32 registers, still 8 blocks of 256 per SM; the
-// general kernel would take 50). 6250 x 8000 float16 91.3 -> 91.9-92.2% of
-// copy in three same-run pairs, float32 within noise.
-constexpr int kRowBlockWholeU = 4;
+constexpr int kRowBlockU = 2;       // packs in flight per thread
+constexpr int kRowBlockWholeU = 4;  // the same, Whole
 template <typename Map, typename Tin, typename A, typename Tout, bool Whole = false>
 __global__ void __launch_bounds__(kRowBlock) reduce_rows_block(Tout* out, A* partial, const Tin* x, long long cols,
                                                                long long ldx, long long per, double scale) {
     using namespace cufuse;
     const long long row = blockIdx.x;
     const int split = blockIdx.y, splits = gridDim.y;
-    A v = row_part<Whole ? kRowBlockWholeU : kRowBlockU, Map, Tin, A, Whole>(x + row * ldx, cols, per, split, splits, threadIdx.x, blockDim.x, true);
+    constexpr int U = Whole ? kRowBlockWholeU : kRowBlockU;
+    A v = row_part<U, Map, Tin, A, Whole>(x + row * ldx, cols, per, split, splits, threadIdx.x, blockDim.x, true);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     if (blockDim.x > 32) {

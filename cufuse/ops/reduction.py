@@ -98,8 +98,8 @@ class _Reduction:
         view = _view(x, kind, shape, axes)
         if view[0] == "rows":
             _, xv, rows, cols, ldx = view
-            _reduce_rows((rows_fn, block_fn, block_whole_fn), final[0], target, xv, rows, cols, ldx, dt, acc, odt, scale, kind, dev,
-                         stream)
+            _reduce_rows((rows_fn, block_fn, block_whole_fn), final[0], target, xv, rows, cols, ldx, dt, acc, odt,
+                         scale, kind, dev, stream)
         else:
             _, xv, outer, r, inner = view
             _reduce_cols(cols_fn, final[1], target, xv, outer, r, inner, dt, acc, scale, kind, dev, stream)
@@ -158,7 +158,8 @@ def _split(want, most):
 # Rows of at least _BLOCK_MIN_PACKS packs take reduce_rows_block: one block
 # per row (or split of a row) of _BLOCK_PACKS packs at most, the block as
 # small as lets each thread add _BLOCK_THREAD_PACKS packs (2 passes of
-# kRowBlockU = 2), at most _ROW_BLOCK (kRowBlock) threads, and rows split
+# kRowBlockU = 2; aligned whole rows: one of 4), at most _ROW_BLOCK
+# (kRowBlock) threads, and rows split
 # until there are _BLOCK_WAVES blocks per SM. sum_squared(axis=-1) on an H200
 # (% of copy, one run, scratch/red_sweep.py): 6250 x 8000 float32 79.6 ->
 # 82.4, float16 61.3 -> 67.8 against reduce_rows with groups of 32-512
