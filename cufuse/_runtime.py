@@ -263,21 +263,41 @@ def sm_count(device: int) -> int:
     return n
 
 
-_resident: dict[tuple[int, int], int] = {}
+_resident: dict[tuple[int, int, int, int], int] = {}
 
 
-def resident_threads(fn, device: int) -> int:
-    """Threads of ``fn``, in blocks of BLOCK, that ``device`` runs at once:
-    its SMs times the blocks per SM that CUDA's occupancy calculator allows
-    for the kernel's registers and shared memory (cached per kernel)."""
-    key = (fn.ptr, device)
+def resident_blocks(fn, device: int, block: int = BLOCK, shared_mem: int = 0) -> int:
+    """Blocks of ``fn`` (``block`` threads, ``shared_mem`` dynamic shared
+    bytes) that ``device`` runs at once: its SMs times the blocks per SM that
+    CUDA's occupancy calculator allows for the kernel's registers and shared
+    memory (at least one per SM; cached per kernel and launch shape)."""
+    key = (fn.ptr, device, block, shared_mem)
     n = _resident.get(key)
     if n is None:
         from cupy_backends.cuda.api import driver
         with _cp.cuda.Device(device):
-            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, BLOCK, 0)
-        n = _resident[key] = sm_count(device) * max(per_sm, 1) * BLOCK
+            _allow_shared(fn, shared_mem)
+            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block, shared_mem)
+        n = _resident[key] = sm_count(device) * max(per_sm, 1)
     return n
+
+
+def resident_threads(fn, device: int) -> int:
+    """Threads of ``fn``, in blocks of BLOCK, that ``device`` runs at once."""
+    return resident_blocks(fn, device) * BLOCK
+
+
+_SHARED_DEFAULT = 48 * 1024  # dynamic shared bytes a kernel may use without opting in
+_shared_allowed: dict[int, int] = {}
+
+
+def _allow_shared(fn, shared_mem: int) -> None:
+    """Opt ``fn`` in to ``shared_mem`` dynamic shared bytes where that is more
+    than the default (once per kernel and size)."""
+    if shared_mem > max(_SHARED_DEFAULT, _shared_allowed.get(fn.ptr, 0)):
+        from cupy_backends.cuda.api import driver
+        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+        _shared_allowed[fn.ptr] = shared_mem
 
 
 def grid_cap(device: int) -> int:
@@ -302,12 +322,14 @@ def launch(fn, work: int, device: int, args: tuple, stream=None) -> None:
         fn((blocks,), (BLOCK,), args, 0, stream)
 
 
-def launch_grid(fn, grid: tuple, block: tuple, args: tuple, stream=None) -> None:
-    """Launch ``fn`` with an explicit grid and block (row kernels size their own)."""
+def launch_grid(fn, grid: tuple, block: tuple, args: tuple, stream=None, shared_mem: int = 0) -> None:
+    """Launch ``fn`` with an explicit grid and block (row kernels size their
+    own) and ``shared_mem`` dynamic shared bytes."""
+    _allow_shared(fn, shared_mem)
     if stream is None:
-        fn(grid, block, args)
+        fn(grid, block, args, shared_mem)
     else:
-        fn(grid, block, args, 0, stream)
+        fn(grid, block, args, shared_mem, stream)
 
 
 # ------------------------------------------------------------------- streams

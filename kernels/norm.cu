@@ -18,6 +18,12 @@ namespace cufuse {
 // Whole (host-checked: cufuse/ops/norm.py): every row starts on a 16-byte
 // boundary and is a whole number of packs, and y, w and b are aligned too, so
 // that no pack is partial and no alignment is tested per pack.
+// The weight and bias packs of the columns a block holds, kept in registers
+// across rows (norm_rows_pipe: a block holds the same part of every row).
+template <typename T, int NP> struct HeldColumns {
+    typename PackOf<T>::type w[NP], b[NP];
+};
+
 template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowView {
     using C = compute_t<T>;
     static constexpr int V = PackOf<T>::V;
@@ -25,7 +31,7 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     // Held values are kept in the storage type (float16 takes half the
     // registers) and converted at each use; float/double ones may be
     // replaced by a pass (softmax keeps exp(x - max) for the store).
-    static constexpr bool kMutable = Resident && !is_half<T>::value;
+    static constexpr bool kMutable = Resident && !is_half<T>::value && !G::kStaged;
     static constexpr bool kOnePart = G::kOnePart;  // one block's group holds the whole row
     // Indices within the row: 32-bit for a row held in registers (at most
     // 512 x 16 packs per block, 8 blocks), 64-bit when it streams (any
@@ -37,7 +43,14 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     I cols;
     int head;             // elements of the window before the row
     I lo, hi;             // this block's packs of the window: [lo, hi)
-    P held[Resident ? NP : 1];
+    P held[Resident && !G::kStaged ? NP : 1];
+    // G::kStaged (norm_rows_pipe): the packs stay in shared memory (`stage`:
+    // pack k at k - lo), read again at each pass, which keeps 16 registers
+    // free for w and b: those come from `columns_held` (a copy: a pointer to
+    // the kernel's registers put them in local memory).
+    const P* stage = nullptr;
+    struct NoColumns {};
+    typename select_type<G::kStaged, HeldColumns<T, NP>, NoColumns>::type columns_held;
 
     __device__ __forceinline__ RowView(const G& g_, const T* x_, long long cols_, bool active)
         : g(g_), x(x_), cols(static_cast<I>(cols_)) {
@@ -47,7 +60,9 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
         lo = per * g.rank;
         hi = lo + per < npack ? lo + per : npack;
         if (!active) hi = lo;  // groups past the last row: no loads, no stores
-        if constexpr (Resident) {
+        if constexpr (G::kStaged) {
+            stage = static_cast<const P*>(g.staged);
+        } else if constexpr (Resident) {
 #pragma unroll
             for (int j = 0; j < NP; ++j) {
                 const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
@@ -57,6 +72,13 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     }
 
     __device__ __forceinline__ P pack(I k) const { return *(reinterpret_cast<const P*>(x - head) + k); }
+    // The j-th of this thread's packs (pack k) of a resident row.
+    __device__ __forceinline__ P resident(int j, I k) const {
+        if constexpr (G::kStaged)
+            return stage[k - lo];
+        else
+            return held[j];
+    }
 
     // f(value, element index) for each element of this thread's packs in the
     // row; with kMutable, f may update the held value (C&).
@@ -67,7 +89,7 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
                 const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
                 if (k < hi) {
                     C t[V];
-                    unpack(held[j], t);
+                    unpack(resident(j, k), t);
                     visit(k, t, f);
                     if constexpr (kMutable) {
 #pragma unroll
@@ -128,6 +150,23 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
         }
     }
 
+    // A held pack of w or b (`a` says whether there is one). The empty asm
+    // keeps the conversion inside the row loop: converted once before it,
+    // float16 packs would take twice the registers for the whole kernel.
+    static __device__ __forceinline__ void held_column(const T* a, P p, C (&o)[V], C dflt) {
+        if (!a) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) o[i] = dflt;
+        } else {
+            unsigned u[sizeof(P) / 4];
+            memcpy(u, &p, sizeof(P));
+#pragma unroll
+            for (int i = 0; i < int(sizeof(P) / 4); ++i) asm volatile("" : "+r"(u[i]));
+            memcpy(&p, u, sizeof(P));
+            unpack(p, o);
+        }
+    }
+
     // y[e] = f(value, w[e], b[e]) for every element (w, b may be null: 1 and
     // 0); full packs are stored whole when the output row has the input
     // row's alignment. NC: w and b loaded through the read-only path
@@ -137,11 +176,16 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     // rms_norm (weight only) does without: 256x262144 float32 74.4 -> 65.2 with it.
     template <bool NC = false, typename F> __device__ __forceinline__ void store(T* y, F f, const T* w, const T* b) {
         const int yhead = Whole ? 0 : row_head(y);
-        auto one = [&](I k, C (&t)[V]) {
+        auto one = [&](int j, I k, C (&t)[V]) {
             const I e0 = k * V - head;
             C wv[V], bv[V];
-            columns<NC>(w, e0, wv, C(1));
-            columns<NC>(b, e0, bv, C(0));
+            if constexpr (G::kStaged) {
+                held_column(w, columns_held.w[j], wv, C(1));
+                held_column(b, columns_held.b[j], bv, C(0));
+            } else {
+                columns<NC>(w, e0, wv, C(1));
+                columns<NC>(b, e0, bv, C(0));
+            }
             if (Whole || (yhead == head && e0 >= 0 && e0 + V <= cols)) {
                 P p;
 #pragma unroll
@@ -159,15 +203,15 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
                 const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
                 if (k < hi) {
                     C t[V];
-                    unpack(held[j], t);
-                    one(k, t);
+                    unpack(resident(j, k), t);
+                    one(j, k, t);
                 }
             }
         } else {
             for (I k = lo + g.lane; k < hi; k += g.tpr) {
                 C t[V];
                 unpack(pack(k), t);
-                one(k, t);
+                one(0, k, t);
             }
         }
     }
@@ -176,10 +220,12 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
 }  // namespace cufuse
 
 // ---- the ops (global namespace: short name expressions) ------------------------
-// Each is `template <RowView> void run(view, y, w, b, eps)`; `w`/`b` may be
-// null (no affine part). A row may be split into parts (clusters, split
-// kernels): each part reduces what it holds, and one `combine` per op merges
-// the parts' statistics, so that a split row costs one exchange between blocks.
+// Each is two steps on a RowView: `part(view)` reduces the part of the row
+// the view holds into a statistic S (a struct of the compute type), and
+// `finish(view, S, y, w, b, eps)` stores the row from the parts' merged S;
+// `w`/`b` may be null (no affine part). A row may be split into parts
+// (clusters, split and pipe kernels): one merge of S per row, so that a
+// split row costs one exchange between blocks.
 namespace cufuse {
 
 // Products and sums rounded one by one, never contracted into an FMA: a
@@ -229,16 +275,19 @@ template <typename C> struct MaxSum {
 }  // namespace cufuse
 
 template <bool Relu> struct LayerNorm {
-    template <typename View, typename T>
-    __device__ __forceinline__ static void run(View& r, T* y, const T* w, const T* b, double eps) {
+    template <typename View> __device__ __forceinline__ static auto part(View& r) {
         using C = typename View::C;
         // The part's mean, then its squared deviations from it (two passes
-        // over the held values), then the parts merged.
+        // over the held values); the parts are merged by Chan's update.
         const C n = r.count();
         const C s = r.reduce([](C t, long long) { return t; }, cufuse::SumOp{}, 0);
         const C mp = n > C(0) ? s / n : C(0);
         const C q = r.reduce([&](C t, long long) { const C d = t - mp; return d * d; }, cufuse::SumOp{}, 1);
-        const cufuse::Moments<C> m = r.combine(cufuse::Moments<C>{n, mp, q});
+        return cufuse::Moments<C>{n, mp, q};
+    }
+    template <typename View, typename S, typename T>
+    __device__ __forceinline__ static void finish(View& r, const S& m, T* y, const T* w, const T* b, double eps) {
+        using C = typename View::C;
         const C mean = m.mean;
         const C rstd = C(1) / cufuse::math::sqrt(m.m2 / m.n + static_cast<C>(eps));
         r.template store<true>(y, [&](C t, C wv, C bv) {
@@ -249,38 +298,44 @@ template <bool Relu> struct LayerNorm {
 };
 
 struct RmsNorm {
-    template <typename View, typename T>
-    __device__ __forceinline__ static void run(View& r, T* y, const T* w, const T*, double eps) {
+    template <typename View> __device__ __forceinline__ static auto part(View& r) {
         using C = typename View::C;
-        const C ss = r.reduce([](C t, long long) { return t * t; }, cufuse::SumOp{}, 0);
-        const C ms = r.combine(cufuse::Total<C>{ss}).s / static_cast<C>(r.cols);
-        const C rstd = C(1) / cufuse::math::sqrt(ms + static_cast<C>(eps));
+        return cufuse::Total<C>{r.reduce([](C t, long long) { return t * t; }, cufuse::SumOp{}, 0)};
+    }
+    template <typename View, typename S, typename T>
+    __device__ __forceinline__ static void finish(View& r, const S& ss, T* y, const T* w, const T*, double eps) {
+        using C = typename View::C;
+        const C rstd = C(1) / cufuse::math::sqrt(ss.s / static_cast<C>(r.cols) + static_cast<C>(eps));
         r.store(y, [&](C t, C wv, C) { return t * rstd * wv; }, w, static_cast<const T*>(nullptr));
     }
 };
 
 template <bool Log> struct Softmax {
-    template <typename View, typename T>
-    __device__ __forceinline__ static void run(View& r, T* y, const T*, const T*, double) {
+    // A view with mutable held values keeps exp(t - base) for the store
+    // (softmax only), when it holds the whole row (base is then the row's
+    // max). A part of a split row recomputes exp(t - m) at the store
+    // instead of scaling its kept exp(t - base) by exp(base - m): that
+    // product can differ from exp(t - m) in the last bit, so that equal
+    // inputs in two parts gave outputs an ulp apart.
+    template <typename View> static constexpr bool keep = View::kMutable && !Log && View::kOnePart;
+
+    template <typename View> __device__ __forceinline__ static auto part(View& r) {
         using C = typename View::C;
         const C mp = r.reduce([](C t, long long) { return t; }, cufuse::MaxOp{}, 0);
         // A part of -inf only: exp(x - 0) = 0, not exp(-inf + inf) = NaN.
         const C base = mp == cufuse::MaxOp::identity<C>() ? C(0) : mp;
-        // A view with mutable held values keeps exp(t - base) for the store
-        // (softmax only), when it holds the whole row (base is then the row's
-        // max). A part of a split row recomputes exp(t - m) at the store
-        // instead of scaling its kept exp(t - base) by exp(base - m): that
-        // product can differ from exp(t - m) in the last bit, so that equal
-        // inputs in two parts gave outputs an ulp apart.
-        constexpr bool keep = View::kMutable && !Log && View::kOnePart;
         const C sp = r.reduce([&](C& t, long long) {
             const C p = cufuse::math::exp_fast(t - base);
-            if (keep) t = p;
+            if (keep<View>) t = p;
             return p;
         }, cufuse::SumOp{}, 1);
-        // The row's max and sum of exp(x - max); all -inf: max -inf, sum 0,
-        // and every output NaN (as torch).
-        const cufuse::MaxSum<C> a = r.combine(cufuse::MaxSum<C>{mp, sp});
+        return cufuse::MaxSum<C>{mp, sp};
+    }
+    // `a`: the row's max and sum of exp(x - max); all -inf: max -inf, sum 0,
+    // and every output NaN (as torch).
+    template <typename View, typename S, typename T>
+    __device__ __forceinline__ static void finish(View& r, const S& a, T* y, const T*, const T*, double) {
+        using C = typename View::C;
         const C m = a.m;
         if constexpr (Log) {
             const C ls = cufuse::math::log(a.s);
@@ -288,7 +343,7 @@ template <bool Log> struct Softmax {
                     static_cast<const T*>(nullptr));
         } else {
             const C inv = C(1) / a.s;  // kept values are exp(t - m): one part, base == m (or all -inf: NaN)
-            r.store(y, [&](C t, C, C) { return (keep ? t : cufuse::math::exp_fast(t - m)) * inv; },
+            r.store(y, [&](C t, C, C) { return (keep<View> ? t : cufuse::math::exp_fast(t - m)) * inv; },
                     static_cast<const T*>(nullptr), static_cast<const T*>(nullptr));
         }
     }
@@ -302,8 +357,10 @@ __device__ __forceinline__ void norm_rows_body(const G& g, T* y, const T* x, con
     const long long row = g.item();
     const bool active = row < rows;
     const long long r = active ? row : 0;
+    T* const yr = y + r * ldy;
     RowView<T, NP, G, Resident, Whole> view(g, x + r * ldx, cols, active);
-    Op::run(view, y + r * ldy, w, b, eps);
+    const auto stat = view.combine(Op::part(view));
+    Op::finish(view, stat, yr, w, b, eps);
     g.finish();
 }
 
@@ -315,6 +372,8 @@ __device__ __forceinline__ void norm_rows_body(const G& g, T* y, const T* x, con
 // norm_rows_split: `parts` blocks per row that combine their reductions
 // through the workspace `work` (rows.cuh: SplitGroup), the row in registers.
 // norm_rows_stream: one block per row, any length, re-reading the row.
+// norm_rows_pipe: persistent blocks, each holding one part of many rows
+// (below).
 template <typename Op, typename T, int NP, bool Whole>
 __global__ void __launch_bounds__(512) norm_rows(T* y, const T* x, const T* w, const T* b, long long rows,
                                                  long long cols, long long ldy, long long ldx, int tpr, double eps) {
@@ -343,4 +402,93 @@ __global__ void __launch_bounds__(512) norm_rows_stream(T* y, const T* x, const 
                                                         long long cols, long long ldy, long long ldx, int tpr,
                                                         double eps) {
     cufuse::norm_rows_body<Op, T, 1, false, false>(cufuse::Group<1>(tpr), y, x, w, b, rows, cols, ldy, ldx, eps);
+}
+
+// Long rows of whole, aligned packs (host-checked, as RowView's Whole), float
+// compute (float16, float32): `groups` x `parts` persistent blocks of
+// kPipeThreads; a block holds part `rank` of the rows first, first + groups,
+// ... (rows.cuh: PipeGroup), so that its NP packs of w and b per thread are
+// loaded once and kept in registers. Each row's packs stream into a ring of D
+// slots of shared memory with cp.async, D - 2 rows ahead; the block reduces
+// row i and publishes its statistic, then merges row i - 1's (published a
+// row earlier, by every part) and stores row i - 1 from its slot, so that the
+// exchange between blocks overlaps a row's work instead of stalling it.
+// H200, layer_norm float32, % of copy (scratch/lnpipe_probe.py, one run):
+// 1024x65536 norm_rows_split 64.8 -> 79.2, 256x262144 63.4 -> 80.0; the
+// same kernel with the exchange waited for in place (a fence, a counter, a
+// spin) 70-71, with w and b loaded from L2 at each row 73-75.
+constexpr int kPipeThreads = 512;
+
+template <typename Op, typename T, int NP, int D>
+__global__ void __launch_bounds__(kPipeThreads, 2)
+    norm_rows_pipe(T* y, const T* x, const T* w, const T* b, long long rows, long long cols, long long ldy,
+                   long long ldx, int parts, int groups, double eps, unsigned* work) {
+    using namespace cufuse;
+    using View = RowView<T, NP, PipeGroup<kPipeThreads>, true, true>;
+    using P = typename View::P;
+    using S = decltype(Op::part(*static_cast<View*>(nullptr)));
+    static_assert(D >= 3, "a slot being reduced, one being stored, one in flight at least");
+    extern __shared__ __align__(16) unsigned char pipe_smem[];
+    P* ring = reinterpret_cast<P*>(pipe_smem);  // [D][NP * kPipeThreads]: pack k of a row at k - lo
+    __shared__ S merged;
+
+    PipeGroup<kPipeThreads> g(work, parts);
+    const long long first = g.first;
+    const int nr = first < rows ? static_cast<int>((rows - 1 - first) / groups + 1) : 0;
+    auto row_of = [&](int i) { return first + static_cast<long long>(i) * groups; };
+    // This block's packs of a row: [lo, hi), as RowView computes them.
+    const int npack = static_cast<int>(cols / View::V);
+    const int per = (npack + parts - 1) / parts;
+    const int lo = per * static_cast<int>(g.rank), hi = lo + per < npack ? lo + per : npack;
+
+    HeldColumns<T, NP> held;
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+        const int k = lo + static_cast<int>(threadIdx.x) + j * kPipeThreads;
+        if (k < hi) {
+            if (w) held.w[j] = load_hinted<Hint::readonly>(reinterpret_cast<const P*>(w) + k);
+            if (b) held.b[j] = load_hinted<Hint::readonly>(reinterpret_cast<const P*>(b) + k);
+        }
+    }
+    // Row i's packs into slot i % D (one commit group per row, empty past the last).
+    auto issue = [&](int i) {
+        if (i < nr) {
+            const P* src = reinterpret_cast<const P*>(x + row_of(i) * ldx);
+            P* dst = ring + (i % D) * (NP * kPipeThreads);
+#pragma unroll
+            for (int j = 0; j < NP; ++j) {
+                const int k = lo + static_cast<int>(threadIdx.x) + j * kPipeThreads;
+                if (k < hi) copy_async_16(dst + (k - lo), src + k);
+            }
+        }
+        commit_async();
+    };
+    auto view = [&](int i) {
+        g.staged = ring + (i % D) * (NP * kPipeThreads);
+        return View(g, x + row_of(i) * ldx, cols, true);
+    };
+#pragma unroll
+    for (int i = 0; i < D; ++i) issue(i);
+    // Before row i >= 1 is read, D + i - 1 commit groups were issued (D, then
+    // one per stored row), row i's the (i + 1)-th: at most D - 2 in flight.
+    for (int i = 0; i <= nr; ++i) {
+        if (i >= 1 && threadIdx.x < 32) g.template fetch<S>(row_of(i - 1));
+        if (i < nr) {
+            wait_async<D - 2>();
+            View v = view(i);
+            g.publish(row_of(i), Op::part(v));
+            // group_reduce's shared slots are written again at the next row:
+            // every thread must have read them (from row 1 on, collect's
+            // barrier does that)
+            if (i == 0) __syncthreads();
+        }
+        if (i >= 1) {
+            const S s = g.collect(row_of(i - 1), merged);
+            View v = view(i - 1);  // every thread reads only the slots it copied: no barrier
+            v.columns_held = held;
+            Op::finish(v, s, y + row_of(i - 1) * ldy, w, b, eps);
+            issue(i - 1 + D);
+        }
+    }
+    wait_async<0>();
 }

@@ -150,6 +150,7 @@ template <int CS> struct Group {
         rank = CS > 1 ? blockIdx.x % CS : 0;
     }
     static constexpr bool kOnePart = CS == 1;  // a group holds its whole row
+    static constexpr bool kStaged = false;     // rows are read from global memory
     __device__ __forceinline__ int parts() const { return CS; }
     // Index of the group's item (row, or row split) in the launch.
     __device__ __forceinline__ long long item() const {
@@ -222,6 +223,7 @@ struct SplitGroup {
         rank = ticket % static_cast<unsigned>(nparts);
     }
     static constexpr bool kOnePart = false;
+    static constexpr bool kStaged = false;
     __device__ __forceinline__ int parts() const { return nparts; }
     __device__ __forceinline__ long long item() const { return row; }
 
@@ -274,6 +276,117 @@ struct SplitGroup {
         __threadfence();
 #endif
         return v;
+    }
+};
+
+// ---- persistent blocks over many rows (norm_rows_pipe, any architecture) ---------
+// A launch of `groups` x `parts` blocks, each holding one part (slice of
+// columns) of the rows g, g + groups, ... of its group g. Parts publish a
+// statistic S (a struct of float words) per row as tagged 64-bit words
+// (value | 1 << 32) in a workspace the host zeroes before the launch:
+//   work[0]                    ticket counter
+//   then [rows][parts][kPipeWords] tagged words (8-byte aligned)
+// A 64-bit aligned word is read or written whole (single-copy atomic), so a
+// reader sees each word either unwritten (tag 0) or complete: no fence, no
+// counter, and the words can be read ahead (`fetch`) and checked later
+// (`collect`), so that the exchange's round trips through L2 overlap the
+// next row's work instead of stalling the block. One lane of warp 0 per
+// part: at most 32 parts. Tickets as in SplitGroup (no deadlock while a
+// free block slot exists besides the `parts - 1` a waiting group may hold).
+constexpr int kPipeWords = 3;
+
+template <int TPB> struct PipeGroup {
+    static constexpr bool kOnePart = false;
+    static constexpr bool kStaged = true;  // rows come from shared memory (`staged`)
+    static constexpr int tpr = TPB, group = 0, groups = 1;  // one group of TPB threads: the block
+    int lane, nparts;
+    unsigned rank;        // the part this block holds
+    long long first;      // this block's group: rows first, first + stride, ...
+    unsigned long long* words;
+    const void* staged;   // the packs of the current row, in shared memory (RowView)
+    unsigned long long got[kPipeWords];  // warp 0: lane l's read of part l's words
+
+    __device__ __forceinline__ PipeGroup(unsigned* work, int parts_)
+        : lane(threadIdx.x), nparts(parts_), staged(nullptr) {
+        __shared__ unsigned ticket;
+        if (threadIdx.x == 0) ticket = atomicAdd(work, 1u);
+        __syncthreads();
+        first = ticket / static_cast<unsigned>(nparts);
+        rank = ticket % static_cast<unsigned>(nparts);
+        words = reinterpret_cast<unsigned long long*>(work + 4);
+    }
+    __device__ __forceinline__ int parts() const { return nparts; }
+
+    template <typename C, typename F> __device__ __forceinline__ C reduce(C v, F f, int slot) const {
+        return group_reduce(v, f, slot, tpr, 0);
+    }
+
+    // Thread 0: this part's statistic of `row`.
+    template <typename S> __device__ __forceinline__ void publish(long long row, const S& v) const {
+        static_assert(sizeof(S) <= 4 * kPipeWords, "a statistic of at most kPipeWords 32-bit words");
+        unsigned w[sizeof(S) / 4];
+        memcpy(w, &v, sizeof(S));
+        if (threadIdx.x == 0) {
+            unsigned long long* slot = words + (row * nparts + rank) * kPipeWords;
+#pragma unroll
+            for (int i = 0; i < int(sizeof(S) / 4); ++i) store_relaxed(slot + i, (1ull << 32) | w[i]);
+        }
+    }
+    // Warp 0: read part `lane`'s words of `row` (they may not be written yet).
+    template <typename S> __device__ __forceinline__ void fetch(long long row) {
+        if (threadIdx.x < static_cast<unsigned>(nparts)) {
+            const unsigned long long* slot = words + (row * nparts + threadIdx.x) * kPipeWords;
+#pragma unroll
+            for (int i = 0; i < int(sizeof(S) / 4); ++i) got[i] = load_relaxed(slot + i);
+        }
+    }
+    // Every thread: the parts' statistics of `row` merged (lanes in order,
+    // then a shuffle tree into lane 0: every block of the row gets the same
+    // bits), after `fetch(row)` by warp 0; waits for parts not yet written.
+    // All threads must call it; `out` is a shared slot of the block.
+    template <typename S> __device__ __forceinline__ S collect(long long row, S& out) {
+        if (threadIdx.x < 32) {
+            auto ready = [&]() {
+                bool ok = true;
+                if (threadIdx.x < static_cast<unsigned>(nparts))
+#pragma unroll
+                    for (int i = 0; i < int(sizeof(S) / 4); ++i) ok = ok && (got[i] >> 32) != 0;
+                return ok;
+            };
+            while (!__all_sync(0xffffffffu, ready())) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+                __nanosleep(32);
+#endif
+                fetch<S>(row);
+            }
+            S acc = S::identity();
+            if (threadIdx.x < static_cast<unsigned>(nparts))
+                acc = from_words<S>([&](int i) { return static_cast<unsigned>(got[i]); });
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) acc = S::merge(acc, shfl_down(acc, o));
+            if (threadIdx.x == 0) out = acc;
+        }
+        __syncthreads();
+        return out;
+    }
+    __device__ __forceinline__ void finish() const {}
+
+  private:
+    static __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* p) {
+        unsigned long long v;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p));
+#else
+        v = *reinterpret_cast<const volatile unsigned long long*>(p);
+#endif
+        return v;
+    }
+    static __device__ __forceinline__ void store_relaxed(unsigned long long* p, unsigned long long v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        asm volatile("st.relaxed.gpu.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#else
+        *reinterpret_cast<volatile unsigned long long*>(p) = v;
+#endif
     }
 };
 

@@ -160,8 +160,9 @@ def test_norm_leading_shapes(backend, op, lead, n):
 
 
 # float32 rows of 20000 and 32768 are clusters of 4 blocks on sm_90, 65536
-# a split row of 8 blocks (cufuse/ops/norm.py plan); float16 rows of 65536
-# and 131072 clusters of 4 and 8 (test_long_row_kernel_taken).
+# and 262144 persistent parts (norm_rows_pipe) for layer_norm and split rows
+# for rms_norm, 300000 split rows (cufuse/ops/norm.py plan); float16 rows of
+# 65536 and 131072 clusters of 4 and 8 (test_long_row_kernel_taken).
 @norm_param
 @pytest.mark.parametrize("n", [20000, 32768, 65536, 262144, 300000])
 def test_norm_long_rows(backend, op, n):
@@ -173,14 +174,17 @@ def test_norm_long_rows(backend, op, n):
 @pytest.mark.parametrize("dtype, n, kernel", [
     (F32, 20000, "norm_rows_cluster<LayerNorm<false>, float, 8, 4, false>"),
     (F32, 32768, "norm_rows_cluster<LayerNorm<false>, float, 8, 4, false>"),
-    (F32, 65536, "norm_rows_split<LayerNorm<false>, float, 8, false>"),
+    (F32, 65536, "norm_rows_pipe<LayerNorm<false>, float, 4, 3>"),
+    (F32, 65540, "norm_rows_pipe<LayerNorm<false>, float, 4, 3>"),
+    (F32, 65537, "norm_rows_split<LayerNorm<false>, float, 8, false>"),
     (F16, 65536, "norm_rows_cluster<LayerNorm<false>, __half, 8, 4, true>"),
     (F16, 131072, "norm_rows_cluster<LayerNorm<false>, __half, 8, 8, true>"),
     (F16, 262144, "norm_rows_split<LayerNorm<false>, __half, 8, true>")], ids=str)
 def test_long_row_kernel_taken(backend, dtype, n, kernel, launches):
     """The plan's kernel (and cluster size) is the one that runs, so that the
-    long-row tests above cover clusters of 4 and 8 and split rows: on sm_90
-    float32 rows up to 32768 are clusters of 4, 65536 a split row; float16
+    long-row tests above cover clusters of 4 and 8, persistent parts and split
+    rows: on sm_90 float32 rows up to 32768 are clusters of 4, longer rows of
+    whole packs persistent parts (norm_rows_pipe), others split rows; float16
     rows up to 131072 clusters. (The float32 layer_norm kernels at 8 packs
     per thread are the general ones, float16's the whole ones: norm.py.)"""
     if not backend.gpu:
@@ -188,6 +192,8 @@ def test_long_row_kernel_taken(backend, dtype, n, kernel, launches):
     import cupy as cp
     if "cluster" in kernel and int(cp.cuda.Device().compute_capability) < 90:
         pytest.skip("clusters need sm_90")
+    if "pipe" in kernel and int(cp.cuda.Device().compute_capability) < 80:
+        pytest.skip("norm_rows_pipe needs sm_80 (cp.async)")
     x = rand((2, n), dtype, 1425)
     normalize(backend, "layer_norm", backend.asarray(x), x, n)
     assert [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")] == [kernel], launches
@@ -211,6 +217,27 @@ def test_norm_wide_rows(backend, op, dtype, n):
     x = rand((3, n), dtype, 1440 + n)
     w, b, nw, nb = affine(backend, op, full_affine(op), (n,), dtype, 1441)
     normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb)
+
+
+# Persistent parts (norm_rows_pipe: float32 layer_norm rows of whole,
+# aligned packs longer than a cluster): on an H200, 40 rows of 262144 are 32
+# parts in 8 groups, so that each block walks 5 rows through its 3
+# shared-memory slots; 70000 columns are 9 parts, the last shorter than the
+# others; one row of 65536 is one group of 8. Without weight, bias or both
+# (no held columns), outputs poisoned first; the kernel taken is checked.
+@pytest.mark.parametrize("op", ["layer_norm", "layer_norm_relu"])
+@pytest.mark.parametrize("rows, n", [(40, 262144), (7, 70000), (1, 65536)], ids=str)
+@pytest.mark.parametrize("which", ["none", "w", "b", "wb"])
+def test_norm_pipe_rows(backend, op, rows, n, which, launches):
+    x = rand((rows, n), F32, 1470 + n, 2.0) + np.float32(3)
+    w, b, nw, nb = affine(backend, op, which, (n,), F32, 1471)
+    out = backend.asarray(np.full((rows, n), np.nan, F32))
+    normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb, out=out)
+    if backend.gpu:
+        import cupy as cp
+        if int(cp.cuda.Device().compute_capability) >= 80:
+            taken = [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")]
+            assert taken == [f"norm_rows_pipe<LayerNorm<{'true' if op.endswith('relu') else 'false'}>, float, 4, 3>"]
 
 
 # Rows split over blocks (cufuse/ops/norm.py plan: rows longer than one

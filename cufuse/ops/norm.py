@@ -35,6 +35,12 @@ _SPLIT_TPR = ((256, 32), (512, None))  # (threads per block, most parts) of norm
 _SPLIT_LAUNCHES = 4           # split launches in flight at once (any streams) that cannot deadlock
 _PART_BYTES = 32              # workspace bytes per part of a split row (kernels/rows.cuh: kPartBytes)
 _STREAM_TPR = 512
+# norm_rows_pipe (float16/float32 rows of whole packs): packs per thread,
+# shared-memory slots per block (rows in flight + 2), threads per block
+# (kernels/norm.cu kPipeThreads), most parts per row (rows.cuh: one lane of
+# warp 0 per part), and the workspace bytes per part (rows.cuh: kPipeWords
+# words of 8 bytes)
+_PIPE_NP, _PIPE_SLOTS, _PIPE_TPB, _PIPE_MOST_PARTS, _PIPE_PART_BYTES = 4, 3, 512, 32, 24
 _ONE_GROUP_PACKS = 4096      # rows of up to this many 16-byte packs: one thread group (no cluster)
 
 
@@ -45,9 +51,10 @@ def _cbool(v):
 class _RowOp:
     """One op of kernels/norm.cu (functor ``functor``) for every float dtype."""
 
-    def __init__(self, name, functor, narrow=False):
+    def __init__(self, name, functor, narrow=False, pipe=()):
         self.name = name
         self.functor = functor
+        self.pipe = pipe  # dtypes whose long rows take norm_rows_pipe (see plan)
         # layer_norm: float16 rows of misaligned packs keep 4 packs per thread
         # (see plan), and float32/float64 rows of >= 8 packs per thread the
         # kernel for any row (see launch)
@@ -67,6 +74,9 @@ class _RowOp:
                 self._register(dt, ("split", _SPLIT_NP) + tag,
                                R.name_expression("norm_rows_split", functor, ct, str(_SPLIT_NP), _cbool(whole)))
             self._register(dt, ("stream",), R.name_expression("norm_rows_stream", functor, ct))
+            if dt in pipe:
+                self._register(dt, ("pipe", _PIPE_NP, _PIPE_SLOTS),
+                               R.name_expression("norm_rows_pipe", functor, ct, str(_PIPE_NP), str(_PIPE_SLOTS)), 80)
 
     def _register(self, dt, key, expr, min_arch=0):
         family = f"{FAMILY}:{self.name}:{dt.name}:{'-'.join(map(str, key))}"
@@ -106,6 +116,15 @@ class _RowOp:
             for cs in _CLUSTERS:
                 if -(-npack // cs) <= 256 * 8 and (cs < 8 or dt.itemsize == 2):
                     return ("cluster", 8, cs), 256, cs
+        # Longer rows of whole packs of the dtypes in self.pipe: persistent blocks that
+        # keep w and b in registers and overlap the exchange between a row's
+        # parts with the next row (kernels/norm.cu norm_rows_pipe; cp.async:
+        # sm_80+). H200, layer_norm float32, % of copy: 1024x65536 64.8 ->
+        # 79.2, 256x262144 63.4 -> 80.0 (scratch/lnpipe_probe.py).
+        if whole and dt in self.pipe and R.compute_capability(dev) >= 80:
+            parts = -(-npack // (_PIPE_TPB * _PIPE_NP))
+            if parts <= min(_PIPE_MOST_PARTS, max(1, R.sm_count(dev) // _SPLIT_LAUNCHES)):
+                return ("pipe", _PIPE_NP, _PIPE_SLOTS), _PIPE_TPB, parts
         # Split rows (H200, % of copy, f32 / f16, layer_norm, rms_norm, softmax):
         # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
         # 53/74/76, 54/69/63; 64x1048576: streaming kernel 19/28/16 -> split 512 x 8
@@ -138,11 +157,23 @@ class _RowOp:
         # issues 2 of a thread's 8 loads of x after the first pass's adds
         # (SASS), a second round trip to memory (ncu, 1024x65536: 57M
         # instructions in 220 us against 88M in 203 us).
-        if whole and key[0] != "stream" and (not self.narrow or isz == 2 or key[1] < 8):
+        if whole and key[0] not in ("stream", "pipe") and (not self.narrow or isz == 2 or key[1] < 8):
             key = key + ("whole",)
         fn = R.get_function(*self.exprs[(dt, key)], dev)
         stream = _rows.stream_for(kind, dev)
         args = (py, px, pw, pb, rows, cols, ldy, ldx, np.int32(tpr), float(eps))
+        if key[0] == "pipe":
+            # groups x parts persistent blocks, as many as run at once; the
+            # workspace of kernels/rows.cuh PipeGroup (ticket, tagged words) zeroed
+            smem = _PIPE_SLOTS * _PIPE_NP * _PIPE_TPB * 16
+            groups = max(1, min(rows, R.resident_blocks(fn, dev, tpr, smem) // cs))
+            nbytes = 16 + rows * cs * _PIPE_PART_BYTES
+            work = _rows.empty((nbytes,), np.uint8, kind, dev)
+            R._cp.cuda.runtime.memsetAsync(A.pointer_of(work, kind), 0, nbytes,
+                                           (stream or R._cp.cuda.get_current_stream()).ptr)
+            args = args[:8] + (np.int32(cs), np.int32(groups), float(eps), A.pointer_of(work, kind))
+            R.launch_grid(fn, (groups * cs,), (tpr,), args, stream, smem)
+            return
         if key[0] == "split":
             # one block of tpr threads per (row, part); the workspace of
             # kernels/rows.cuh SplitGroup, its ticket and counts zeroed
@@ -158,9 +189,11 @@ class _RowOp:
         R.launch_grid(fn, (grid,), (block,), args, stream)
 
 
-_OPS = {name: _RowOp(name, functor, narrow) for name, functor, narrow in (
-    ("layer_norm", "LayerNorm<false>", True), ("layer_norm_relu", "LayerNorm<true>", True),
-    ("rms_norm", "RmsNorm", False), ("softmax", "Softmax<false>", False), ("log_softmax", "Softmax<true>", False))}
+_F32 = (np.dtype(np.float32),)
+_OPS = {name: _RowOp(name, functor, narrow, pipe) for name, functor, narrow, pipe in (
+    ("layer_norm", "LayerNorm<false>", True, _F32), ("layer_norm_relu", "LayerNorm<true>", True, _F32),
+    ("rms_norm", "RmsNorm", False, ()), ("softmax", "Softmax<false>", False, ()),
+    ("log_softmax", "Softmax<true>", False, ()))}
 
 
 # --------------------------------------------------------------- validation
