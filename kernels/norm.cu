@@ -413,10 +413,12 @@ __global__ void __launch_bounds__(512) norm_rows_stream(T* y, const T* x, const 
 // row i and publishes its statistic, then merges row i - 1's (published a
 // row earlier, by every part) and stores row i - 1 from its slot, so that the
 // exchange between blocks overlaps a row's work instead of stalling it.
-// H200, layer_norm float32, % of copy (scratch/lnpipe_probe.py, one run):
-// 1024x65536 norm_rows_split 64.8 -> 79.2, 256x262144 63.4 -> 80.0; the
-// same kernel with the exchange waited for in place (a fence, a counter, a
-// spin) 70-71, with w and b loaded from L2 at each row 73-75.
+// H200, layer_norm float32, % of copy: 1024x65536 norm_rows_split 64.8 ->
+// 80.9 (scratch/pipe_probe.py, one run); full bench 64.3 -> 79.5, 256x262144
+// 63.2 -> 74.5. In a probe of the same design (scratch/lnpipe.cu): the
+// exchange waited for in place (a fence, a counter, a spin) 70-71, w and b
+// loaded from L2 at each row 73-75, and the row's packs held in registers
+// through both passes spilled w and b at the 64-register cap (55).
 constexpr int kPipeThreads = 512;
 
 template <typename Op, typename T, int NP, int D>

@@ -340,9 +340,9 @@ template <int TPB> struct PipeGroup {
             for (int i = 0; i < int(sizeof(S) / 4); ++i) got[i] = load_relaxed(slot + i);
         }
     }
-    // Every thread: the parts' statistics of `row` merged (lanes in order,
-    // then a shuffle tree into lane 0: every block of the row gets the same
-    // bits), after `fetch(row)` by warp 0; waits for parts not yet written.
+    // Every thread: the parts' statistics of `row` merged (lane l holds part
+    // l; a shuffle tree into lane 0, so that every block of the row gets the
+    // same bits), after `fetch(row)` by warp 0; waits for parts not yet written.
     // All threads must call it; `out` is a shared slot of the block.
     template <typename S> __device__ __forceinline__ S collect(long long row, S& out) {
         if (threadIdx.x < 32) {
@@ -369,7 +369,6 @@ template <int TPB> struct PipeGroup {
         __syncthreads();
         return out;
     }
-    __device__ __forceinline__ void finish() const {}
 
   private:
     static __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* p) {

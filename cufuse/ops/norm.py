@@ -119,8 +119,10 @@ class _RowOp:
         # Longer rows of whole packs of the dtypes in self.pipe: persistent blocks that
         # keep w and b in registers and overlap the exchange between a row's
         # parts with the next row (kernels/norm.cu norm_rows_pipe; cp.async:
-        # sm_80+). H200, layer_norm float32, % of copy: 1024x65536 64.8 ->
-        # 79.2, 256x262144 63.4 -> 80.0 (scratch/lnpipe_probe.py).
+        # sm_80+). H200, layer_norm float32, % of copy (full bench): 1024x65536
+        # 64.3 -> 79.5, 256x262144 63.2 -> 74.5. float16 in it read 58-67
+        # against the cluster's 64, rms_norm and softmax below their plans
+        # (bench/NOTES.md, session 23): only float32 layer_norm takes it.
         if whole and dt in self.pipe and R.compute_capability(dev) >= 80:
             parts = -(-npack // (_PIPE_TPB * _PIPE_NP))
             if parts <= min(_PIPE_MOST_PARTS, max(1, R.sm_count(dev) // _SPLIT_LAUNCHES)):
@@ -168,9 +170,7 @@ class _RowOp:
             smem = _PIPE_SLOTS * _PIPE_NP * _PIPE_TPB * 16
             groups = max(1, min(rows, R.resident_blocks(fn, dev, tpr, smem) // cs))
             nbytes = 16 + rows * cs * _PIPE_PART_BYTES
-            work = _rows.empty((nbytes,), np.uint8, kind, dev)
-            R._cp.cuda.runtime.memsetAsync(A.pointer_of(work, kind), 0, nbytes,
-                                           (stream or R._cp.cuda.get_current_stream()).ptr)
+            work = _workspace(nbytes, nbytes, kind, dev, stream)
             args = args[:8] + (np.int32(cs), np.int32(groups), float(eps), A.pointer_of(work, kind))
             R.launch_grid(fn, (groups * cs,), (tpr,), args, stream, smem)
             return
@@ -178,15 +178,24 @@ class _RowOp:
             # one block of tpr threads per (row, part); the workspace of
             # kernels/rows.cuh SplitGroup, its ticket and counts zeroed
             counts = 16 + 4 * (-(-rows // 4) * 4)
-            work = _rows.empty((counts + rows * cs * _PART_BYTES,), np.uint8, kind, dev)
-            R._cp.cuda.runtime.memsetAsync(A.pointer_of(work, kind), 0, counts,
-                                           (stream or R._cp.cuda.get_current_stream()).ptr)
+            work = _workspace(counts + rows * cs * _PART_BYTES, counts, kind, dev, stream)
             args = args[:8] + (np.int32(cs), float(eps), A.pointer_of(work, kind))
             block, grid = tpr, rows * cs
         else:
             block = max(tpr, 128) if cs == 1 else tpr
             grid = -(-rows // (block // tpr)) * cs
         R.launch_grid(fn, (grid,), (block,), args, stream)
+
+
+def _workspace(nbytes, zeroed, kind, dev, stream):
+    """A workspace of ``nbytes`` for one launch, its first ``zeroed`` bytes
+    zeroed on ``stream`` (None: CuPy's current). The caller holds it until the
+    launch is queued; its memory then returns to the pool, whose reuse the
+    stream orders."""
+    work = _rows.empty((nbytes,), np.uint8, kind, dev)
+    R._cp.cuda.runtime.memsetAsync(A.pointer_of(work, kind), 0, zeroed,
+                                   (stream or R._cp.cuda.get_current_stream()).ptr)
+    return work
 
 
 _F32 = (np.dtype(np.float32),)
