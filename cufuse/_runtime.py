@@ -292,11 +292,15 @@ _shared_allowed: dict[int, int] = {}
 
 
 def _allow_shared(fn, shared_mem: int) -> None:
-    """Opt ``fn`` in to ``shared_mem`` dynamic shared bytes where that is more
-    than the default (once per kernel and size)."""
-    if shared_mem > max(_SHARED_DEFAULT, _shared_allowed.get(fn.ptr, 0)):
+    """Opt ``fn`` in to ``shared_mem`` dynamic shared bytes where that and its
+    static shared memory pass the default 48 KiB (once per kernel and size):
+    a launch of exactly 48 KiB of dynamic shared memory by a kernel with any
+    static shared memory of its own fails without it."""
+    if shared_mem > _shared_allowed.get(fn.ptr, 0):
         from cupy_backends.cuda.api import driver
-        driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
+        static = driver.funcGetAttribute(driver.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES, fn.ptr)
+        if shared_mem + static > _SHARED_DEFAULT:
+            driver.funcSetAttribute(fn.ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared_mem)
         _shared_allowed[fn.ptr] = shared_mem
 
 

@@ -159,10 +159,10 @@ def test_norm_leading_shapes(backend, op, lead, n):
     assert got.shape == lead + (n,)
 
 
-# float32 rows of 20000 and 32768 are clusters of 4 blocks on sm_90, 65536
-# and 262144 persistent parts (norm_rows_pipe) for layer_norm and split rows
-# for rms_norm, 300000 split rows (cufuse/ops/norm.py plan); float16 rows of
-# 65536 and 131072 clusters of 4 and 8 (test_long_row_kernel_taken).
+# float32 rows of 20000 to 262144 are persistent parts (norm_rows_pipe) for
+# layer_norm, clusters of 4 blocks on sm_90 up to 32768 and persistent parts
+# beyond for rms_norm, 300000 split rows (cufuse/ops/norm.py plan); float16
+# rows of 65536 and 131072 clusters of 4 and 8 (test_long_row_kernel_taken).
 @norm_param
 @pytest.mark.parametrize("n", [20000, 32768, 65536, 262144, 300000])
 def test_norm_long_rows(backend, op, n):
@@ -171,22 +171,44 @@ def test_norm_long_rows(backend, op, n):
     normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb)
 
 
-@pytest.mark.parametrize("dtype, n, kernel", [
-    (F32, 20000, "norm_rows_cluster<LayerNorm<false>, float, 8, 4, false>"),
-    (F32, 32768, "norm_rows_cluster<LayerNorm<false>, float, 8, 4, false>"),
-    (F32, 65536, "norm_rows_pipe<LayerNorm<false>, float, 4, 3>"),
-    (F32, 65540, "norm_rows_pipe<LayerNorm<false>, float, 4, 3>"),
-    (F32, 65537, "norm_rows_split<LayerNorm<false>, float, 8, false>"),
-    (F16, 65536, "norm_rows_cluster<LayerNorm<false>, __half, 8, 4, true>"),
-    (F16, 131072, "norm_rows_cluster<LayerNorm<false>, __half, 8, 8, true>"),
-    (F16, 262144, "norm_rows_split<LayerNorm<false>, __half, 8, true>")], ids=str)
-def test_long_row_kernel_taken(backend, dtype, n, kernel, launches):
+FUNCTOR = {"layer_norm": "LayerNorm<false>", "layer_norm_relu": "LayerNorm<true>", "rms_norm": "RmsNorm",
+           "softmax": "Softmax<false>", "log_softmax": "Softmax<true>"}
+
+
+def pipe_kernel(op, dtype):
+    return f"norm_rows_pipe<{FUNCTOR[op]}, {'__half' if dtype == F16 else 'float'}, 4, 3>"
+
+
+@pytest.mark.parametrize("op, dtype, n, kernel", [
+    ("layer_norm", F32, 20000, pipe_kernel("layer_norm", F32)),
+    ("layer_norm", F32, 32768, pipe_kernel("layer_norm", F32)),
+    ("layer_norm", F32, 65536, pipe_kernel("layer_norm", F32)),
+    ("layer_norm", F32, 65540, pipe_kernel("layer_norm", F32)),
+    ("layer_norm", F32, 65537, "norm_rows_split<LayerNorm<false>, float, 8, false>"),
+    ("layer_norm", F16, 65536, "norm_rows_cluster<LayerNorm<false>, __half, 8, 4, true>"),
+    ("layer_norm", F16, 131072, "norm_rows_cluster<LayerNorm<false>, __half, 8, 8, true>"),
+    ("layer_norm", F16, 262144, "norm_rows_split<LayerNorm<false>, __half, 8, true>"),
+    ("rms_norm", F32, 20000, "norm_rows_cluster<RmsNorm, float, 8, 4, true>"),
+    ("rms_norm", F32, 32768, "norm_rows_cluster<RmsNorm, float, 8, 4, true>"),
+    ("rms_norm", F32, 32772, pipe_kernel("rms_norm", F32)),
+    ("rms_norm", F16, 65536, "norm_rows_cluster<RmsNorm, __half, 8, 4, true>"),
+    ("rms_norm", F16, 65544, pipe_kernel("rms_norm", F16)),
+    ("rms_norm", F16, 262144, pipe_kernel("rms_norm", F16)),
+    ("rms_norm", F32, 262145, "norm_rows_split<RmsNorm, float, 8, false>"),
+    ("softmax", F32, 65536, "norm_rows_split<Softmax<false>, float, 8, true>"),
+    ("softmax", F32, 65540, pipe_kernel("softmax", F32)),
+    ("softmax", F16, 131072, "norm_rows_cluster<Softmax<false>, __half, 8, 8, true>"),
+    ("softmax", F16, 131080, pipe_kernel("softmax", F16)),
+    ("log_softmax", F32, 262144, pipe_kernel("log_softmax", F32))], ids=str)
+def test_long_row_kernel_taken(backend, op, dtype, n, kernel, launches):
     """The plan's kernel (and cluster size) is the one that runs, so that the
-    long-row tests above cover clusters of 4 and 8, persistent parts and split
-    rows: on sm_90 float32 rows up to 32768 are clusters of 4, longer rows of
-    whole packs persistent parts (norm_rows_pipe), others split rows; float16
-    rows up to 131072 clusters. (The float32 layer_norm kernels at 8 packs
-    per thread are the general ones, float16's the whole ones: norm.py.)"""
+    long-row tests cover clusters of 4 and 8, persistent parts and split
+    rows: on sm_90 rows of whole packs longer than one group take persistent
+    parts (norm_rows_pipe) for float32 layer_norm, longer than a cluster of 4
+    for rms_norm, than a cluster of 8 (float16) or 65536 columns (float32)
+    for softmax; the rest clusters up to 32768 float32 / 131072 float16
+    columns, then split rows. (The float32 layer_norm kernels at 8 packs per
+    thread are the general ones, float16's the whole ones: norm.py.)"""
     if not backend.gpu:
         pytest.skip("GPU backends only")
     import cupy as cp
@@ -194,8 +216,11 @@ def test_long_row_kernel_taken(backend, dtype, n, kernel, launches):
         pytest.skip("clusters need sm_90")
     if "pipe" in kernel and int(cp.cuda.Device().compute_capability) < 80:
         pytest.skip("norm_rows_pipe needs sm_80 (cp.async)")
-    x = rand((2, n), dtype, 1425)
-    normalize(backend, "layer_norm", backend.asarray(x), x, n)
+    x = rand((2, n), dtype, 1425, 3.0 if op.endswith("softmax") else 1.0)
+    if op.endswith("softmax"):
+        soft(backend, op, backend.asarray(x), x)
+    else:
+        normalize(backend, op, backend.asarray(x), x, n)
     assert [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")] == [kernel], launches
 
 
@@ -219,25 +244,46 @@ def test_norm_wide_rows(backend, op, dtype, n):
     normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb)
 
 
-# Persistent parts (norm_rows_pipe: float32 layer_norm rows of whole,
-# aligned packs longer than a cluster): on an H200, 40 rows of 262144 are 32
+# Persistent parts (norm_rows_pipe: rows of whole, aligned packs, see
+# test_long_row_kernel_taken): on an H200, 40 rows of 262144 float32 are 32
 # parts in 8 groups, so that each block walks 5 rows through its 3
-# shared-memory slots; 70000 columns are 9 parts, the last shorter than the
-# others; one row of 65536 is one group of 8. Without weight, bias or both
-# (no held columns), outputs poisoned first; the kernel taken is checked.
+# shared-memory slots; 70000 float32 / 140000 float16 columns are 9 parts,
+# the last shorter than the others; one row of 65536 float32 is one group of
+# 8; 20000 float32 is 3 parts (layer_norm only). Without weight, bias or
+# both (no held columns), outputs poisoned first; the kernel taken is checked.
 @pytest.mark.parametrize("op", ["layer_norm", "layer_norm_relu"])
-@pytest.mark.parametrize("rows, n", [(40, 262144), (7, 70000), (1, 65536)], ids=str)
+@pytest.mark.parametrize("rows, n", [(40, 262144), (7, 70000), (1, 65536), (5, 20000)], ids=str)
 @pytest.mark.parametrize("which", ["none", "w", "b", "wb"])
 def test_norm_pipe_rows(backend, op, rows, n, which, launches):
     x = rand((rows, n), F32, 1470 + n, 2.0) + np.float32(3)
     w, b, nw, nb = affine(backend, op, which, (n,), F32, 1471)
     out = backend.asarray(np.full((rows, n), np.nan, F32))
     normalize(backend, op, backend.asarray(x), x, n, w, b, nw, nb, out=out)
+    check_pipe_taken(backend, launches, op, F32)
+
+
+def check_pipe_taken(backend, launches, op, dtype):
     if backend.gpu:
         import cupy as cp
         if int(cp.cuda.Device().compute_capability) >= 80:
             taken = [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")]
-            assert taken == [f"norm_rows_pipe<LayerNorm<{'true' if op.endswith('relu') else 'false'}>, float, 4, 3>"]
+            assert taken == [pipe_kernel(op, dtype)], taken
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "softmax", "log_softmax"])
+@pytest.mark.parametrize("dtype, rows, n", [(F32, 40, 262144), (F32, 7, 70000), (F16, 20, 262144),
+                                            (F16, 7, 140000)], ids=str)
+def test_pipe_rows_other_ops(backend, op, dtype, rows, n, launches):
+    if op == "rms_norm":
+        x = rand((rows, n), dtype, 1480 + n, 2.0) + dtype.type(3)
+        w = rand((n,), dtype, 1481)
+        out = backend.asarray(np.full((rows, n), np.nan, dtype))
+        normalize(backend, op, backend.asarray(x), x, n, backend.asarray(w), nw=w, out=out)
+    else:
+        x = rand((rows, n), dtype, 1482 + n, 3.0)
+        out = backend.asarray(np.full((rows, n), np.nan, dtype))
+        soft(backend, op, backend.asarray(x), x, out=out)
+    check_pipe_taken(backend, launches, op, dtype)
 
 
 # Rows split over blocks (cufuse/ops/norm.py plan: rows longer than one

@@ -371,3 +371,26 @@ def test_packs_per_thread_of_every_signature():
     waves = {(w, i.name) for (w, wide), op in Q._quant_ch.items() for (i, o), ow in op._one_wave.items() if ow}
     assert waves == {(Q.ACROSS, "float16"), (Q.ACROSS, "float32")}, waves
     assert not any(ow for op in ops if op not in Q._quant_ch.values() for ow in op._one_wave.values())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dynamic", [1024, 48 * 1024, 64 * 1024])
+def test_launch_grid_dynamic_shared_memory(dynamic):
+    """launch_grid opts a kernel in to dynamic shared memory beyond the 48 KiB
+    default counting its static shared memory: exactly 48 KiB dynamic plus
+    a static array failed to launch (CUDA_ERROR_INVALID_VALUE) before."""
+    import cupy as cp
+    src = r"""
+    extern "C" __global__ void fill(float* out, int n) {
+        __shared__ float fixed[64];
+        extern __shared__ float dyn[];
+        fixed[threadIdx.x % 64] = 1.0f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) dyn[i] = static_cast<float>(i);
+        __syncthreads();
+        for (int i = threadIdx.x; i < n; i += blockDim.x) out[i] = dyn[n - 1 - i] + fixed[i % 64];
+    }"""
+    fn = cp.RawModule(code=src).get_function("fill").kernel  # the cupy.cuda.Function, as _runtime launches
+    n = dynamic // 4
+    out = cp.full(n, cp.nan, dtype=cp.float32)
+    R.launch_grid(fn, (1,), (256,), (out, np.int32(n)), None, dynamic)
+    np.testing.assert_array_equal(cp.asnumpy(out), np.arange(n, dtype=np.float32)[::-1] + 1)

@@ -54,7 +54,7 @@ class _RowOp:
     def __init__(self, name, functor, narrow=False, pipe=()):
         self.name = name
         self.functor = functor
-        self.pipe = pipe  # dtypes whose long rows take norm_rows_pipe (see plan)
+        self.pipe = dict(pipe)  # dtype -> the fewest packs of a row that takes norm_rows_pipe (see plan)
         # layer_norm: float16 rows of misaligned packs keep 4 packs per thread
         # (see plan), and float32/float64 rows of >= 8 packs per thread the
         # kernel for any row (see launch)
@@ -74,7 +74,7 @@ class _RowOp:
                 self._register(dt, ("split", _SPLIT_NP) + tag,
                                R.name_expression("norm_rows_split", functor, ct, str(_SPLIT_NP), _cbool(whole)))
             self._register(dt, ("stream",), R.name_expression("norm_rows_stream", functor, ct))
-            if dt in pipe:
+            if dt in self.pipe:
                 self._register(dt, ("pipe", _PIPE_NP, _PIPE_SLOTS),
                                R.name_expression("norm_rows_pipe", functor, ct, str(_PIPE_NP), str(_PIPE_SLOTS)), 80)
 
@@ -91,7 +91,9 @@ class _RowOp:
         rows a cluster of up to 8 (float16; else 4) 256-thread blocks with 8
         packs each (sm_90); longer ones (or without clusters) blocks of 8 packs per thread that
         merge their statistics through global memory (norm_rows_split), up
-        to a quarter of the SMs per row; beyond that, the streaming kernel."""
+        to a quarter of the SMs per row; beyond that, the streaming kernel.
+        Before the clusters, rows of whole packs from self.pipe's length on
+        take persistent blocks (norm_rows_pipe, sm_80+), up to 32 parts."""
         v = 16 // dt.itemsize
         npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
         if npack <= _ONE_GROUP_PACKS:
@@ -101,6 +103,23 @@ class _RowOp:
             per_thread = 8 if npack >= 1024 and (dt.itemsize >= 4 or whole or not self.narrow) else 4
             tpr = min(max(_rows.pow2_at_least(-(-npack // per_thread)), 32), 512)
             return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
+        # Rows of whole packs of at least self.pipe[dt] packs: persistent blocks
+        # that keep w and b in registers and overlap the exchange between a
+        # row's parts with the next row (kernels/norm.cu norm_rows_pipe;
+        # cp.async: sm_80+). H200, % of copy, against the plan below (one run,
+        # scratch/probe2.py, session 24; bench/NOTES.md):
+        #   float32 layer_norm: 2048x32768 (cluster of 4) 67.6 -> 79.7, 1024x65536 (split) 65.1 -> 79.8,
+        #     256x262144 63.7 -> 76.0; rms_norm 83.0 -> 83.5, 81.8 -> 84.7, 79.7 -> 85.1;
+        #     softmax 81.5 -> 81.3, 82.6 -> 81.8, 512x131072 81.2 -> 82.4, 79.4 -> 81.4;
+        #   float16 rms_norm: 1024x65536 (cluster of 4) 76.6 -> 77.0, 512x131072 (cluster of 8)
+        #     74.9 -> 78.8, 256x262144 (split) 74.3 -> 79.9; softmax 77.3 -> 68.2, 75.6 -> 71.2,
+        #     68.4 -> 72.0; layer_norm 63.1 -> 60.8, 61.9 -> 59.9, 60.4 -> 59.4.
+        # log_softmax as softmax. Hence _PIPE_FROM.
+        least = self.pipe.get(dt)
+        if whole and least is not None and npack >= least and R.compute_capability(dev) >= 80:
+            parts = -(-npack // (_PIPE_TPB * _PIPE_NP))
+            if parts <= min(_PIPE_MOST_PARTS, max(1, R.sm_count(dev) // _SPLIT_LAUNCHES)):
+                return ("pipe", _PIPE_NP, _PIPE_SLOTS), _PIPE_TPB, parts
         # A cluster of 8 only for float16: 1024x65536 float32 (% of copy,
         # layer_norm / rms_norm / softmax, same run) cluster of 8 61.2 / 78.2 /
         # 75.9 -> split 256 x 8 in 8 parts 63.6 / 79.6 / 80.2. Not measured:
@@ -116,17 +135,6 @@ class _RowOp:
             for cs in _CLUSTERS:
                 if -(-npack // cs) <= 256 * 8 and (cs < 8 or dt.itemsize == 2):
                     return ("cluster", 8, cs), 256, cs
-        # Longer rows of whole packs of the dtypes in self.pipe: persistent blocks that
-        # keep w and b in registers and overlap the exchange between a row's
-        # parts with the next row (kernels/norm.cu norm_rows_pipe; cp.async:
-        # sm_80+). H200, layer_norm float32, % of copy (full bench): 1024x65536
-        # 64.3 -> 79.5, 256x262144 63.2 -> 74.5. float16 in it read 58-67
-        # against the cluster's 64, rms_norm and softmax below their plans
-        # (bench/NOTES.md, session 23): only float32 layer_norm takes it.
-        if whole and dt in self.pipe and R.compute_capability(dev) >= 80:
-            parts = -(-npack // (_PIPE_TPB * _PIPE_NP))
-            if parts <= min(_PIPE_MOST_PARTS, max(1, R.sm_count(dev) // _SPLIT_LAUNCHES)):
-                return ("pipe", _PIPE_NP, _PIPE_SLOTS), _PIPE_TPB, parts
         # Split rows (H200, % of copy, f32 / f16, layer_norm, rms_norm, softmax):
         # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
         # 53/74/76, 54/69/63; 64x1048576: streaming kernel 19/28/16 -> split 512 x 8
@@ -198,11 +206,21 @@ def _workspace(nbytes, zeroed, kind, dev, stream):
     return work
 
 
-_F32 = (np.dtype(np.float32),)
-_OPS = {name: _RowOp(name, functor, narrow, pipe) for name, functor, narrow, pipe in (
-    ("layer_norm", "LayerNorm<false>", True, _F32), ("layer_norm_relu", "LayerNorm<true>", True, _F32),
-    ("rms_norm", "RmsNorm", False, ()), ("softmax", "Softmax<false>", False, ()),
-    ("log_softmax", "Softmax<true>", False, ()))}
+# Rows that take norm_rows_pipe, per op and dtype: the fewest 16-byte packs
+# (see plan for the measurements). float32 layer_norm: every row longer than
+# one group; rms_norm: longer than a cluster of 4 (float16: 32768 columns;
+# float32 rows of a cluster of 4 read the same in both); softmax: longer than
+# the clusters (float16) or than 65536 columns (float32); float16
+# layer_norm: never.
+_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
+_PIPE_FROM = {"layer_norm": {_F32: _ONE_GROUP_PACKS + 1},
+              "rms_norm": {_F16: 4 * 2048 + 1, _F32: 4 * 2048 + 1},
+              "softmax": {_F16: 8 * 2048 + 1, _F32: 16384 + 1}}
+_PIPE_FROM["layer_norm_relu"], _PIPE_FROM["log_softmax"] = _PIPE_FROM["layer_norm"], _PIPE_FROM["softmax"]
+_OPS = {name: _RowOp(name, functor, narrow, _PIPE_FROM[name]) for name, functor, narrow in (
+    ("layer_norm", "LayerNorm<false>", True), ("layer_norm_relu", "LayerNorm<true>", True),
+    ("rms_norm", "RmsNorm", False), ("softmax", "Softmax<false>", False),
+    ("log_softmax", "Softmax<true>", False))}
 
 
 # --------------------------------------------------------------- validation
