@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import cufuse
+from summary_format import DT_SHORT, markdown_table as _table, size_label, target_lines
 
 # Filled by the tests, read by pytest_terminal_summary.
 BANDWIDTH: list[dict] = []   # one dict per bandwidth benchmark that ran
@@ -24,14 +25,6 @@ TARGETS: list[dict] = []     # issue targets on bandwidth rows, judged in the su
 _BENCH: dict = {}            # the one GpuBench of the session, once created
 
 COPY_BYTES = 1 << 30         # 1 GiB source + 1 GiB destination for the copy reference
-
-
-def size_label(n: int) -> str:
-    if n % 1_000_000 == 0:
-        return f"{n // 1_000_000}M"
-    if n % 1_000 == 0:
-        return f"{n // 1_000}K"
-    return str(n)
 
 
 class GpuBench:
@@ -268,21 +261,6 @@ def gpu():
 
 # ---------------------------------------------------------------- summary
 PEERS = ("cupy-chain", "cupy.fuse", "torch-eager", "torch.compile")
-DT_SHORT = {"float32": "f32", "float16": "f16"}
-
-
-def _table(header, rows, align):
-    """A Markdown table with padded columns (readable in a terminal too)."""
-    cells = [list(header)] + [[str(c) for c in r] for r in rows]
-    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
-
-    def line(r):
-        return "| " + " | ".join(c.rjust(w[i]) if align[i] == "r" else c.ljust(w[i])
-                                 for i, c in enumerate(r)) + " |"
-
-    sep = "|" + "|".join(("-" * (w[i] + 1) + ":") if align[i] == "r" else ("-" * (w[i] + 2))
-                         for i in range(len(header))) + "|"
-    return [line(cells[0]), sep] + [line(r) for r in cells[1:]]
 
 
 def _us(x):
@@ -290,42 +268,8 @@ def _us(x):
 
 
 def _target_lines() -> list[str]:
-    """The TARGETS table: each entry names a bandwidth row (op, dtype, n) and
-    its minimums (``min_pct`` of copy, ``min_vs_compile``/``min_vs_eager``:
-    peer µs / cufuse µs, None for no target), judged against the rows that ran."""
-    if not TARGETS:
-        return []
-    rows, tally = [], {"met": 0, "MISSED": 0, "not run": 0}
-
-    def judge(value, minimum, text, unit):
-        if value is None:
-            if minimum is None:
-                return "-"
-            tally["not run"] += 1
-            return f"{text}: not run"
-        shown = f"{value:.1f}%" if unit == "%" else f"{value:.2f}x"
-        if minimum is None:
-            return shown
-        ok = value >= minimum
-        tally["met" if ok else "MISSED"] += 1
-        return f"{text}: {shown} {'met' if ok else 'MISSED'}"
-
-    for t in TARGETS:
-        impls = {r["impl"]: r for r in BANDWIDTH if (r["op"], r["dtype"], r["n"]) == (t["op"], t["dtype"], t["n"])}
-        cf = impls.get("cufuse")
-        pct = cf["pct_of_copy"] if cf else None
-        ratio = {p: (impls[p]["gpu_us"] / cf["gpu_us"]) if cf and p in impls else None
-                 for p in ("torch.compile", "torch-eager")}
-        mp, mc, me = t.get("min_pct"), t.get("min_vs_compile"), t.get("min_vs_eager")
-        rows.append([t["op"], size_label(t["n"]), DT_SHORT.get(t["dtype"], t["dtype"]),
-                     judge(pct, mp, f">= {mp:g}%" if mp is not None else "", "%"),
-                     judge(ratio["torch.compile"], mc, f">= {mc:g}x" if mc is not None else "", "x"),
-                     judge(ratio["torch-eager"], me, f">= {me:g}x" if me is not None else "", "x")])
-    out = ["", "Targets of the issue (reported, not enforced). Ratios: peer µs / cufuse µs (>1 = cufuse faster);",
-           "a cell without a minimum is shown for information. "
-           + ", ".join(f"{v} {k}" for k, v in tally.items() if v) + "."]
-    out += _table(["op", "n", "dtype", "% copy", "vs torch.compile", "vs torch eager"], rows, "lllrrr")
-    return out
+    """The TARGETS table, judged against the rows that ran (summary_format.target_lines)."""
+    return target_lines(TARGETS, BANDWIDTH)
 
 
 def summary_lines(full=False) -> list[str]:

@@ -10,7 +10,7 @@
 
 SUMMARY defaults to bench/results/cufuse-summary.json, FUSE_SUMMARY to
 bench/results/cufuse-fuse-summary.json (the files ``python -m cufuse.bench`` saves under .benchmarks/).
-The formatting helpers mirror bench/conftest.py's (which needs numpy, pytest and cufuse to import).
+The formatting is bench/summary_format.py's, which bench/conftest.py prints with at the end of a run.
 """
 from __future__ import annotations
 
@@ -19,36 +19,14 @@ import json
 import re
 from pathlib import Path
 
+from summary_format import DT_SHORT, by_impl, size_label, target_lines  # bench/, the script's folder
+
 ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = ROOT / "bench/results/cufuse-summary.json"
 FUSE_SUMMARY = ROOT / "bench/results/cufuse-fuse-summary.json"
-DT_SHORT = {"float32": "f32", "float16": "f16"}   # conftest.DT_SHORT; dequantize rows say "i8->f32"
 PEERS = {"cupy chain": "cupy-chain", "cupy.fuse": "cupy.fuse", "torch eager": "torch-eager",
          "torch.compile": "torch.compile"}      # RESULTS.md column -> row impl
 LARGEST_SHAPE = "8192x4096"                     # the norms' and softmax's row of RESULTS.md
-
-
-def size_label(n: int) -> str:
-    """conftest.size_label: 50M, 100K or the count."""
-    if n % 1_000_000 == 0:
-        return f"{n // 1_000_000}M"
-    if n % 1_000 == 0:
-        return f"{n // 1_000}K"
-    return str(n)
-
-
-def padded_table(header, rows, align):
-    """conftest._table: a Markdown table with padded columns ("r": right-aligned)."""
-    cells = [list(header)] + [[str(c) for c in r] for r in rows]
-    w = [max(len(r[i]) for r in cells) for i in range(len(header))]
-
-    def line(r):
-        return "| " + " | ".join(c.rjust(w[i]) if align[i] == "r" else c.ljust(w[i])
-                                 for i, c in enumerate(r)) + " |"
-
-    sep = "|" + "|".join(("-" * (w[i] + 1) + ":") if align[i] == "r" else ("-" * (w[i] + 2))
-                         for i in range(len(header))) + "|"
-    return [line(cells[0]), sep] + [line(r) for r in cells[1:]]
 
 
 def shown(path: Path) -> str:
@@ -57,47 +35,6 @@ def shown(path: Path) -> str:
         return path.resolve().relative_to(ROOT).as_posix()
     except ValueError:
         return str(path)
-
-
-def by_impl(bandwidth, op, dtype, n) -> dict:
-    """The rows of one (op, dtype, n), keyed by impl."""
-    return {r["impl"]: r for r in bandwidth if (r["op"], r["dtype"], r["n"]) == (op, dtype, n)}
-
-
-def target_lines(targets, bandwidth) -> list[str]:
-    """conftest._target_lines on saved rows: each target's minimums (min_pct of copy, min_vs_compile /
-    min_vs_eager: peer µs / cufuse µs; None: shown for information) judged against its rows."""
-    if not targets:
-        return []
-    rows, tally = [], {"met": 0, "MISSED": 0, "not run": 0}
-
-    def judge(value, minimum, unit):
-        text = "" if minimum is None else f">= {minimum:g}{unit}"
-        if value is None:
-            if minimum is None:
-                return "-"
-            tally["not run"] += 1
-            return f"{text}: not run"
-        value_text = f"{value:.1f}%" if unit == "%" else f"{value:.2f}x"
-        if minimum is None:
-            return value_text
-        verdict = "met" if value >= minimum else "MISSED"
-        tally[verdict] += 1
-        return f"{text}: {value_text} {verdict}"
-
-    for t in targets:
-        impls = by_impl(bandwidth, t["op"], t["dtype"], t["n"])
-        cf = impls.get("cufuse")
-        ratio = {p: impls[p]["gpu_us"] / cf["gpu_us"] if cf and p in impls else None
-                 for p in ("torch.compile", "torch-eager")}
-        rows.append([t["op"], size_label(t["n"]), DT_SHORT.get(t["dtype"], t["dtype"]),
-                     judge(cf["pct_of_copy"] if cf else None, t.get("min_pct"), "%"),
-                     judge(ratio["torch.compile"], t.get("min_vs_compile"), "x"),
-                     judge(ratio["torch-eager"], t.get("min_vs_eager"), "x")])
-    out = ["", "Targets of the issue (reported, not enforced). Ratios: peer µs / cufuse µs (>1 = cufuse faster);",
-           "a cell without a minimum is shown for information. "
-           + ", ".join(f"{v} {k}" for k, v in tally.items() if v) + "."]
-    return out + padded_table(["op", "n", "dtype", "% copy", "vs torch.compile", "vs torch eager"], rows, "lllrrr")
 
 
 def fuse_target_line(t: dict) -> str:
