@@ -26,6 +26,7 @@ from . import _rows
 
 FAMILY = "norm"
 _NPS = (1, 2, 4, 8)           # packs (16 bytes) per thread of norm_rows instantiations
+_CLUSTER_BLOCK_PACKS = 256 * 8  # packs a block of norm_rows_cluster holds (256 threads x 8)
 # blocks per row of norm_rows_cluster (sm_90, 8 packs per thread); 8 is the
 # portable maximum. No 2: rows of up to _ONE_GROUP_PACKS take one group, and
 # two 256 x 8 blocks hold no more, so plan() never picked it.
@@ -133,7 +134,7 @@ class _RowOp:
         # 82.4 / 81.8 against a cluster of 8 64.0 / 80.8 / 78.2.
         if R.compute_capability(dev) >= 90:
             for cs in _CLUSTERS:
-                if -(-npack // cs) <= 256 * 8 and (cs < 8 or dt.itemsize == 2):
+                if -(-npack // cs) <= _CLUSTER_BLOCK_PACKS and (cs < 8 or dt.itemsize == 2):
                     return ("cluster", 8, cs), 256, cs
         # Split rows (H200, % of copy, f32 / f16, layer_norm, rms_norm, softmax):
         # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
@@ -208,14 +209,14 @@ def _workspace(nbytes, zeroed, kind, dev, stream):
 
 # Rows that take norm_rows_pipe, per op and dtype: the fewest 16-byte packs
 # (see plan for the measurements). float32 layer_norm: every row longer than
-# one group; rms_norm: longer than a cluster of 4 (float16: 32768 columns;
-# float32 rows of a cluster of 4 read the same in both); softmax: longer than
-# the clusters (float16) or than 65536 columns (float32); float16
-# layer_norm: never.
+# one group; rms_norm: longer than a cluster of 4 (32768 float32 / 65536
+# float16 columns; float32 rows of a cluster of 4 read the same either way);
+# softmax: longer than a cluster of 8 (131072 float16 columns) or than 65536
+# float32 columns; float16 layer_norm: never.
 _F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
 _PIPE_FROM = {"layer_norm": {_F32: _ONE_GROUP_PACKS + 1},
-              "rms_norm": {_F16: 4 * 2048 + 1, _F32: 4 * 2048 + 1},
-              "softmax": {_F16: 8 * 2048 + 1, _F32: 16384 + 1}}
+              "rms_norm": {_F16: 4 * _CLUSTER_BLOCK_PACKS + 1, _F32: 4 * _CLUSTER_BLOCK_PACKS + 1},
+              "softmax": {_F16: 8 * _CLUSTER_BLOCK_PACKS + 1, _F32: 65536 // 4 + 1}}
 _PIPE_FROM["layer_norm_relu"], _PIPE_FROM["log_softmax"] = _PIPE_FROM["layer_norm"], _PIPE_FROM["softmax"]
 _OPS = {name: _RowOp(name, functor, narrow, _PIPE_FROM[name]) for name, functor, narrow in (
     ("layer_norm", "LayerNorm<false>", True), ("layer_norm_relu", "LayerNorm<true>", True),
