@@ -11,25 +11,31 @@
 // [1/32, 31/32], where p's resolution of 2**-16 stays within half an ulp of
 // float16 in the keep rate; 32 (4 per call) otherwise. float16 is bound by
 // the generator's arithmetic, not by memory (H200, 50M, % of copy, 32 -> 16
-// bits: 52.7 -> 63.0; bench/NOTES.md).
+// bits: 52.7 -> 63.0; bench/NOTES.md). The seed's round keys are built once
+// per thread (common.cuh: PhiloxKeys) and lanes compared in 32 bits: same
+// run, erf / tanh, float16 68.3 / 81.1 -> 74.4-74.9 / 89.7-90.3, float32
+// 93.5 / 96.8 -> 96.6 / 97.4 (scratch probe, session 24).
 template <bool Tanh, typename T, int Bits> struct GeluDropout {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;  // one Philox call serves 4 or 8 consecutive elements
     static constexpr int kLanes = 128 / Bits;  // elements per Philox call
-    unsigned long long seed, threshold;
+    unsigned lane_threshold;  // floor(p * 2**Bits): a 32-bit compare per element, not a 64-bit one
     double scale;
+    cufuse::PhiloxKeys keys;  // the seed's schedule, built once per thread
+    __device__ __forceinline__ GeluDropout(unsigned long long seed_, unsigned long long threshold, double scale_)
+        : lane_threshold(static_cast<unsigned>(threshold >> (32 - Bits))), scale(scale_), keys(seed_) {}
     template <typename C> __device__ __forceinline__ C keep(C x, unsigned w) const {
         const C g = Tanh ? cufuse::math::gelu_tanh(x) : cufuse::math::gelu_erf_to<T>(x);
-        return w >= (threshold >> (32 - Bits)) ? g * static_cast<C>(scale) : C(0);  // floor(p * 2**Bits)
+        return w >= lane_threshold ? g * static_cast<C>(scale) : C(0);
     }
     template <typename C> __device__ __forceinline__ C operator()(long long i, C x) const {
-        return keep(x, cufuse::philox_lane<Bits>(seed, i));
+        return keep(x, cufuse::philox_lane<Bits>(keys, i));
     }
     template <int V, typename C> __device__ __forceinline__ void pack(long long i0, const C (&x)[V], C (&y)[V]) const {
         if constexpr (V % kLanes == 0) {  // i0 is a multiple of V, so of kLanes: whole Philox blocks
 #pragma unroll
             for (int g = 0; g < V / kLanes; ++g) {
-                const uint4 r = cufuse::philox_block(seed, static_cast<unsigned long long>(i0) / kLanes + g);
+                const uint4 r = cufuse::philox_block(keys, static_cast<unsigned long long>(i0) / kLanes + g);
 #pragma unroll
                 for (int j = 0; j < kLanes; ++j) y[kLanes * g + j] = keep(x[kLanes * g + j], cufuse::lane_of<Bits>(r, j));
             }
