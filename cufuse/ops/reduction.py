@@ -170,9 +170,6 @@ _BLOCK_THREAD_PACKS = 4
 _BLOCK_MIN_PACKS = 512
 _BLOCK_PACKS = 4096
 _BLOCK_WAVES = 16
-# Aligned rows of whole packs take reduce_rows_block<..., true>, which skips
-# the head and tail pack logic (kernels/reduction.cu, with the measurement).
-_ROW_WHOLE = True
 
 
 def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, dev, stream):
@@ -188,7 +185,9 @@ def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, d
         per = -(-npack // min(splits, 65535))
         splits = -(-npack // per)
         nt = min(max(_rows.pow2_at_least(-(-per // _BLOCK_THREAD_PACKS)), 32), _ROW_BLOCK)
-        whole = _ROW_WHOLE and aligned and cols % v == 0
+        # aligned rows of whole packs: reduce_rows_block<..., true>, without the
+        # head and tail pack logic (kernels/reduction.cu, with the measurement)
+        whole = aligned and cols % v == 0
         fn, grid, block = fns[2 if whole else 1], (rows, splits), (nt,)
 
         def args(out, partial, s):
