@@ -118,34 +118,44 @@ template <typename... R> __device__ __forceinline__ float horner(float u, float 
 // (a slowly varying function of t in (0, 1]) a polynomial of degree D fitted
 // minimax to the log2 of Q over a in [0, 14], with float32 coefficients
 // (kernels/fit_normal_tail.py makes them). Fit error, relative, of Q:
-// D = 8 1.4e-7, D = 5 6.6e-6. rcp.approx and ex2.approx add about 3e-7, and
-// the float rounding of a**2 log2(e) / 2 and of the ex2 argument up to about
-// 6e-8 a**2 (emulated in float32: 1.8e-6 near a = 6, 7e-6 near a = 12.5);
-// results below 2**-126 (a > 12.95) are flushed to 0. Branch-free: ~D + 8 instructions, two
-// of them MUFU (rcp, ex2), where erff takes two branches of ~10 each.
-template <int D> __device__ __forceinline__ float normal_tail(float a) {
-    static_assert(D == 8 || D == 5, "normal_tail: degree 8 or 5");
+// D = 8 1.4e-7, D = 5 6.6e-6, D = 4 5.2e-5. rcp.approx and ex2.approx add
+// about 3e-7, and the float rounding of a**2 log2(e) / 2 and of the ex2
+// argument up to about 6e-8 a**2 (emulated in float32: 1.8e-6 near a = 6,
+// 7e-6 near a = 12.5); results below 2**-126 (a > 12.95) are flushed to 0.
+// Branch-free: ~D + 8 instructions, two of them MUFU (rcp, ex2), where erff
+// takes two branches of ~10 each. `lift`: the result is Q(a) 2**lift, the
+// factor folded into the polynomial's constant term (gelu_dropout's 1 / (1 - p)
+// at no cost per element: lift is the same for every element, so c0 + lift
+// is computed once).
+template <int D> __device__ __forceinline__ float normal_tail(float a, float lift = 0.0f) {
+    static_assert(D == 8 || D == 5 || D == 4, "normal_tail: degree 8, 5 or 4");
     float t, p, r;
     if constexpr (D == 8) {
         asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(fmaf(0.27f, a, 1.0f)));
-        p = horner(t - 0.5057531595230103f, -2.29242205619812f, 2.260309934616089f, 0.9106353521347046f,
+        p = horner(t - 0.5057531595230103f, -2.29242205619812f + lift, 2.260309934616089f, 0.9106353521347046f,
                    -0.11500176042318344f, -0.5691651701927185f, -0.2045794576406479f, 0.4083656668663025f,
                    0.27747005224227905f, -0.35070735216140747f);
-    } else {
+    } else if constexpr (D == 5) {
         asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(fmaf(0.35f, a, 1.0f)));
-        p = horner(t - 0.27330508828163147f, -2.40374493598938f, 1.7527390718460083f, 0.5501716732978821f,
+        p = horner(t - 0.27330508828163147f, -2.40374493598938f + lift, 1.7527390718460083f, 0.5501716732978821f,
                    -0.1616365611553192f, -0.5951096415519714f, 0.3330754339694977f);
+    } else {
+        asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(t) : "f"(fmaf(0.505f, a, 1.0f)));
+        p = horner(t - 0.2334262728691101f, -1.9602017402648926f + lift, 1.5409042835235596f,
+                   0.008249454200267792f, -0.7940917015075684f, 0.3820395767688751f);
     }
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(fmaf(-0.7213475204444817f * a, a, p)));
     return t * r;
 }
 
-// v Phi(v) in float, with Phi = Q(-v) for v < 0 and 1 - Q(v) otherwise and Q
-// from normal_tail<D>: no cancellation in the left tail. +-inf and NaN as the
-// erf form gives them (inf, NaN = -inf * 0, NaN).
-template <int D> __device__ __forceinline__ float gelu_normal(float v) {
-    const float q = normal_tail<D>(fabsf(v));
-    return v * (v < 0.0f ? q : 1.0f - q);
+// s v Phi(v) in float, with Phi = Q(-v) for v < 0 and 1 - Q(v) otherwise and
+// Q from normal_tail<D>: no cancellation in the left tail. s = 2**lift (1 for
+// GELU itself): v (s - s Q) and v s Q, where s Q comes from normal_tail, so
+// that a scale costs no multiply. +-inf and NaN as the erf form gives them
+// (inf, NaN = -inf * 0, NaN).
+template <int D> __device__ __forceinline__ float gelu_normal(float v, float s = 1.0f, float lift = 0.0f) {
+    const float q = normal_tail<D>(fabsf(v), lift);
+    return v * (v < 0.0f ? q : s - q);
 }
 
 // float (also float16's compute type): measured against float64 on an H200,
@@ -164,6 +174,18 @@ __device__ __forceinline__ float gelu_erf(float v) { return gelu_normal<8>(v); }
 template <typename T, typename C> __device__ __forceinline__ C gelu_erf_to(C v) {
     if constexpr (is_half<T>::value) return gelu_normal<5>(v);
     else return gelu_erf(v);
+}
+// s gelu(v) for a result stored as T, lift = log2(s): the scale folded into
+// the tail (float compute: see gelu_normal); double multiplies. float16 takes
+// the degree-4 tail here, one FMA less per element where arithmetic bounds
+// the op (gelu_dropout): 5.2e-5 relative, a fifth of float16's half ulp, so
+// every finite float16 input is still within one ulp of the correctly rounded
+// value (2687 of 63488 one ulp off, unscaled; tests/test_dropout.py checks it
+// scaled). bias_gelu, bound by memory, keeps degree 5 (as fast there: 91.3%
+// of copy either way, 50M float16).
+template <typename T, typename C> __device__ __forceinline__ C gelu_erf_scaled_to(C v, C s, float lift) {
+    if constexpr (same_type<C, float>::value) return gelu_normal<is_half<T>::value ? 4 : 8>(v, s, lift);
+    else return gelu_erf_to<T>(v) * s;
 }
 
 // x / s for quantize_int8, with inv = 1 / s, rounded to nearest as a true
@@ -405,6 +427,17 @@ template <int Bits> __device__ __forceinline__ unsigned lane_of(const uint4& r, 
     const int w = Bits == 32 ? j : j >> 1;
     const unsigned word = w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
     return Bits == 32 ? word : (word >> (16 * (j & 1))) & 0xFFFFu;
+}
+// Whether lane j of a block is >= thr (thr < 2**Bits). A high 16-bit lane is
+// compared in place, word >= thr << 16, without the shift that lane_of takes.
+template <int Bits> __device__ __forceinline__ bool lane_at_least(const uint4& r, int j, unsigned thr) {
+    if constexpr (Bits == 16) {
+        if (j & 1) {
+            const int w = j >> 1;
+            return (w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w))) >= (thr << 16);
+        }
+    }
+    return lane_of<Bits>(r, j) >= thr;
 }
 // Element i's lane: lane i % L of the block at counter i / L, L = 128 / Bits
 // (the NumPy fallback: cufuse/_random.py philox_lanes).

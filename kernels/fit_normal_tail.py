@@ -1,6 +1,6 @@
 """How the coefficients of ``normal_tail<D>`` in kernels/common.cuh were made.
 
-Not part of the package; needs SciPy. Run: ``python3 kernels/fit_normal_tail.py 8 5``.
+Not part of the package; needs SciPy. Run: ``python3 kernels/fit_normal_tail.py 8 5 4``.
 
 The upper tail of the standard normal, Q(a) = erfc(a / sqrt 2) / 2 for a >= 0,
 is written as t * 2**(p(t - tc) - a**2 log2(e) / 2) with t = 1 / (1 + k a).
@@ -71,7 +71,7 @@ def search(d):
 
 
 if __name__ == "__main__":
-    for d in [int(a) for a in sys.argv[1:]] or [8, 5]:
+    for d in [int(a) for a in sys.argv[1:]] or [8, 5, 4]:
         k, tc = search(d)
         c, err = fit(d, k, tc, 3000, rounded=True)
         print(f"D = {d}: k = {k!r}f, tc = {tc!r}f, relative error of Q {err * np.log(2):.2g}")
