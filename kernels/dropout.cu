@@ -24,15 +24,19 @@ template <bool Tanh, typename T, int Bits> struct GeluDropout {
     static constexpr bool packed = true;  // one Philox call serves 4 or 8 consecutive elements
     static constexpr int kLanes = 128 / Bits;  // elements per Philox call
     unsigned lane_threshold;  // floor(p * 2**Bits): a 32-bit compare per element, not a 64-bit one
-    double scale;
-    float lift;               // log2 of float(scale) (host: cufuse/ops/elementwise.py), folded into the erf tail
+    double scale;             // 1 / (1 - p), for double results
+    float scale_f, lift;      // float(scale) and its log2 (host: cufuse/ops/elementwise.py), for float compute:
+                              // the erf form folds the scale into its tail (common.cuh: gelu_normal)
     cufuse::PhiloxKeys keys;  // the seed's schedule, built once per thread
     __device__ __forceinline__ GeluDropout(unsigned long long seed_, unsigned long long threshold, double scale_,
-                                           float lift_)
-        : lane_threshold(static_cast<unsigned>(threshold >> (32 - Bits))), scale(scale_), lift(lift_), keys(seed_) {}
+                                           float scale_f_, float lift_)
+        : lane_threshold(static_cast<unsigned>(threshold >> (32 - Bits))), scale(scale_), scale_f(scale_f_),
+          lift(lift_), keys(seed_) {}
+    __device__ __forceinline__ float scale_as(float) const { return scale_f; }
+    __device__ __forceinline__ double scale_as(double) const { return scale; }
     template <typename C> __device__ __forceinline__ C keep(C x, bool kept) const {
         using namespace cufuse::math;
-        const C s = static_cast<C>(scale);
+        const C s = scale_as(C(0));
         const C g = Tanh ? gelu_tanh(x) * s : gelu_erf_scaled_to<T>(x, s, lift);
         return kept ? g : C(0);
     }

@@ -630,7 +630,8 @@ _dropout_ops = {  # (tanh, lanes16): float32/float64 results take 32-bit lanes e
     (t, l16): ElementwiseOp(
         "gelu_dropout",
         lambda i, o, t=t, l16=l16: f"GeluDropout<{'true' if t else 'false'}, {R.CTYPES[o]}, {_mask_bits(o, l16)}>",
-        1, _dropout_numpy, params=("unsigned long long", "unsigned long long", "double", "float"), indexed=True,
+        1, _dropout_numpy, params=("unsigned long long", "unsigned long long", "double", "float", "float"),
+        indexed=True,
         family="dropout", np_dtype=True, packs_per_thread=lambda i, o: 1 if o == _F64 else 4)
     for t in (False, True) for l16 in (False, True)
 }
@@ -675,13 +676,14 @@ def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, o
     # compare with threshold >> 16 = floor(p * 2**16)
     threshold = int(p * 4294967296.0)
     scale = 1.0 / (1.0 - p)
-    # log2 of the kernel's float scale, which the float kernels fold into the
-    # erf tail's exponent (kernels/common.cuh: gelu_normal); once here rather
-    # than a log2f in every thread
-    lift = np.float32(np.log2(float(np.float32(scale))))
+    # the float kernels' scale and its log2, which they fold into the erf
+    # tail's exponent (kernels/common.cuh: gelu_normal): once here rather than
+    # a conversion and a log2f in every thread
+    scale_f = np.float32(scale)
+    lift = np.float32(np.log2(float(scale_f)))
     lanes16 = _LANE16_P[0] <= p <= _LANE16_P[1]
     return _dropout_ops[tanh, lanes16]._general(
-        (x,), out, params=(np.uint64(seed), np.uint64(threshold), scale, lift),
+        (x,), out, params=(np.uint64(seed), np.uint64(threshold), scale, scale_f, lift),
         np_params={"approximate": approximate, "seed": seed, "threshold": threshold, "scale": scale,
                    "lanes16": lanes16})
 
