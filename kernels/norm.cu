@@ -135,15 +135,16 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     template <typename S> __device__ __forceinline__ S combine(const S& v) const { return g.combine(v); }
 
     // V values of a per-column array `a` (weight, bias) for the pack at e0:
-    // one 16-byte load (read-only path with NC) when the pack is whole and
-    // aligned in `a`, else per element; `dflt` everywhere when a is null.
-    template <bool NC> __device__ __forceinline__ void columns(const T* a, I e0, C (&o)[V], C dflt) const {
+    // one 16-byte load when the pack is whole and aligned in `a`, else per
+    // element; `dflt` everywhere when a is null.
+    __device__ __forceinline__ void columns(const T* a, I e0, C (&o)[V], C dflt) const {
         if (!a) {
 #pragma unroll
             for (int i = 0; i < V; ++i) o[i] = dflt;
         } else if (Whole || (e0 >= 0 && e0 + V <= cols && (reinterpret_cast<unsigned long long>(a + e0) & 15) == 0)) {
             const P* p = reinterpret_cast<const P*>(a + e0);
-            unpack(NC ? load_hinted<Hint::readonly>(p) : *p, o);
+            const P v = *p;  // one 16-byte load (unpack(*p, o) read it as V scalar loads)
+            unpack(v, o);
         } else {
 #pragma unroll
             for (int i = 0; i < V; ++i) o[i] = (e0 + i >= 0 && e0 + i < cols) ? to_compute<C>(a[e0 + i]) : dflt;
@@ -169,12 +170,14 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
 
     // y[e] = f(value, w[e], b[e]) for every element (w, b may be null: 1 and
     // 0); full packs are stored whole when the output row has the input
-    // row's alignment. NC: w and b loaded through the read-only path
-    // (ld.global.nc), which the compiler may issue ahead of the stores of y.
-    // H200, % of copy, layer_norm with weight and bias: 4096x16384 float32
-    // 80.5 -> 91.5, float16 84.8 -> 86.4; 256x262144 float16 53.9 -> 57.0.
-    // rms_norm (weight only) does without: 256x262144 float32 74.4 -> 65.2 with it.
-    template <bool NC = false, typename F> __device__ __forceinline__ void store(T* y, F f, const T* w, const T* b) {
+    // row's alignment. w and b are plain loads: layer_norm loaded them
+    // through the read-only path (ld.global.nc) from session 13, when that
+    // took 4096x16384 float32 from 80.5 to 91.5% of copy; in today's kernels
+    // it costs (H200, same runs, with -> without): float16 1024x65536 63.8-64.2
+    // -> 65.1-65.2, 256x262144 60.5 -> 62.6; float32 4096x16384 92.9-93.1 ->
+    // 93.5-93.8, the other shapes within noise (bench/NOTES.md, session 25).
+    // rms_norm never took it (256x262144 float32 74.4 -> 65.2 with it, then).
+    template <typename F> __device__ __forceinline__ void store(T* y, F f, const T* w, const T* b) {
         const int yhead = Whole ? 0 : row_head(y);
         auto one = [&](int j, I k, C (&t)[V]) {
             const I e0 = k * V - head;
@@ -183,8 +186,8 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
                 held_column(w, columns_held.w[j], wv, C(1));
                 held_column(b, columns_held.b[j], bv, C(0));
             } else {
-                columns<NC>(w, e0, wv, C(1));
-                columns<NC>(b, e0, bv, C(0));
+                columns(w, e0, wv, C(1));
+                columns(b, e0, bv, C(0));
             }
             if (Whole || (yhead == head && e0 >= 0 && e0 + V <= cols)) {
                 P p;
@@ -290,7 +293,7 @@ template <bool Relu> struct LayerNorm {
         using C = typename View::C;
         const C mean = m.mean;
         const C rstd = C(1) / cufuse::math::sqrt(m.m2 / m.n + static_cast<C>(eps));
-        r.template store<true>(y, [&](C t, C wv, C bv) {
+        r.store(y, [&](C t, C wv, C bv) {
             const C o = (t - mean) * rstd * wv + bv;
             return Relu ? cufuse::math::relu(o) : o;
         }, w, b);
