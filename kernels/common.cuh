@@ -423,19 +423,18 @@ __device__ __forceinline__ uint4 philox_block(const PhiloxKeys& ks, unsigned lon
 }
 // Lane j of a block of `Bits`-bit lanes: Bits 32, word j; Bits 16, the low
 // (j even) or high (j odd) half of word j / 2.
+__device__ __forceinline__ unsigned word_of(const uint4& r, int w) {
+    return w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
+}
 template <int Bits> __device__ __forceinline__ unsigned lane_of(const uint4& r, int j) {
-    const int w = Bits == 32 ? j : j >> 1;
-    const unsigned word = w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
+    const unsigned word = word_of(r, Bits == 32 ? j : j >> 1);
     return Bits == 32 ? word : (word >> (16 * (j & 1))) & 0xFFFFu;
 }
 // Whether lane j of a block is >= thr (thr < 2**Bits). A high 16-bit lane is
 // compared in place, word >= thr << 16, without the shift that lane_of takes.
 template <int Bits> __device__ __forceinline__ bool lane_at_least(const uint4& r, int j, unsigned thr) {
     if constexpr (Bits == 16) {
-        if (j & 1) {
-            const int w = j >> 1;
-            return (w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w))) >= (thr << 16);
-        }
+        if (j & 1) return word_of(r, j >> 1) >= (thr << 16);
     }
     return lane_of<Bits>(r, j) >= thr;
 }

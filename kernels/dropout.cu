@@ -18,7 +18,8 @@
 // takes 1 / (1 - p) in its tail's exponent (common.cuh: gelu_normal, `lift`
 // from the host) rather than a multiply, float16 the degree-4 tail, and a
 // high 16-bit lane is compared without a shift: 213 -> 194 instructions per
-// 8 float16 elements, 74.2 -> 76.0% of copy (same runs; bench/NOTES.md).
+// 8 float16 elements, and with the scale and its log2 from the host (not
+// a log2f per thread) 74.7 -> 78.0% of copy (same runs; bench/NOTES.md).
 template <bool Tanh, typename T, int Bits> struct GeluDropout {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;  // one Philox call serves 4 or 8 consecutive elements
