@@ -20,6 +20,8 @@
 // high 16-bit lane is compared without a shift: 213 -> 194 instructions per
 // 8 float16 elements, and with the scale and its log2 from the host (not
 // a log2f per thread) 74.7 -> 78.0% of copy (same runs; bench/NOTES.md).
+// The tail's polynomial in t rather than t - tc (common.cuh: normal_tail):
+// 194 -> 186 instructions, 78.1-78.2 -> 79.6-80.2% (same runs, session 26).
 template <bool Tanh, typename T, int Bits> struct GeluDropout {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;  // one Philox call serves 4 or 8 consecutive elements
