@@ -122,7 +122,7 @@ template <typename... R> __device__ __forceinline__ float horner(float u, float 
 // about 3e-7, and the float rounding of a**2 log2(e) / 2 and of the ex2
 // argument up to about 6e-8 a**2 (emulated in float32: 1.8e-6 near a = 6,
 // 7e-6 near a = 12.5); results below 2**-126 (a > 12.95) are flushed to 0.
-// Branch-free: D + 7 instructions, two of them MUFU (rcp, ex2), where erff
+// Branch-free: D + 6 instructions, two of them MUFU (rcp, ex2), where erff
 // takes two branches of ~10 each. p is in powers of t, not of t - tc: one
 // subtraction less per element, and as accurate (fit_normal_tail.py). `lift`:
 // the result is Q(a) 2**lift, the factor folded into the polynomial's constant

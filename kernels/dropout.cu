@@ -21,7 +21,9 @@
 // 8 float16 elements, and with the scale and its log2 from the host (not
 // a log2f per thread) 74.7 -> 78.0% of copy (same runs; bench/NOTES.md).
 // The tail's polynomial in t rather than t - tc (common.cuh: normal_tail):
-// 194 -> 186 instructions, 78.1-78.2 -> 79.6-80.2% (same runs, session 26).
+// 194 -> 186 instructions, 78.1-78.2 -> 79.6-80.2%; then 32-bit pack
+// indices for indexed ops (elementwise.cuh: run_contiguous), 79.1-79.5 ->
+// 83.1-83.5 (same runs each, session 26).
 template <bool Tanh, typename T, int Bits> struct GeluDropout {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;  // one Philox call serves 4 or 8 consecutive elements
