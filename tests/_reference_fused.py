@@ -43,6 +43,21 @@ def gelu64(v, approximate="none"):
     return r
 
 
+def finite_float16():
+    """Every finite float16 value, in bit-pattern order."""
+    bits = np.arange(65536, dtype=np.uint16).view(np.float16)
+    return bits[np.isfinite(bits)]
+
+
+def assert_within_one_ulp(got, expected, inputs, what):
+    """float16 ``got`` within one ulp of ``expected`` (float16, finite)
+    everywhere; the message names the worst input."""
+    ulp = np.spacing(np.abs(expected)).astype(np.float64)
+    err = np.abs(got.astype(np.float64) - expected.astype(np.float64)) / ulp
+    worst = int(np.argmax(err))
+    assert err.max() <= 1.0, f"{what}: x={inputs[worst]!r} gave {got[worst]!r}, expected {expected[worst]!r}"
+
+
 def widen_operand(v, result_dtype):
     """An operand as float64: an array as is, a scalar first rounded to the
     result dtype (NumPy's rule for a Python scalar meeting an array)."""

@@ -21,8 +21,8 @@ import pytest
 import cufuse
 
 from _reference import DTYPES, TOL, Backend, check_kind
-from _reference_fused import (F16, F32, F64, assert_close_tol, dropout_keep_mask, gelu64, keep_threshold,
-                              mask_bits, philox4x32_10, philox_words)
+from _reference_fused import (F16, F32, F64, assert_close_tol, assert_within_one_ulp, dropout_keep_mask,
+                              finite_float16, gelu64, keep_threshold, mask_bits, philox4x32_10, philox_words)
 
 dtype_param = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 approx_param = pytest.mark.parametrize("approximate", ["none", "tanh"])
@@ -456,8 +456,7 @@ def test_float16_every_value_within_one_ulp(p):
     (common.cuh: gelu_normal), so the scale is checked here at every input,
     16-bit lanes (0.1, 0.5) and 32-bit ones (0.97, 0.999: factors up to 1000)."""
     import cupy as cp
-    bits = np.arange(65536, dtype=np.uint16).view(np.float16)
-    x = bits[np.isfinite(bits)]
+    x = finite_float16()
     seed = 1234567
     got = cp.asnumpy(cufuse.gelu_dropout(cp.asarray(x), p=p, seed=seed))
     mask = dropout_keep_mask(x.shape, seed, p, F16)
@@ -467,8 +466,4 @@ def test_float16_every_value_within_one_ulp(p):
     got = got[mask]
     big = np.isinf(expected)
     np.testing.assert_array_equal(got[big], expected[big])
-    got, expected, xs = got[~big], expected[~big], x[mask][~big]
-    ulp = np.spacing(np.abs(expected)).astype(np.float64)
-    err = np.abs(got.astype(np.float64) - expected.astype(np.float64)) / ulp
-    worst = int(np.argmax(err))
-    assert err.max() <= 1.0, f"p={p}: x={xs[worst]!r} gave {got[worst]!r}, expected {expected[worst]!r}"
+    assert_within_one_ulp(got[~big], expected[~big], x[mask][~big], f"p={p}")

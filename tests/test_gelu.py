@@ -20,7 +20,8 @@ import pytest
 import cufuse
 
 from _reference import DTYPES, TOL, Backend, check_kind, rand
-from _reference_fused import F16, F32, F64, assert_close_tol, bias_gelu_ref, gelu64
+from _reference_fused import (F16, F32, F64, assert_close_tol, assert_within_one_ulp, bias_gelu_ref,
+                              finite_float16, gelu64)
 
 APPROX = ["none", "tanh"]
 SIZES = [0, 1, 7, 4097, 1_000_003]
@@ -228,18 +229,14 @@ def test_float16_every_value_within_one_ulp():
     one float16 ulp of the float64 value rounded to float16 (the kernels use a
     cheaper erf tail for float16 results, common.cuh: gelu_erf_to)."""
     import cupy as cp
-    bits = np.arange(65536, dtype=np.uint16).view(np.float16)
-    x = bits[np.isfinite(bits)]
+    x = finite_float16()
     expected = gelu64(x).astype(F16)
-    ulp = np.spacing(np.abs(expected)).astype(np.float64)
     fused = cufuse.fuse(lambda v: cufuse.gelu(v))
     for what, res in (("bias_gelu", cufuse.bias_gelu(cp.asarray(x), np.float16(0))),
                       ("fuse gelu", fused(cp.asarray(x)))):
         got = cp.asnumpy(res)
         assert got.dtype == F16, what
-        err = np.abs(got.astype(np.float64) - expected.astype(np.float64)) / ulp
-        worst = int(np.argmax(err))
-        assert err.max() <= 1.0, f"{what}: gelu({x[worst]!r}) = {got[worst]!r}, expected {expected[worst]!r}"
+        assert_within_one_ulp(got, expected, x, what)
 
 
 # ------------------------------------------------------------------------ out=
