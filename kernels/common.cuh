@@ -422,11 +422,12 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 c, const PhiloxKeys& ks) {
 __device__ __forceinline__ uint4 philox_block(const PhiloxKeys& ks, unsigned long long q) {
     return philox4x32_10(make_uint4(static_cast<unsigned>(q), static_cast<unsigned>(q >> 32), 0u, 0u), ks);
 }
-// Lane j of a block of `Bits`-bit lanes: Bits 32, word j; Bits 16, the low
-// (j even) or high (j odd) half of word j / 2.
+// Word w of a Philox block.
 __device__ __forceinline__ unsigned word_of(const uint4& r, int w) {
     return w == 0 ? r.x : (w == 1 ? r.y : (w == 2 ? r.z : r.w));
 }
+// Lane j of a block of `Bits`-bit lanes: Bits 32, word j; Bits 16, the low
+// (j even) or high (j odd) half of word j / 2.
 template <int Bits> __device__ __forceinline__ unsigned lane_of(const uint4& r, int j) {
     const unsigned word = word_of(r, Bits == 32 ? j : j >> 1);
     return Bits == 32 ? word : (word >> (16 * (j & 1))) & 0xFFFFu;
