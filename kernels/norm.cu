@@ -33,6 +33,7 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     // replaced by a pass (softmax keeps exp(x - max) for the store).
     static constexpr bool kMutable = Resident && !is_half<T>::value && !G::kStaged;
     static constexpr bool kOnePart = G::kOnePart;  // one block's group holds the whole row
+    static constexpr bool kWhole = Whole;
     // Indices within the row: 32-bit for a row held in registers (at most
     // 512 x 16 packs per block, 8 blocks), 64-bit when it streams (any
     // length). 64-bit ones held the float16 layer_norm kernel at 63 registers.
@@ -68,7 +69,28 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
                 const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
                 if (k < hi) held[j] = pack(k);
             }
+            // A part of a row of whole packs (cluster and split kernels):
+            // every load issued before the first use of any. The compiler
+            // may otherwise sink a pack's load to its use in the first pass,
+            // a round trip per pack (float16 softmax in the cluster kernel of
+            // 256 threads: 8 of them, 77 -> 66% of copy; bench/NOTES.md,
+            // session 28). Elsewhere not needed, and it cost registers
+            // (float16 softmax norm_rows np 4: 32 -> 40).
+            if constexpr (Whole && !G::kOnePart) {
+#pragma unroll
+                for (int j = 0; j < NP; ++j) opaque(held[j]);
+            }
         }
+    }
+
+    // p as the result of an empty asm: computed (loaded) here, and not
+    // recomputed or moved past this point by the compiler.
+    static __device__ __forceinline__ void opaque(P& p) {
+        unsigned u[sizeof(P) / 4];
+        memcpy(u, &p, sizeof(P));
+#pragma unroll
+        for (int i = 0; i < int(sizeof(P) / 4); ++i) asm volatile("" : "+r"(u[i]));
+        memcpy(&p, u, sizeof(P));
     }
 
     __device__ __forceinline__ P pack(I k) const { return *(reinterpret_cast<const P*>(x - head) + k); }
@@ -134,11 +156,16 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     // The parts' statistics merged (Group::combine, SplitGroup::combine).
     template <typename S> __device__ __forceinline__ S combine(const S& v) const { return g.combine(v); }
 
+    // Whether a per-column array (w, b) is tested for null at each pack
+    // (kTested), known to be given (kGiven) or known to be null (kAbsent):
+    // see store.
+    enum Known { kTested, kGiven, kAbsent };
+
     // V values of a per-column array `a` (weight, bias) for the pack at e0:
     // one 16-byte load when the pack is whole and aligned in `a`, else per
     // element; `dflt` everywhere when a is null.
-    __device__ __forceinline__ void columns(const T* a, I e0, C (&o)[V], C dflt) const {
-        if (!a) {
+    template <Known K = kTested> __device__ __forceinline__ void columns(const T* a, I e0, C (&o)[V], C dflt) const {
+        if (K == kAbsent || (K == kTested && !a)) {
 #pragma unroll
             for (int i = 0; i < V; ++i) o[i] = dflt;
         } else if (Whole || (e0 >= 0 && e0 + V <= cols && (reinterpret_cast<unsigned long long>(a + e0) & 15) == 0)) {
@@ -154,16 +181,13 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     // A held pack of w or b (`a` says whether there is one). The empty asm
     // keeps the conversion inside the row loop: converted once before it,
     // float16 packs would take twice the registers for the whole kernel.
+    template <Known K = kTested>
     static __device__ __forceinline__ void held_column(const T* a, P p, C (&o)[V], C dflt) {
-        if (!a) {
+        if (K == kAbsent || (K == kTested && !a)) {
 #pragma unroll
             for (int i = 0; i < V; ++i) o[i] = dflt;
         } else {
-            unsigned u[sizeof(P) / 4];
-            memcpy(u, &p, sizeof(P));
-#pragma unroll
-            for (int i = 0; i < int(sizeof(P) / 4); ++i) asm volatile("" : "+r"(u[i]));
-            memcpy(&p, u, sizeof(P));
+            opaque(p);
             unpack(p, o);
         }
     }
@@ -178,16 +202,32 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     // 93.5-93.8, the other shapes within noise (bench/NOTES.md, session 25).
     // rms_norm never took it (256x262144 float32 74.4 -> 65.2 with it, then).
     template <typename F> __device__ __forceinline__ void store(T* y, F f, const T* w, const T* b) {
+        // Rows of whole packs: w and b tested once here rather than at every
+        // pack (a test, a predicated load and V default moves per pack and
+        // array). Other rows keep the tests: there, a copy of the loop per
+        // case took registers (float16 norm_rows np 8: 77 -> 85); so does
+        // norm_rows_pipe, whose float32 layer_norm it made slower (80.8 ->
+        // 79.1% of copy at 1024x65536).
+        if constexpr (Whole && !G::kStaged) {
+            if (w && b) store_as<kGiven, kGiven>(y, f, w, b);
+            else if (w) store_as<kGiven, kAbsent>(y, f, w, b);
+            else store_as<kTested, kTested>(y, f, w, b);
+        } else {
+            store_as<kTested, kTested>(y, f, w, b);
+        }
+    }
+    template <Known KW, Known KB, typename F>
+    __device__ __forceinline__ void store_as(T* y, F f, const T* w, const T* b) {
         const int yhead = Whole ? 0 : row_head(y);
         auto one = [&](int j, I k, C (&t)[V]) {
             const I e0 = k * V - head;
             C wv[V], bv[V];
             if constexpr (G::kStaged) {
-                held_column(w, columns_held.w[j], wv, C(1));
-                held_column(b, columns_held.b[j], bv, C(0));
+                held_column<KW>(w, columns_held.w[j], wv, C(1));
+                held_column<KB>(b, columns_held.b[j], bv, C(0));
             } else {
-                columns(w, e0, wv, C(1));
-                columns(b, e0, bv, C(0));
+                columns<KW>(w, e0, wv, C(1));
+                columns<KB>(b, e0, bv, C(0));
             }
             if (Whole || (yhead == head && e0 >= 0 && e0 + V <= cols)) {
                 P p;
@@ -293,8 +333,14 @@ template <bool Relu> struct LayerNorm {
         using C = typename View::C;
         const C mean = m.mean;
         const C rstd = C(1) / cufuse::math::sqrt(m.m2 / m.n + static_cast<C>(eps));
+        // float16 rows of whole packs: t * rstd - mean * rstd (one FMA, one
+        // instruction less per element), whose extra rounding (|mean| rstd
+        // 2^-24) float16 outputs do not see; float32 ones would, at x = 1000
+        // + randn. (In the kernels for other rows it cost registers: 77 -> 85.)
+        constexpr bool kFused = cufuse::is_half<T>::value && View::kWhole;
+        const C mr = mean * rstd;
         r.store(y, [&](C t, C wv, C bv) {
-            const C o = (t - mean) * rstd * wv + bv;
+            const C o = (kFused ? fma(t, rstd, -mr) : (t - mean) * rstd) * wv + bv;
             return Relu ? cufuse::math::relu(o) : o;
         }, w, b);
     }
@@ -384,11 +430,27 @@ __global__ void __launch_bounds__(512) norm_rows(T* y, const T* x, const T* w, c
 }
 
 #if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
+// Blocks of norm_rows_cluster: kClusterThreads threads (the host launches
+// that many: cufuse/ops/norm.py plan). For rows of whole packs the kernel
+// takes the group size as a constant, so that the group's reductions unroll
+// and a thread's packs sit at immediate offsets from one address, and its
+// float16 / float32 forms are bounded to 64 registers, 4 blocks per SM
+// (unbounded, ptxas gave float16 layer_norm 76: 3 blocks). With the w and b
+// tests out of the store loop (RowView::store) and the loads kept ahead
+// (RowView), H200, float16 1024x65536 (a cluster of 4), ncu: layer_norm 48.4M
+// -> 35.9M warp instructions, 94.9 -> 83.6 us; % of copy, same runs
+// (scratch/ln_probe.py, two rounds): layer_norm 67.1-67.3 -> 74.7-75.3,
+// rms_norm 80.8-81.1 -> 83.3-83.7, softmax 76.5-76.7 -> 79.3. Other rows
+// keep the host's group size and the bounds they had (not measured).
+constexpr int kClusterThreads = 256;
+template <typename T, bool Whole> constexpr bool cluster_bounded() { return Whole && sizeof(T) <= 4; }
 template <typename Op, typename T, int NP, int CS, bool Whole>
-__global__ void __cluster_dims__(CS, 1, 1) __launch_bounds__(512)
+__global__ void __cluster_dims__(CS, 1, 1)
+    __launch_bounds__(cluster_bounded<T, Whole>() ? kClusterThreads : 512, cluster_bounded<T, Whole>() ? 4 : 0)
     norm_rows_cluster(T* y, const T* x, const T* w, const T* b, long long rows, long long cols, long long ldy,
                       long long ldx, int tpr, double eps) {
-    cufuse::norm_rows_body<Op, T, NP, true, Whole>(cufuse::Group<CS>(tpr), y, x, w, b, rows, cols, ldy, ldx, eps);
+    cufuse::norm_rows_body<Op, T, NP, true, Whole>(cufuse::Group<CS>(Whole ? kClusterThreads : tpr), y, x, w, b, rows,
+                                                   cols, ldy, ldx, eps);
 }
 #endif
 

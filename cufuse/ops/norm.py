@@ -135,6 +135,8 @@ class _RowOp:
         if R.compute_capability(dev) >= 90:
             for cs in _CLUSTERS:
                 if -(-npack // cs) <= _CLUSTER_BLOCK_PACKS and (cs < 8 or dt.itemsize == 2):
+                    # 256 threads: kernels/norm.cu kClusterThreads, which the kernel for
+                    # rows of whole packs takes as a constant
                     return ("cluster", 8, cs), 256, cs
         # Split rows (H200, % of copy, f32 / f16, layer_norm, rms_norm, softmax):
         # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
