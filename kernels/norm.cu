@@ -287,7 +287,10 @@ template <typename C> struct Total {  // rms_norm: a sum
 
 // layer_norm: count, mean and sum of squared deviations from the mean of a
 // part, merged as Chan, Golub and LeVeque's pairwise update: no
-// E[x^2] - E[x]^2 anywhere.
+// E[x^2] - E[x]^2 anywhere. One division a merge (1 / n, then products):
+// H200, float16 256x262144 layer_norm (the split kernel, whose warp 0
+// merges the parts in a shuffle tree) 64.8-65.1 -> 65.4-65.7% of copy, two
+// same-run rounds; 1024x65536 (a cluster of 4) unchanged.
 template <typename C> struct Moments {
     C n, mean, m2;
     static __device__ __forceinline__ Moments identity() { return {C(0), C(0), C(0)}; }
@@ -295,9 +298,10 @@ template <typename C> struct Moments {
         if (a.n == C(0)) return b;
         if (b.n == C(0)) return a;
         const C n = a.n + b.n;
+        const C r = C(1) / n;
         const C d = b.mean - a.mean;  // squared below: the sign does not matter
-        return {n, add_rn(mul_rn(a.n, a.mean), mul_rn(b.n, b.mean)) / n,
-                add_rn(add_rn(a.m2, b.m2), mul_rn(mul_rn(d, d), mul_rn(a.n, b.n) / n))};
+        return {n, mul_rn(add_rn(mul_rn(a.n, a.mean), mul_rn(b.n, b.mean)), r),
+                add_rn(add_rn(a.m2, b.m2), mul_rn(mul_rn(d, d), mul_rn(mul_rn(a.n, b.n), r)))};
     }
 };
 
