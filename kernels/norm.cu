@@ -439,7 +439,7 @@ __global__ void __launch_bounds__(512) norm_rows(T* y, const T* x, const T* w, c
 // takes the group size as a constant, so that the group's reductions unroll
 // and a thread's packs sit at immediate offsets from one address, and its
 // float16 / float32 forms are bounded to 64 registers, 4 blocks per SM
-// (unbounded, ptxas gave float16 layer_norm 76: 3 blocks). With the w and b
+// (session 27's staged variant, unbounded, took 76: 3 blocks). With the w and b
 // tests out of the store loop (RowView::store) and the loads kept ahead
 // (RowView), H200, float16 1024x65536 (a cluster of 4), ncu: layer_norm 48.4M
 // -> 35.9M warp instructions, 94.9 -> 83.6 us; % of copy, same runs
