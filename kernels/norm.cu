@@ -106,18 +106,38 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
     // row; with kMutable, f may update the held value (C&).
     template <typename F> __device__ __forceinline__ void each(F f) {
         if constexpr (Resident) {
+            auto at = [&](int j, I k) {
+                C t[V];
+                unpack(resident(j, k), t);
+                visit(k, t, f);
+                if constexpr (kMutable) {
 #pragma unroll
-            for (int j = 0; j < NP; ++j) {
-                const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
-                if (k < hi) {
-                    C t[V];
-                    unpack(resident(j, k), t);
-                    visit(k, t, f);
-                    if constexpr (kMutable) {
-#pragma unroll
-                        for (int i = 0; i < V; ++i) held[j].v[i] = t[i];
-                    }
+                    for (int i = 0; i < V; ++i) held[j].v[i] = t[i];
                 }
+            };
+            auto tested = [&]() {
+#pragma unroll
+                for (int j = 0; j < NP; ++j) {
+                    const I k = lo + g.lane + static_cast<I>(j) * g.tpr;
+                    if (k < hi) at(j, k);
+                }
+            };
+            // A cluster's part of a row of whole packs where every thread
+            // holds NP packs: the passes without a test per pack (a branch
+            // around each, 4 instructions a pack and pass). H200, float16
+            // 1024x65536 (a cluster of 4), same runs, two rounds, % of copy:
+            // layer_norm 74.9-75.0 -> 76.7-76.8, rms_norm 83.6-83.9 -> 84.4-
+            // 84.8, softmax 78.6-79.1 -> 79.6-80.1. The store keeps its tests:
+            // without them too, layer_norm spilled (bench/NOTES.md, session 28).
+            if constexpr (Whole && G::kCluster) {
+                if (hi - lo == static_cast<I>(NP) * g.tpr) {
+#pragma unroll
+                    for (int j = 0; j < NP; ++j) at(j, lo + g.lane + static_cast<I>(j) * g.tpr);
+                } else {
+                    tested();
+                }
+            } else {
+                tested();
             }
         } else {
             for (I k = lo + g.lane; k < hi; k += g.tpr) {

@@ -164,6 +164,7 @@ template <int CS> struct Group {
     }
     static constexpr bool kOnePart = CS == 1;  // a group holds its whole row
     static constexpr bool kStaged = false;     // rows are read from global memory
+    static constexpr bool kCluster = CS > 1;   // a block holds one part of a cluster's row
     __device__ __forceinline__ int parts() const { return CS; }
     // Index of the group's item (row, or row split) in the launch.
     __device__ __forceinline__ long long item() const {
@@ -237,6 +238,7 @@ struct SplitGroup {
     }
     static constexpr bool kOnePart = false;
     static constexpr bool kStaged = false;
+    static constexpr bool kCluster = false;
     __device__ __forceinline__ int parts() const { return nparts; }
     __device__ __forceinline__ long long item() const { return row; }
 
@@ -311,6 +313,7 @@ constexpr int kPipeWords = 3;
 template <int TPB> struct PipeGroup {
     static constexpr bool kOnePart = false;
     static constexpr bool kStaged = true;  // rows come from shared memory (`staged`)
+    static constexpr bool kCluster = false;
     static constexpr int tpr = TPB, group = 0, groups = 1;  // one group of TPB threads: the block
     int lane, nparts;
     unsigned rank;        // the part this block holds
