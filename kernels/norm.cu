@@ -122,14 +122,17 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
                     if (k < hi) at(j, k);
                 }
             };
-            // A cluster's part of a row of whole packs where every thread
-            // holds NP packs: the passes without a test per pack (a branch
-            // around each, 4 instructions a pack and pass). H200, float16
-            // 1024x65536 (a cluster of 4), same runs, two rounds, % of copy:
-            // layer_norm 74.9-75.0 -> 76.7-76.8, rms_norm 83.6-83.9 -> 84.4-
-            // 84.8, softmax 78.6-79.1 -> 79.6-80.1. The store keeps its tests:
-            // without them too, layer_norm spilled (bench/NOTES.md, session 28).
-            if constexpr (Whole && G::kCluster) {
+            // A cluster's or the pipe kernel's part of a row of whole packs
+            // where every thread holds NP packs: the passes without a test
+            // per pack (a branch around each, 4 instructions a pack and
+            // pass). H200, same runs, two rounds, % of copy: float16
+            // 1024x65536 (a cluster of 4) layer_norm 74.9-75.0 -> 76.7-76.8,
+            // rms_norm 83.6-83.9 -> 84.4-84.8, softmax 78.6-79.1 -> 79.6-80.1;
+            // float32 layer_norm (pipe; its 16 bytes of spills gone)
+            // 256x262144 74.7-74.9 -> 78.0-79.6, 1024x65536 79.7-80.8 ->
+            // 80.5-82.5. The store keeps its tests: without them too, float16
+            // layer_norm spilled (bench/NOTES.md, session 28).
+            if constexpr (Whole && (G::kCluster || G::kStaged)) {
                 if (hi - lo == static_cast<I>(NP) * g.tpr) {
 #pragma unroll
                     for (int j = 0; j < NP; ++j) at(j, lo + g.lane + static_cast<I>(j) * g.tpr);
