@@ -171,13 +171,13 @@ __global__ void __launch_bounds__(kRowBlock) reduce_rows_block(Tout* out, A* par
 // pack aligned, else 1), threadIdx.y a phase of the rows of chunk
 // blockIdx.y. Writes out[o * inner + c] (one chunk) or
 // partial[(chunk * outer + o) * inner + c]; with `tickets`, the last block of
-// each tile then adds the tile's partial sums up into out (one launch).
-template <int V, typename Map, typename Tin, typename A, typename Tout>
+// each tile then adds the tile's partial sums up into out (one launch). Each
+// thread keeps U rows' packs in flight (reduce_cols: 4, reduce_cols_deep: 12).
+template <int V, int U, typename Map, typename Tin, typename A, typename Tout>
 __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Tin* x, long long outer, long long R,
                                                  long long inner, long long chunk, double scale,
                                                  unsigned* tickets) {
     using namespace cufuse;
-    constexpr int U = 4;  // rows in flight per thread
     __shared__ A part[256 * V];
     const int bx = blockDim.x, by = blockDim.y;
     const long long tiles = (inner + bx * V - 1) / (bx * V);
@@ -293,6 +293,22 @@ template <typename Map, typename Tin, typename A, typename Tout>
 __global__ void __launch_bounds__(256) reduce_cols(Tout* out, A* partial, const Tin* x, long long outer, long long R,
                                                    long long inner, long long chunk, int vec, double scale,
                                                    unsigned* tickets) {
-    if (vec) reduce_cols_body<cufuse::PackOf<Tin>::V, Map>(out, partial, x, outer, R, inner, chunk, scale, tickets);
-    else reduce_cols_body<1, Map>(out, partial, x, outer, R, inner, chunk, scale, tickets);
+    if (vec) reduce_cols_body<cufuse::PackOf<Tin>::V, 4, Map>(out, partial, x, outer, R, inner, chunk, scale, tickets);
+    else reduce_cols_body<1, 4, Map>(out, partial, x, outer, R, inner, chunk, scale, tickets);
+}
+
+// float16 columns: 12 rows in flight per thread (126-128 registers), in one
+// block per SM where reduce_cols has four of 4 rows (cufuse/ops/reduction.py:
+// _COL_DEEP). H200, % of copy, same run, two rounds (scratch/colab_probe.py),
+// reduce_cols -> reduce_cols_deep, sum_squared(axis=0): 6250 x 8000 72.1-72.3
+// -> 75.1-75.2, 500 x 100000 77.1-77.2 -> 81.1-81.3, 2000 x 25000 69.4-69.8
+// -> 73.6-73.9, 50000 x 1000 68.5 -> 71.5, 25000 x 2000 70.2 -> 72.7;
+// mean_abs alike. float32 lost with it (another run: 500 x 100000 95-96 ->
+// 92, 2000 x 25000 94 -> 91), and two blocks per SM gained nothing over one.
+template <typename Map, typename Tin, typename A, typename Tout>
+__global__ void __launch_bounds__(256) reduce_cols_deep(Tout* out, A* partial, const Tin* x, long long outer,
+                                                        long long R, long long inner, long long chunk, int vec,
+                                                        double scale, unsigned* tickets) {
+    if (vec) reduce_cols_body<cufuse::PackOf<Tin>::V, 12, Map>(out, partial, x, outer, R, inner, chunk, scale, tickets);
+    else reduce_cols_body<1, 12, Map>(out, partial, x, outer, R, inner, chunk, scale, tickets);
 }

@@ -19,6 +19,9 @@ from . import _rows
 FAMILY = "reduction"
 _PACKS_PER_THREAD = 32      # short rows (reduce_rows): 16-byte packs each thread adds at most
 _COL_BLOCKS_PER_SM = 4      # column reductions: rows are split while there are fewer 256-thread blocks per SM
+# dtypes whose column reductions take reduce_cols_deep (12 rows in flight per
+# thread; kernels/reduction.cu has the measurements), and its blocks per SM
+_COL_DEEP = {np.dtype(np.float16): 1}
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
@@ -29,7 +32,8 @@ def _acc(in_dt, out_dt):
 def _exprs(map_, tin, tout):
     targs = (map_, R.FLOAT_CTYPES[tin], R.FLOAT_CTYPES[_acc(tin, tout)], R.FLOAT_CTYPES[tout])
     return tuple(R.name_expression(k, *targs) for k in ("reduce_rows", "reduce_cols", "reduce_rows_block")) + (
-        R.name_expression("reduce_rows_block", *targs, "true"),)
+        R.name_expression("reduce_rows_block", *targs, "true"),) + (
+        (R.name_expression("reduce_cols_deep", *targs),) if tin in _COL_DEEP else ())
 
 
 # The second pass (partial sums of split rows or columns) for every accumulation and result type.
@@ -93,7 +97,8 @@ class _Reduction:
             target = _rows.empty(res_shape, odt, kind, dev)
         scale = 1.0 / count if self.mean else 1.0
         stream = _rows.stream_for(kind, dev)
-        rows_fn, cols_fn, block_fn, block_whole_fn = (R.get_function(f, e, dev) for f, e in self.exprs[(dt, odt)])
+        fns = [R.get_function(f, e, dev) for f, e in self.exprs[(dt, odt)]]
+        rows_fn, cols_fn, block_fn, block_whole_fn = fns[:4]
         final = [R.get_function(f, e, dev) for f, e in _FINAL[(acc, odt)]]
         view = _view(x, kind, shape, axes)
         if view[0] == "rows":
@@ -102,7 +107,9 @@ class _Reduction:
                          scale, kind, dev, stream)
         else:
             _, xv, outer, r, inner = view
-            _reduce_cols(cols_fn, final[1], target, xv, outer, r, inner, dt, acc, scale, kind, dev, stream)
+            deep = dt in _COL_DEEP  # fns[4]: reduce_cols_deep
+            _reduce_cols(fns[4] if deep else cols_fn, _COL_DEEP[dt] if deep else _COL_BLOCKS_PER_SM, final[1],
+                         target, xv, outer, r, inner, dt, acc, scale, kind, dev, stream)
         if target is not y:
             y[...] = target
         return y
@@ -235,13 +242,13 @@ _COL_BLOCK = (64, 4)
 _COL_FINAL_BLOCK = (16, 16)
 
 
-def _reduce_cols(fn, final, y, x, outer, r, inner, dt, acc, scale, kind, dev, stream):
+def _reduce_cols(fn, per_sm, final, y, x, outer, r, inner, dt, acc, scale, kind, dev, stream):
     xp, yp = A.pointer_of(x, kind), A.pointer_of(y, kind)
     v = 16 // dt.itemsize
     vec = int(inner % v == 0 and xp % 16 == 0)
     block = _COL_BLOCK
     bx = outer * -(-inner // (block[0] * (v if vec else 1)))
-    target = R.sm_count(dev) * _COL_BLOCKS_PER_SM  # 256-thread blocks
+    target = R.sm_count(dev) * per_sm  # 256-thread blocks
     # At most `target` blocks: every SM then has the same number, where one
     # more (ceil) left some SMs a block more than the rest (500 x 100000
     # float32: 75.6 -> 79.4% of copy).
