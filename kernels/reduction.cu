@@ -6,8 +6,9 @@
 //     group of `tpr` threads per (row, split), for shorter ones. Either reads
 //     the row in 16-byte packs on its aligned window (rows.cuh), so any length
 //     and offset runs at full width;
-//   * inner > 1 (a column reduction, e.g. the first axis): reduce_cols, a
-//     block of 64 packs of columns by 4 row phases down the rows of a chunk
+//   * inner > 1 (a column reduction, e.g. the first axis): reduce_cols (for
+//     float16 reduce_cols_deep, more rows in flight), a block of 64 packs of
+//     columns by 4 row phases down the rows of a chunk
 //     (cufuse/ops/reduction.py: _COL_BLOCK).
 // When there are too few rows (or columns) to fill the GPU, each is split in
 // `splits` chunks whose partial sums (in the accumulation type) are added up
