@@ -234,7 +234,7 @@ class Fused:
             return shape, [shape] * len(g.outputs)
         outs = []
         for _, kind, keep, _ in g.outputs:
-            if kind in ("max", "min") and shape[-1] == 0 and int(np.prod(shape[:-1], dtype=np.int64)):
+            if kind in ("max", "min") and shape[-1] == 0 and A.count(shape[:-1]):
                 raise ValueError(f"cufuse.{self._name}: {kind} over an empty last axis (size 0): a zero-size "
                                  "reduction has no identity")
             outs.append(shape[:-1] + ((1,) if keep else ()))
@@ -295,7 +295,7 @@ class Fused:
         with cp.cuda.Device(dev):
             final = [o if o is not None else E._empty(s, dt, kind, dev)
                      for o, s, dt in zip(outs, out_shapes, sig.out_dtypes)]
-            n = int(np.prod(shape, dtype=np.int64)) if shape else 1
+            n = A.count(shape)
             if n == 0 or (sig.graph.reduction and not all(out_shapes_size(s) for s in out_shapes)):
                 return final
             ins = [x for _, x in arrays]
@@ -366,7 +366,7 @@ class Fused:
     def _launch_rows(self, sig, kind, dev, ins, targets, params, shape, stream):
         cols = shape[-1]
         lead = shape[:-1]
-        rows = int(np.prod(lead, dtype=np.int64)) if lead else 1
+        rows = A.count(lead)
         nlead = len(lead)
         ptrs = [A.pointer_of(t, kind) for t in targets] + [A.pointer_of(x, kind) for x in ins]
         out_st = [list(A.strides_of(t, kind))[:nlead] for t in targets]
@@ -774,7 +774,7 @@ def _apart(optrs, odts, iptrs, idts, n):
 
 
 def out_shapes_size(s):
-    return int(np.prod(s, dtype=np.int64)) if s else 1
+    return A.count(s)
 
 
 def _overlaps(o, x, kind, dt):

@@ -65,7 +65,7 @@ def row_stride(x, kind, lead):
         return None
     if not A.is_c_contiguous(shape[lead:], st[lead:]):
         return None
-    cols = int(np.prod(shape[lead:], dtype=np.int64))
+    cols = A.count(shape[lead:])
     ld, expect = None, None
     for n, s in zip(reversed(shape[:lead]), reversed(st[:lead])):
         if n == 1:

@@ -433,7 +433,7 @@ def _tiles(cshape, parts, vec, n, nout):
             b += 1
         if any(st[d] for d in range(b, len(cshape))):
             return None
-        div, mod = int(np.prod(cshape[:a])), expect  # mod: the block's length (n // div: no wrap)
+        div, mod = A.count(cshape[:a]), expect  # mod: the block's length (n // div: no wrap)
         if k < nout and (a or b < len(cshape)):
             return None
         if div == 1 and a < len(cshape):

@@ -309,8 +309,8 @@ def _run(op, x, lead, ns, w, b, eps, out, np_impl):
         with np.errstate(all="ignore"):
             res = np.asarray(np_impl(*vals), dtype=cdt).astype(dt)
         return _rows.from_numpy(res, kind, out)
-    rows = int(np.prod(shape[:lead], dtype=np.int64))
-    cols = int(np.prod(shape[lead:], dtype=np.int64))
+    rows = A.count(shape[:lead])
+    cols = A.count(shape[lead:])
     with R._cp.cuda.Device(dev):
         y = out if out is not None else _rows.empty(shape, dt, kind, dev)
         ldx = _rows.row_stride(x, kind, lead)

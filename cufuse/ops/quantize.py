@@ -221,7 +221,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
             else:
                 t = A.torch()
                 sc, zp = (v if t.is_tensor(v) else t.from_numpy(v).to(f"cuda:{dev}") for v in (sc, zp))
-        inner = int(np.prod(x.shape[axis + 1:], dtype=np.int64))
+        inner = A.count(x.shape[axis + 1:])
         nch = x.shape[axis]
         ptrs = (A.pointer_of(sc, kind), A.pointer_of(zp, kind))
         params = (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
@@ -231,7 +231,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
             # ACROSS lacks the signatures whose packs are not a multiple of 4
             return op.width(in_dt, out_dtype) if (in_dt, out_dtype) in op.signatures else 1
 
-        walk = _walk(int(np.prod(x.shape, dtype=np.int64)), inner, nch, width, ptrs, real.itemsize)
+        walk = _walk(A.count(x.shape), inner, nch, width, ptrs, real.itemsize)
     else:  # the fallback broadcasts the parameters along ``axis``
         bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
         for key, v in (("scale", sc), ("zero_point", zp)):

@@ -85,9 +85,9 @@ class _Reduction:
             return self._gpu(x, kind, dt, odt, acc, dev, shape, axes, res_shape, out)
 
     def _gpu(self, x, kind, dt, odt, acc, dev, shape, axes, res_shape, out):
-        count = int(np.prod([shape[i] for i in axes], dtype=np.int64))
+        count = A.count([shape[i] for i in axes])
         y = out if out is not None else _rows.empty(res_shape, odt, kind, dev)
-        if int(np.prod(res_shape, dtype=np.int64)) == 0:
+        if A.count(res_shape) == 0:
             return y
         if count == 0:  # a sum of nothing is 0, a mean of nothing NaN (NumPy)
             y[...] = float("nan") if self.mean else 0.0
@@ -139,10 +139,10 @@ def _view(x, kind, shape, axes):
     red = [k for k, i in enumerate(keep) if i in axes]          # their positions among `keep`
     xs = x.reshape(tuple(shape[i] for i in keep))               # size-1 dims dropped: a view
     nd, nred = len(keep), len(red)
-    size = int(np.prod([shape[i] for i in keep], dtype=np.int64))
+    size = A.count([shape[i] for i in keep])
     if nred == 0:  # nothing of length > 1 is reduced: rows of one element
         return "rows", _rows.contiguous(xs, kind).reshape(-1), size, 1, 1
-    count = int(np.prod([shape[keep[k]] for k in red], dtype=np.int64))
+    count = A.count([shape[keep[k]] for k in red])
     if red == list(range(nd - nred, nd)):  # trailing: a row reduction
         ld = _rows.row_stride(xs, kind, nd - nred)
         if ld is None:
@@ -151,7 +151,7 @@ def _view(x, kind, shape, axes):
     st = A.strides_of(xs, kind)
     if red == list(range(red[0], red[-1] + 1)) and A.is_c_contiguous(tuple(xs.shape), st) \
             and A.pointer_of(xs, kind) % A.dtype_of(xs, kind).itemsize == 0:
-        outer = int(np.prod(xs.shape[:red[0]], dtype=np.int64))
+        outer = A.count(xs.shape[:red[0]])
         return "cols", xs, outer, count, size // (outer * count)
     order = [k for k in range(nd) if k not in red] + red        # reduced axes last, then rows
     xt = xs.permute(*order) if kind == A.TORCH_CUDA else xs.transpose(order)
