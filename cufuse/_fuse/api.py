@@ -296,7 +296,7 @@ class Fused:
             final = [o if o is not None else E._empty(s, dt, kind, dev)
                      for o, s, dt in zip(outs, out_shapes, sig.out_dtypes)]
             n = A.count(shape)
-            if n == 0 or (sig.graph.reduction and not all(out_shapes_size(s) for s in out_shapes)):
+            if n == 0 or (sig.graph.reduction and not all(A.count(s) for s in out_shapes)):
                 return final
             ins = [x for _, x in arrays]
             targets = list(final)
@@ -771,10 +771,6 @@ def _apart(optrs, odts, iptrs, idts, n):
             if q < hi and lo < q + n * qd.itemsize:
                 return False
     return True
-
-
-def out_shapes_size(s):
-    return A.count(s)
 
 
 def _overlaps(o, x, kind, dt):
