@@ -305,6 +305,15 @@ def collapse(shape, strides_list):
     return shp, sts
 
 
+def c_strides(shape) -> list:
+    """Element strides of a C-contiguous array of ``shape``."""
+    res, acc = [], 1
+    for n in reversed(shape):
+        res.append(acc)
+        acc *= n
+    return res[::-1]
+
+
 def is_c_contiguous(shape, strides) -> bool:
     expect = 1
     for n, s in zip(reversed(shape), reversed(strides)):

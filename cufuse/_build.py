@@ -25,7 +25,10 @@ def _compile(source, options, arch, names):
         return "ltoir", mapping
 
 
-def build(archs, out=sys.stdout) -> int:
+def build(archs, out=sys.stdout, family="") -> int:
+    """Compile every registered family whose name starts with ``family`` for
+    each architecture; 0 when every kernel compiled, 1 on failures, 2 without
+    CuPy or when no family matches."""
     from . import ops  # noqa: F401 - registers every family's kernels
     try:
         import cupy  # noqa: F401
@@ -35,7 +38,11 @@ def build(archs, out=sys.stdout) -> int:
         return 2
     options = R.compile_options()
     failures = 0
-    for family, entries in sorted(R.registry().items()):
+    families = {f: e for f, e in R.registry().items() if f.startswith(family)}
+    if not families:
+        print(f"cufuse build: no kernel family starts with {family!r}", file=out)
+        return 2
+    for family, entries in sorted(families.items()):
         source = R.load_source(family)
         for arch in archs:
             names = sorted(e for e in entries if int(arch) >= R.min_arch(e))

@@ -276,7 +276,7 @@ def resident_blocks(fn, device: int, block: int = BLOCK, shared_mem: int = 0) ->
     if n is None:
         from cupy_backends.cuda.api import driver
         with _cp.cuda.Device(device):
-            _allow_shared(fn, shared_mem)
+            allow_shared(fn, shared_mem)
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.ptr, block, shared_mem)
         n = _resident[key] = sm_count(device) * max(per_sm, 1)
     return n
@@ -291,7 +291,7 @@ _SHARED_DEFAULT = 48 * 1024  # dynamic shared bytes a kernel may use without opt
 _shared_allowed: dict[int, int] = {}
 
 
-def _allow_shared(fn, shared_mem: int) -> None:
+def allow_shared(fn, shared_mem: int) -> None:
     """Opt ``fn`` in to ``shared_mem`` dynamic shared bytes where that and its
     static shared memory pass the default 48 KiB (once per kernel and size):
     a launch of exactly 48 KiB of dynamic shared memory by a kernel with any
@@ -329,7 +329,7 @@ def launch(fn, work: int, device: int, args: tuple, stream=None) -> None:
 def launch_grid(fn, grid: tuple, block: tuple, args: tuple, stream=None, shared_mem: int = 0) -> None:
     """Launch ``fn`` with an explicit grid and block (row kernels size their
     own) and ``shared_mem`` dynamic shared bytes."""
-    _allow_shared(fn, shared_mem)
+    allow_shared(fn, shared_mem)
     if stream is None:
         fn(grid, block, args, shared_mem)
     else:

@@ -10,8 +10,8 @@ from typing import NamedTuple
 import pytest
 
 import cufuse
+from cufuse import _driver as D
 from cufuse import _runtime as R
-from cufuse.ops.elementwise import OPS as ELEMENTWISE_OPS
 
 from _reference import BACKEND_PARAMS, Backend
 
@@ -66,9 +66,9 @@ def launches(monkeypatch):
     """Records every kernel launch cufuse makes, as a list of ``Launch``.
 
     Every kernel comes from ``cufuse._runtime.get_function``, which is wrapped
-    here; the ops' per-(dtype, device) caches of contiguous kernels
-    (``ElementwiseOp._fast``) are emptied for the test so that they refill
-    with wrapped kernels, and restored afterwards."""
+    here; the recipes of the driver's fast paths (which hold kernels) are
+    forgotten before and after the test, so that the test's recipes hold
+    wrapped kernels and later tests' do not."""
     calls = []
     real = R.get_function
 
@@ -76,11 +76,6 @@ def launches(monkeypatch):
         return _CountingFunction(real(family, expression, *args, **kwargs), calls, expression)
 
     monkeypatch.setattr(R, "get_function", counting_get_function)
-    caches = [op._fast for op in ELEMENTWISE_OPS.values()]
-    saved = [dict(c) for c in caches]
-    for c in caches:
-        c.clear()
+    D.clear_fast_paths()
     yield calls
-    for c, s in zip(caches, saved):
-        c.clear()
-        c.update(s)
+    D.clear_fast_paths()

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cufuse
-from cufuse.ops import elementwise as E
+from cufuse import _driver as D
 
 from _reference import DTYPES, assert_close, rand
 from _reference_fused import bias_gelu_ref
@@ -44,7 +44,7 @@ def _layout(shape, operands, itemsize=4, vec=4, scalar_slot=False):
     if scalar_slot:
         parts.append(None)
     n = int(np.prod(shape))
-    return E.strided_layout(4, cshape, parts, vec, n)
+    return D.strided_layout(4, cshape, parts, vec, n)
 
 
 @pytest.mark.parametrize("shape,ishape,div,mod,pack", [
@@ -83,7 +83,7 @@ def test_output_must_be_c_contiguous():
     out_st = [1, 64]  # a transposed output
     bias = A.broadcast_strides((1024,), [1], shape)
     cshape, cstrides = A.collapse(shape, [out_st, bias])
-    L, _ = E.strided_layout(4, cshape, [(ALIGNED, cstrides[0], 4), (ALIGNED, cstrides[1], 4)], 4, 64 * 1024)
+    L, _ = D.strided_layout(4, cshape, [(ALIGNED, cstrides[0], 4), (ALIGNED, cstrides[1], 4)], 4, 64 * 1024)
     assert int(L["vec"]) != 2
 
 
@@ -99,17 +99,20 @@ CASES = [  # (x shape, broadcast operand shape)
 
 @pytest.fixture
 def modes(monkeypatch):
-    """The Layout.vec of every strided launch."""
+    """The Layout.vec of every strided launch (recipes kept by earlier tests forgotten)."""
+    from cufuse import _driver as D
     seen = []
-    real = E.strided_layout
+    real = D.strided_layout
 
     def spy(*a, **k):
         L, work = real(*a, **k)
         seen.append(int(L["vec"]))
         return L, work
 
-    monkeypatch.setattr(E, "strided_layout", spy)
-    return seen
+    monkeypatch.setattr(D, "strided_layout", spy)
+    D.clear_fast_paths()
+    yield seen
+    D.clear_fast_paths()
 
 
 @pytest.mark.cuda

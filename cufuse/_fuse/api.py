@@ -16,15 +16,14 @@ import weakref
 import numpy as np
 
 from .. import _arrays as A
+from .. import _driver as D
 from .. import _runtime as R
-from ..ops import elementwise as E
 from . import codegen, graph as G
 from .numpy_eval import evaluate
 
 _log = logging.getLogger("cufuse")
 _TABLES: dict = {}       # horizontal launch tables on the device, by content
 _TABLES_MAX = 64
-_FAST_MAX = 256          # entries of a Fused's per-shape fast-path cache
 _PLANS_MAX = 8           # foreach launch plans kept per Fused
 # An object's address (rotated; distinct for live objects), for the keys of
 # foreach's plans. Not id(): id() raises an audit event, and once a Python
@@ -108,10 +107,8 @@ class Fused:
         # the same structure in this process; launches (GPU)
         self.stats = {"traces": 0, "compiles": 0, "disk_loads": 0, "shared": 0, "launches": 0, "foreach_checks": 0}
         self._sigs: dict = {}
-        self._fast: dict = {}
+        self.fast = D.FastPath(f"fuse({self.__name__})")
         self._plans: dict = {}
-        self._new_array = R._cp.ndarray if R._cp is not None else None
-        self._get_device = R._cp.cuda.runtime.getDevice if R._cp is not None else None
 
     def __repr__(self):
         return f"<cufuse.fuse of {getattr(self.fn, '__qualname__', self.fn)!r}>"
@@ -187,41 +184,26 @@ class Fused:
         return self._signature(spec, len(args)).source
 
     def __call__(self, *args, out=None):
-        # Fast path: same-shape C-contiguous CuPy arrays, or contiguous CUDA
-        # tensors, seen before (the entry was made by the general path after
-        # its checks); out= None, or for CuPy one matching C-contiguous array
-        # that is an input itself or apart from them.
+        # Fast path: a signature seen before (arrays' dtypes, shapes, strides,
+        # alignment, devices; scalars' types; out's) launches its recipe with
+        # this call's pointers and scalar values.
+        multi = type(out) is tuple or type(out) is list
+        s = D.signature((*args, *out) if multi else (*args, out))
+        if s is None:
+            return self._call(args, out, None)
+        key, ptrs = (s[0], multi), s[1]
+        nout = len(out) if multi else (out is not None)
+        outs = (tuple(out) if multi else (out,)) if nout else None
+        rec = self.fast.lookup(key, ptrs, len(ptrs) - nout, outs)
+        if rec is None:
+            return self._call(args, out, key)
         try:
-            ent = self._fast.get(_fast_key(args))
-        except TypeError:  # an unhashable argument: the general path says what is wrong
-            ent = None
-        if ent is not None and ent[0] == self._get_device():
-            dev, fn, odts, shape, gb, sig, tdev, in_pos, tail, n = ent
-            if tail is None:  # scalar arguments: this call's values
-                tail = (n, *[conv(args[i]) if i >= 0 else c for i, conv, c in sig.params])
-            ins = args if in_pos is None else [args[i] for i in in_pos]
-            if tdev is not None:  # torch: raw pointers on torch's current stream
-                if out is not None:
-                    return self._call(args, out)
-                empty = E._TORCH[3]
-                outs = [empty(shape, dtype=dt, device=tdev) for dt in odts]
-                raw = E._TORCH[2](dev)
-                stream = E._TORCH_STREAMS.get(raw) or E._torch_stream_for(raw, dev)
-                fn(*gb, (*[o.data_ptr() for o in outs], *[x.data_ptr() for x in ins], *tail), 0, stream)
-                self.stats["launches"] += 1
-                return tuple(outs) if sig.graph.tuple_out else outs[0]
-            if out is None:
-                new = self._new_array
-                outs = [new(shape, dt) for dt in odts]
-            elif (type(out) is A.CupyArray and len(odts) == 1 and out.dtype == odts[0] and out._c_contiguous
-                  and out.shape == shape and out.data.device_id == dev and _apart_fast(out, ins)):
-                outs = (out,)
-            else:
-                return self._call(args, out)
-            fn(*gb, (*outs, *ins, *tail))
-            self.stats["launches"] += 1
-            return tuple(outs) if sig.graph.tuple_out else outs[0]
-        return self._call(args, out)
+            values = rec.extra.param_values(args)
+        except (OverflowError, TypeError, ValueError):
+            return self._call(args, out, None)
+        res = D.execute(rec, outs, ptrs[:len(ptrs) - nout], values)
+        self.stats["launches"] += len(rec.steps)
+        return tuple(res) if rec.extra.graph.tuple_out else res[0]
 
     def _shapes(self, arrays, sig):
         try:
@@ -260,16 +242,14 @@ class Fused:
             A.check_out(self._name, o, kind, dt, shape, device)
         return outs
 
-    def _call(self, args, out):
+    def _call(self, args, out, key=None):
         kind, spec, arrays, device = self._classify(args)
         sig = self._signature(spec, len(args))
         shape, out_shapes = self._shapes(arrays, sig)
         outs = self._outs(sig, out, kind, out_shapes, device)
         params = sig.param_values(args)
         if kind in A.GPU_KINDS:
-            if kind == A.TORCH_CUDA and E._TORCH[0] is None:
-                E._bind_torch()
-            res = self._run_gpu(sig, kind, device, arrays, params, shape, out_shapes, outs, cache_args=args)
+            res = self._run_gpu(sig, kind, device, arrays, params, shape, out_shapes, outs, key)
         else:
             res = self._run_numpy(sig, kind, arrays, params, shape, outs)
         return tuple(res) if sig.graph.tuple_out else res[0]
@@ -289,111 +269,115 @@ class Fused:
         return final
 
     # ----------------------------------------------------------------- GPU
-    def _run_gpu(self, sig, kind, dev, arrays, params, shape, out_shapes, outs, cache_args=None):
-        cp = R._cp
-        is_torch = kind == A.TORCH_CUDA
-        with cp.cuda.Device(dev):
-            final = [o if o is not None else E._empty(s, dt, kind, dev)
-                     for o, s, dt in zip(outs, out_shapes, sig.out_dtypes)]
+    def _run_gpu(self, sig, kind, dev, arrays, params, shape, out_shapes, outs, key):
+        with R._cp.cuda.Device(dev):
             n = A.count(shape)
             if n == 0 or (sig.graph.reduction and not all(A.count(s) for s in out_shapes)):
-                return final
+                return [o if o is not None else D.empty(s, dt, kind, dev)
+                        for o, s, dt in zip(outs, out_shapes, sig.out_dtypes)]
             ins = [x for _, x in arrays]
-            targets = list(final)
-            if not sig.graph.reduction:
-                for k, o in enumerate(outs):
-                    if o is not None and E.needs_temporary(o, sig.out_dtypes[k], ins, sig.in_dtypes, kind, shape):
-                        targets[k] = E._empty(shape, sig.out_dtypes[k], kind, dev)
-            else:
-                for k, o in enumerate(outs):
-                    if o is not None and any(_overlaps(o, x, kind, dt) for x, dt in zip(ins, sig.in_dtypes)):
-                        targets[k] = E._empty(out_shapes[k], sig.out_dtypes[k], kind, dev)
-            stream = R.external_stream(E._torch_stream(dev), dev) if is_torch else None
+            keep = key is not None and not (kind == A.TORCH_CUDA and any(x.requires_grad for x in ins))
+            targets = list(outs)
+            for k, o in enumerate(outs):
+                if o is None:
+                    continue
+                if sig.graph.reduction:
+                    bad = any(D.overlaps(o, x, kind) for x in ins)
+                else:
+                    bad = D.needs_temporary(o, sig.out_dtypes[k], ins, sig.in_dtypes, kind, shape)
+                if bad or any(D.overlaps(o, p, kind) for p in outs[:k] if p is not None):
+                    targets[k], keep = None, False
+            given = [t for t in targets if t is not None]
+            if given and len(given) < len(targets):
+                # Some outputs given, some new: all new for the launch, the given ones copied into.
+                targets, keep = [None] * len(targets), False
             if sig.graph.reduction:
-                self._launch_rows(sig, kind, dev, ins, targets, params, shape, stream)
+                rec = self._rows_recipe(sig, kind, dev, ins, targets, shape, out_shapes)
             else:
-                self._launch_elementwise(sig, kind, dev, ins, targets, params, shape, n, stream, cache_args)
-            for t, o in zip(targets, final):
-                if t is not o:
-                    E._copy_into(o, t, kind)
+                rec = self._elementwise_recipe(sig, kind, dev, ins, targets, shape, n)
+            if rec is None:  # more dims than the strided kernel indexes: dense copies
+                ins, keep = [D.dense(x, shape, kind) for x in ins], False
+                targets = [None] * len(targets)
+                rec = (self._rows_recipe(sig, kind, dev, ins, targets, shape, out_shapes) if sig.graph.reduction
+                       else self._elementwise_recipe(sig, kind, dev, ins, targets, shape, n))
+            res = D.execute(rec, None if targets[0] is None else targets,
+                            [A.pointer_of(x, kind) for x in ins], params)
+            self.stats["launches"] += len(rec.steps)
+            final = []
+            for r, o in zip(res, outs):
+                if o is not None and r is not o:
+                    D.copy_into(o, r, kind)
+                    r = o
+                final.append(r)
+            if keep:
+                self.fast.put(key, rec)
             return final
 
-    def _launch_elementwise(self, sig, kind, dev, ins, targets, params, shape, n, stream, cache_args=None):
+    def _spans(self, sig, kind, ins, targets, out_shapes, out_strides):
+        """(output spans, input spans, same-view inputs per output) of a recipe."""
+        ospans = [(0, 0) if t is None else D.view_span(s, A.strides_of(t, kind), dt.itemsize)
+                  for t, s, dt in zip(targets, out_shapes, sig.out_dtypes)]
+        ispans = [D.view_span(tuple(x.shape), A.strides_of(x, kind), dt.itemsize) for x, dt in zip(ins, sig.in_dtypes)]
+        same = [tuple(j for j, (st, idt) in enumerate(out_strides[1]) if idt == odt and st == ost)
+                for ost, odt in zip(out_strides[0], sig.out_dtypes)] if out_strides else [()] * len(targets)
+        return ospans, ispans, same
+
+    def _elementwise_recipe(self, sig, kind, dev, ins, targets, shape, n):
+        """The contiguous, strided or tiled launch for these operands (targets
+        None: new C-contiguous outputs); None beyond the strided kernel's dims."""
         V = sig.V
-        ptrs = [A.pointer_of(t, kind) for t in targets] + [A.pointer_of(x, kind) for x in ins]
-        strides = ([list(A.strides_of(t, kind)) for t in targets]
-                   + [A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape) for x in ins])
-        cshape, cstrides = A.collapse(shape, strides)
+        ost = [A.c_strides(shape) if t is None else list(A.strides_of(t, kind)) for t in targets]
+        ist = [A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape) for x in ins]
+        cshape, cstrides = A.collapse(shape, ost + ist)
+        if len(cshape) > D.STRIDED_NDIM:
+            return None
+        nout = len(targets)
+        b = D.RecipeBuilder(kind, dev, nout, len(ins))
+        slots = [D.out_(k) for k in range(nout)] + [D.in_(j) for j in range(len(ins))]
+        vals = [D.val(i) for i in range(len(sig.params))]
         if len(cshape) == 1 and all(st[0] == 1 for st in cstrides):
             fn = sig.function("fused_contig", dev)
-            grid = R.grid_for(n // V or 1, dev) or 1
-            R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, n, *params), stream)
-            self.stats["launches"] += 1
-            if (cache_args is not None and all(tuple(x.shape) == shape for x in ins)
-                    and all(type(x) is A.CupyArray or type(x) is E._TORCH[0] for x in ins)):  # no subclasses
-                # Same-shape contiguous arrays: the next call of this exact kind
-                # launches from __call__ without any of the checks above.
-                if len(self._fast) >= _FAST_MAX:
-                    self._fast.clear()
-                if kind == A.TORCH_CUDA:
-                    if any(x.requires_grad for x in ins):
-                        return
-                    t = A.torch()
-                    odts, tdev = [A.numpy_to_torch_dtype(d) for d in sig.out_dtypes], t.device("cuda", dev)
-                else:
-                    odts, tdev = sig.out_dtypes, None
-                # inputs: every argument (None) or these positions; launch tail: (n, *params)
-                # when no parameter comes from a scalar argument, else None (and n after it)
-                in_pos = None if sig.in_pos == list(range(len(cache_args))) else tuple(sig.in_pos)
-                tail = (n, *params) if all(i < 0 for i, _, _ in sig.params) else None
-                self._fast[_fast_key(cache_args)] = (dev, fn, odts, shape, ((grid,), (codegen.BLOCK,)), sig, tdev,
-                                                     in_pos, tail, n)
-            return
-        if len(cshape) > E._STRIDED_NDIM:  # more dims than the kernel indexes: dense copies
-            dense = [E._dense(x, shape, kind) for x in ins]
-            tmp = [E._empty(shape, dt, kind, dev) for dt in sig.out_dtypes]
-            self._launch_elementwise(sig, kind, dev, dense, tmp, params, shape, n, stream)
-            for t, o in zip(tmp, targets):
-                E._copy_into(o, t, kind)
-            return
-        parts = [(p, st, dt.itemsize) for p, st, dt in zip(ptrs, cstrides, sig.out_dtypes + sig.in_dtypes)]
-        L, work = E.strided_layout(len(ptrs), cshape, parts, V, n, nout=len(targets))
-        fn = sig.function("fused_tiled" if L["vec"] == 2 else "fused_strided", dev)
-        grid = R.grid_for(work, dev) or 1
-        R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, n, L, *params), stream)
-        self.stats["launches"] += 1
+            b.launch(fn, (R.grid_for(n // V or 1, dev) or 1,), (codegen.BLOCK,), (*slots, n, *vals))
+        else:
+            ptrs = [0 if t is None else A.pointer_of(t, kind) for t in targets] + [A.pointer_of(x, kind) for x in ins]
+            parts = [(p, st, dt.itemsize) for p, st, dt in zip(ptrs, cstrides, sig.out_dtypes + sig.in_dtypes)]
+            L, work = D.strided_layout(len(ptrs), cshape, parts, V, n, nout=nout)
+            fn = sig.function("fused_tiled" if L["vec"] == 2 else "fused_strided", dev)
+            b.launch(fn, (R.grid_for(work, dev) or 1,), (codegen.BLOCK,), (*slots, n, L, *vals))
+        spans = self._spans(sig, kind, ins, targets, [shape] * nout,
+                            (ost, list(zip(ist, sig.in_dtypes))))
+        return b.build([D.output(shape, dt, kind) for dt in sig.out_dtypes], *spans, extra=sig)
 
-    def _launch_rows(self, sig, kind, dev, ins, targets, params, shape, stream):
+    def _rows_recipe(self, sig, kind, dev, ins, targets, shape, out_shapes):
+        """The launch of a trailing reduction over rows of ``shape[-1]``; None
+        beyond the strided kernel's dims."""
         cols = shape[-1]
         lead = shape[:-1]
         rows = A.count(lead)
         nlead = len(lead)
-        ptrs = [A.pointer_of(t, kind) for t in targets] + [A.pointer_of(x, kind) for x in ins]
-        out_st = [list(A.strides_of(t, kind))[:nlead] for t in targets]
+        nout = len(targets)
+        ptrs = [0 if t is None else A.pointer_of(t, kind) for t in targets] + [A.pointer_of(x, kind) for x in ins]
+        out_st = [A.c_strides(s)[:nlead] if t is None else list(A.strides_of(t, kind))[:nlead]
+                  for t, s in zip(targets, out_shapes)]
         in_st = [A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape) for x in ins]
-        col_st = [0] * len(targets) + [st[-1] if cols != 1 else 0 for st in in_st]
+        col_st = [0] * nout + [st[-1] if cols != 1 else 0 for st in in_st]
         if lead:
             cshape, cstr = A.collapse(lead, out_st + [st[:-1] for st in in_st])
         else:
             cshape, cstr = [1], [[0] for _ in ptrs]
-        if len(cshape) + 1 > E._STRIDED_NDIM:  # dense copies, then one row dim
-            dense = [E._dense(x, shape, kind) for x in ins]
-            tmp = [E._empty(t.shape, dt, kind, dev) for t, dt in zip(targets, sig.out_dtypes)]
-            self._launch_rows(sig, kind, dev, dense, tmp, params, shape, stream)
-            for t, o in zip(tmp, targets):
-                E._copy_into(o, t, kind)
-            return
+        if len(cshape) + 1 > D.STRIDED_NDIM:
+            return None
         V = sig.V
         vec = int(cols % V == 0 and cols > 0)
         if vec:
-            for p, st, cs, dt in zip(ptrs[len(targets):], cstr[len(targets):], col_st[len(targets):], sig.in_dtypes):
+            for p, st, cs, dt in zip(ptrs[nout:], cstr[nout:], col_st[nout:], sig.in_dtypes):
                 align = min(V * dt.itemsize, 16)
                 if cs == 0:
                     continue
                 if cs != 1 or p % align or any((s * dt.itemsize) % align for s in st):
                     vec = 0
                     break
-        L = E.layout(len(ptrs), [cols] + list(cshape), [[c] + list(s) for c, s in zip(col_st, cstr)], vec)[()]
+        L = D.layout(len(ptrs), [cols] + list(cshape), [[c] + list(s) for c, s in zip(col_st, cstr)], vec)[()]
         units = cols // V if vec else cols
         tpr = 1
         while tpr < 256 and tpr * 4 < units:
@@ -401,8 +385,12 @@ class Fused:
         rpb = codegen.BLOCK // tpr
         grid = min((rows + rpb - 1) // rpb, R.sm_count(dev) * 32) or 1
         fn = sig.function("fused_rows", dev)
-        R.launch_grid(fn, (grid,), (codegen.BLOCK,), (*ptrs, rows, np.int32(tpr), L, *params), stream)
-        self.stats["launches"] += 1
+        b = D.RecipeBuilder(kind, dev, nout, len(ins))
+        slots = [D.out_(k) for k in range(nout)] + [D.in_(j) for j in range(len(ins))]
+        b.launch(fn, (grid,), (codegen.BLOCK,), (*slots, rows, np.int32(tpr), L,
+                                                 *[D.val(i) for i in range(len(sig.params))]))
+        spans = self._spans(sig, kind, ins, targets, out_shapes, None)
+        return b.build([D.output(s, dt, kind) for s, dt in zip(out_shapes, sig.out_dtypes)], *spans, extra=sig)
 
     # ---------------------------------------------------------- horizontal
     def foreach(self, *args, out=None):
@@ -611,7 +599,7 @@ class Fused:
             for _, _, n, _ in pending:
                 offsets.append(total)
                 total += -(-n // 16) * 16  # every view starts 16-byte aligned
-            bufs = [E._empty((total,), dt, kind, dev) for dt in odts]
+            bufs = [D.empty((total,), dt, kind, dev) for dt in odts]
             views = fast[len(fast) - len(pending):]
             # CuPy: an array on the buffer's memory at the item's offset, less
             # host time than a slice and a reshape (64 x 100K float32, back to
@@ -661,7 +649,7 @@ class Fused:
     def _launch_table(self, kind, dev, plan, params):
         table, blocks, nrows, fn, upt = plan
         stream = _stream(kind, dev) if kind == A.TORCH_CUDA else None  # None: CuPy's current stream
-        if dev == self._get_device():
+        if dev == D.get_device():
             R.launch_grid(fn, (blocks,), (codegen.BLOCK,), (table, nrows, upt, *params), stream)
         else:
             with R._cp.cuda.Device(dev):
@@ -731,31 +719,8 @@ class ForeachPlan:
 
 def _stream(kind, dev):
     if kind == A.TORCH_CUDA:
-        return R.external_stream(E._torch_stream(dev), dev)
+        return D.stream_for(kind, dev)
     return R._cp.cuda.get_current_stream()
-
-
-def _fast_key(args):
-    """What the fast path of ``Fused.__call__`` keys on: per CuPy array or
-    CUDA tensor its dtype, shape, contiguity and device (tensors: and
-    requires_grad), per other argument its type."""
-    Tensor = E._TORCH[0]
-    return tuple([(a.dtype, a.shape, a._c_contiguous, a.data.device_id) if type(a) is A.CupyArray
-                  else ((a.dtype, a.shape, a.is_contiguous(), a.get_device(), a.requires_grad)
-                        if type(a) is Tensor else type(a)) for a in args])
-
-
-def _apart_fast(out, ins):
-    """out (C-contiguous, the inputs' shape) is each input itself (same dtype) or apart from it."""
-    optr, nbytes, odt = out.data.ptr, out.nbytes, out.dtype
-    for x in ins:
-        d = x.data.ptr - optr
-        if d == 0:
-            if x.dtype != odt:
-                return False
-        elif -max(nbytes, x.nbytes) < d < nbytes:
-            return False
-    return True
 
 
 def _apart(optrs, odts, iptrs, idts, n):
@@ -771,12 +736,6 @@ def _apart(optrs, odts, iptrs, idts, n):
             if q < hi and lo < q + n * qd.itemsize:
                 return False
     return True
-
-
-def _overlaps(o, x, kind, dt):
-    lo, hi = A.extent(A.pointer_of(o, kind), tuple(o.shape), A.strides_of(o, kind), 1)
-    xlo, xhi = A.extent(A.pointer_of(x, kind), tuple(x.shape), A.strides_of(x, kind), dt.itemsize)
-    return xlo < hi and lo < xhi
 
 
 def fuse(fn=None):

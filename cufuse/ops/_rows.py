@@ -1,13 +1,12 @@
 """What the row kernels (kernels/rows.cuh: reductions, norms, softmax) need
 from an array: validation of the data operand, a [rows][cols] view with a row
-stride, the stream to launch on, and the group size for a row length."""
+stride, NumPy values for the fallback, and the group size for a row length.
+Allocation, copies, streams and aliasing are the driver's (``_driver``)."""
 from __future__ import annotations
 
 import numpy as np
 
 from .. import _arrays as A
-from .. import _runtime as R
-from .elementwise import _empty, _torch_stream
 
 FLOATS = A.FLOAT_DTYPES
 
@@ -39,24 +38,6 @@ def from_numpy(res, kind, out):
     return res
 
 
-def contiguous(x, kind):
-    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
-        return x.contiguous()
-    return np.ascontiguousarray(x) if kind == A.NUMPY else R._cp.ascontiguousarray(x)
-
-
-def moveaxis(x, kind, src, dst):
-    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
-        return x.movedim(src, dst)
-    return (np if kind == A.NUMPY else R._cp).moveaxis(x, src, dst)
-
-
-def empty_like(x, kind):
-    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
-        return A.torch().empty_like(x, memory_format=A.torch().contiguous_format)
-    return (np if kind == A.NUMPY else R._cp).empty(tuple(x.shape), A.dtype_of(x, kind))
-
-
 def row_stride(x, kind, lead):
     """Row stride (elements) when ``x`` is [rows][cols] with its first
     ``lead`` dims as rows and each row's elements contiguous; None otherwise."""
@@ -81,20 +62,6 @@ def row_stride(x, kind, lead):
     return ld if ld >= cols else None  # rows that overlap (a broadcast row) are copied
 
 
-def stream_for(kind, dev):
-    return R.external_stream(_torch_stream(dev), dev) if kind == A.TORCH_CUDA else None
-
-
-def empty(shape, dtype, kind, dev):
-    return _empty(shape, dtype, kind, dev)
-
-
 def pow2_at_least(n):
     return 1 << max(0, int(n) - 1).bit_length()
 
-
-def shares_memory(a, b, kind):
-    """True when the byte ranges of two GPU arrays overlap."""
-    lo1, hi1 = A.extent(A.pointer_of(a, kind), tuple(a.shape), A.strides_of(a, kind), A.dtype_of(a, kind).itemsize)
-    lo2, hi2 = A.extent(A.pointer_of(b, kind), tuple(b.shape), A.strides_of(b, kind), A.dtype_of(b, kind).itemsize)
-    return lo1 < hi2 and lo2 < hi1

@@ -21,6 +21,7 @@ from numbers import Real
 import numpy as np
 
 from .. import _arrays as A
+from .. import _driver as D
 from .. import _runtime as R
 from . import _rows
 
@@ -61,6 +62,7 @@ class _RowOp:
         # kernel for any row (see launch)
         self.narrow = narrow
         self.exprs = {}
+        self.fast = D.FastPath(name)
         for dt, ct in R.FLOAT_CTYPES.items():
             # each register-resident plan twice: for any row, and ("whole") for
             # rows of whole, aligned packs (see launch)
@@ -154,9 +156,14 @@ class _RowOp:
                 return ("split", _SPLIT_NP), tpr, parts
         return ("stream",), _STREAM_TPR, 1
 
-    def launch(self, y, x, w, b, rows, cols, ldy, ldx, eps, kind, dev, dt, plan=None):
+    def recipe(self, kind, dev, dt, rows, cols, ldy, ldx, py, px, pw, pb, plan=None):
+        """The launch over [rows][cols] of x (row stride ``ldx``) into y
+        (``ldy``); ``py``..``pb``: the addresses of y, x, weight and bias (0 for
+        a new y, None for no weight or bias), of which only the alignment is
+        read. Inputs: x, then weight and bias where given; value 0: eps."""
         isz = dt.itemsize
-        py, px, pw, pb = (0 if a is None else A.pointer_of(a, kind) for a in (y, x, w, b))
+        has_w, has_b = pw is not None, pb is not None
+        pw, pb = pw or 0, pb or 0
         aligned = px % 16 == 0 and (ldx * isz) % 16 == 0
         whole = aligned and (cols * isz) % 16 == 0 and py % 16 == 0 and (ldy * isz) % 16 == 0 \
             and pw % 16 == 0 and pb % 16 == 0
@@ -173,40 +180,32 @@ class _RowOp:
         if whole and key[0] not in ("stream", "pipe") and (not self.narrow or isz == 2 or key[1] < 8):
             key = key + ("whole",)
         fn = R.get_function(*self.exprs[(dt, key)], dev)
-        stream = _rows.stream_for(kind, dev)
-        args = (py, px, pw, pb, rows, cols, ldy, ldx, np.int32(tpr), float(eps))
+        b = D.RecipeBuilder(kind, dev, 1, 1 + has_w + has_b)
+        eps = D.val(0)
+        args = (D.out_(0), D.in_(0), D.in_(1) if has_w else 0, D.in_(1 + has_w) if has_b else 0,
+                rows, cols, ldy, ldx, np.int32(tpr), eps)
         if key[0] == "pipe":
             # groups x parts persistent blocks, as many as run at once; the
             # workspace of kernels/rows.cuh PipeGroup (ticket, tagged words) zeroed
             smem = _PIPE_SLOTS * _PIPE_NP * _PIPE_TPB * 16
             groups = max(1, min(rows, R.resident_blocks(fn, dev, tpr, smem) // cs))
             nbytes = 16 + rows * cs * _PIPE_PART_BYTES
-            work = _workspace(nbytes, nbytes, kind, dev, stream)
-            args = args[:8] + (np.int32(cs), np.int32(groups), float(eps), A.pointer_of(work, kind))
-            R.launch_grid(fn, (groups * cs,), (tpr,), args, stream, smem)
-            return
+            work = b.temp(nbytes, zeroed=nbytes)
+            b.launch(fn, (groups * cs,), (tpr,), args[:8] + (np.int32(cs), np.int32(groups), eps, work), smem)
+            return b
         if key[0] == "split":
             # one block of tpr threads per (row, part); the workspace of
             # kernels/rows.cuh SplitGroup, its ticket and counts zeroed
             counts = 16 + 4 * (-(-rows // 4) * 4)
-            work = _workspace(counts + rows * cs * _PART_BYTES, counts, kind, dev, stream)
-            args = args[:8] + (np.int32(cs), float(eps), A.pointer_of(work, kind))
+            work = b.temp(counts + rows * cs * _PART_BYTES, zeroed=counts)
+            args = args[:8] + (np.int32(cs), eps, work)
             block, grid = tpr, rows * cs
         else:
             block = max(tpr, 128) if cs == 1 else tpr
             grid = -(-rows // (block // tpr)) * cs
-        R.launch_grid(fn, (grid,), (block,), args, stream)
+        b.launch(fn, (grid,), (block,), args)
+        return b
 
-
-def _workspace(nbytes, zeroed, kind, dev, stream):
-    """A workspace of ``nbytes`` for one launch, its first ``zeroed`` bytes
-    zeroed on ``stream`` (None: CuPy's current). The caller holds it until the
-    launch is queued; its memory then returns to the pool, whose reuse the
-    stream orders."""
-    work = _rows.empty((nbytes,), np.uint8, kind, dev)
-    R._cp.cuda.runtime.memsetAsync(A.pointer_of(work, kind), 0, zeroed,
-                                   (stream or R._cp.cuda.get_current_stream()).ptr)
-    return work
 
 
 # Rows that take norm_rows_pipe, per op and dtype: the fewest 16-byte packs
@@ -293,16 +292,32 @@ def _np_softmax(x, log):
     return d - np.log(s) if log else e / s
 
 
-# --------------------------------------------------------------- the driver
-def _run(op, x, lead, ns, w, b, eps, out, np_impl):
+# --------------------------------------------------------------- the calls
+def _fast(op, x, w, b, eps, out, shape_key):
+    """The fast path of a row op: the recipe of this call's signature (x,
+    weight, bias, out, and ``shape_key``: the normalized shape or the axis),
+    launched with this call's eps; None when there is none (or eps is not a
+    finite float >= 0, which the general path checks)."""
+    s = D.signature((x, w, b, out))
+    if s is None or type(eps) is not float or not 0.0 <= eps < _INF:
+        return None, None
+    key, ptrs = (s[0], shape_key), s[1]
+    res = op.fast.run(key, ptrs, len(ptrs) - (out is not None), None if out is None else (out,), (eps,))
+    return (None if res is None else res[0]), key
+
+
+_INF = float("inf")
+
+
+def _run(op, x, kind, dt, dev, lead, w, b, eps, out, np_impl, key):
     """Validate ``out``, then launch ``op`` over x viewed as [rows][cols]
-    (rows: the first ``lead`` dims) or run ``np_impl`` on NumPy values."""
-    kind, dt, dev = _rows.data_arg(op.name, x)
+    (rows: the first ``lead`` dims), keeping the recipe under ``key``, or run
+    ``np_impl`` on NumPy values."""
     shape = tuple(x.shape)
     if out is not None:
         A.check_out(op.name, out, kind, dt, shape, dev)
     if 0 in shape:
-        return out if out is not None else _rows.empty_like(x, kind)
+        return out if out is not None else D.empty_like(x, kind)
     if kind not in A.GPU_KINDS:
         cdt = np.float32 if dt == np.float16 else dt
         vals = [None if a is None else _rows.to_numpy(a, kind).astype(cdt) for a in (x, w, b)]
@@ -311,22 +326,50 @@ def _run(op, x, lead, ns, w, b, eps, out, np_impl):
         return _rows.from_numpy(res, kind, out)
     rows = A.count(shape[:lead])
     cols = A.count(shape[lead:])
+    keep = key is not None
     with R._cp.cuda.Device(dev):
-        y = out if out is not None else _rows.empty(shape, dt, kind, dev)
         ldx = _rows.row_stride(x, kind, lead)
         if ldx is None:
-            x = _rows.contiguous(x, kind)
-            ldx = cols
-        w, b = (None if a is None else _rows.contiguous(a, kind) for a in (w, b))
-        target = y
-        ldy = _rows.row_stride(y, kind, lead)
-        if ldy is None or (_rows.shares_memory(y, x, kind) and not (
-                A.pointer_of(y, kind) == A.pointer_of(x, kind) and ldy == ldx)):
-            target, ldy = _rows.empty(shape, dt, kind, dev), cols
-        op.launch(target, x, w, b, rows, cols, ldy, ldx, eps, kind, dev, dt)
-        if target is not y:
-            y[...] = target
-        return y
+            x, ldx, keep = D.contiguous(x, kind), cols, False
+        ws = []
+        for a in (w, b):
+            if a is not None and not A.is_c_contiguous(tuple(a.shape), A.strides_of(a, kind)):
+                a, keep = D.contiguous(a, kind), False
+            ws.append(a)
+        w, b = ws
+        ins = [a for a in (x, w, b) if a is not None]
+        if kind == A.TORCH_CUDA and any(a.requires_grad for a in ins):
+            keep = False  # (grad mode is read at each call)
+        target, ldy = out, cols
+        if out is not None:
+            ldy = _rows.row_stride(out, kind, lead)
+            # out may be x itself (same rows), else it must share no byte with x, weight or bias
+            if ldy is None or any(D.overlaps(out, a, kind) for a in (w, b) if a is not None) or (
+                    D.overlaps(out, x, kind) and not (A.pointer_of(out, kind) == A.pointer_of(x, kind)
+                                                       and ldy == ldx)):
+                target, ldy, keep = None, cols, False
+        ptrs = [A.pointer_of(a, kind) for a in ins]
+        bld = op.recipe(kind, dev, dt, rows, cols, ldy, ldx, 0 if target is None else A.pointer_of(target, kind),
+                        ptrs[0], ptrs[1] if w is not None else None, ptrs[-1] if b is not None else None)
+        isz = dt.itemsize
+        rec = bld.build([D.output(shape, dt, kind)],
+                        [D.view_span(shape, A.strides_of(target, kind), isz) if target is not None else (0, 0)],
+                        [D.view_span(tuple(a.shape), A.strides_of(a, kind), isz) for a in ins],
+                        [(0,)] if target is not None and ldy == ldx else [()])
+        res = D.execute(rec, None if target is None else [target], ptrs, (eps,))[0]
+        if out is not None and res is not out:
+            D.copy_into(out, res, kind)
+            return out
+        if keep:
+            op.fast.put(key, rec)
+        return res
+
+
+def _shape_key(ns):
+    """normalized_shape as a fast-path key: an int or a tuple of ints (None: the general path)."""
+    if type(ns) is int or (type(ns) is tuple and all(type(n) is int for n in ns)):
+        return ns
+    return None
 
 
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, out=None):
@@ -345,25 +388,39 @@ def layer_norm_relu(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, ou
 
 
 def _layer_norm(name, x, normalized_shape, weight, bias, eps, out, relu):
+    op = _OPS[name]
+    sk = _shape_key(normalized_shape)
+    key = None
+    if sk is not None:
+        res, key = _fast(op, x, weight, bias, eps, out, sk)
+        if res is not None:
+            return res
     kind, dt, dev = _rows.data_arg(name, x)
     ns = _normalized_shape(name, x, normalized_shape)
     w = _affine(name, "weight", weight, ns, kind, dt, dev)
     b = _affine(name, "bias", bias, ns, kind, dt, dev)
     e = _eps(name, eps)
-    return _run(_OPS[name], x, len(x.shape) - len(ns), ns, w, b, e, out,
-                lambda xv, wv, bv: _np_layer_norm(xv, ns, wv, bv, e, relu))
+    return _run(op, x, kind, dt, dev, len(x.shape) - len(ns), w, b, e, out,
+                lambda xv, wv, bv: _np_layer_norm(xv, ns, wv, bv, e, relu), key)
 
 
 def rms_norm(x, normalized_shape, weight=None, eps=1e-6, *, out=None):
     """RMS normalization over the trailing ``normalized_shape`` dims, with
     PyTorch's semantics: x / sqrt(mean(x^2) + eps) * weight (``weight``
     optional). Returns x's shape, dtype and kind; ``out=`` receives it."""
+    op = _OPS["rms_norm"]
+    sk = _shape_key(normalized_shape)
+    key = None
+    if sk is not None:
+        res, key = _fast(op, x, weight, None, eps, out, sk)
+        if res is not None:
+            return res
     kind, dt, dev = _rows.data_arg("rms_norm", x)
     ns = _normalized_shape("rms_norm", x, normalized_shape)
     w = _affine("rms_norm", "weight", weight, ns, kind, dt, dev)
     e = _eps("rms_norm", eps)
-    return _run(_OPS["rms_norm"], x, len(x.shape) - len(ns), ns, w, None, e, out,
-                lambda xv, wv, bv: _np_rms_norm(xv, ns, wv, e))
+    return _run(op, x, kind, dt, dev, len(x.shape) - len(ns), w, None, e, out,
+                lambda xv, wv, bv: _np_rms_norm(xv, ns, wv, e), key)
 
 
 def softmax(x, axis=-1, *, out=None):
@@ -379,13 +436,18 @@ def log_softmax(x, axis=-1, *, out=None):
 
 
 def _softmax(name, x, axis, out):
+    op = _OPS[name]
+    key = None
+    if type(axis) is int:
+        res, key = _fast(op, x, None, None, 0.0, out, axis)
+        if res is not None:
+            return res
     kind, dt, dev = _rows.data_arg(name, x)
     ndim = len(x.shape)
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"cufuse.{name}: axis must be an int, got {type(axis).__name__}")
     if not -max(ndim, 1) <= axis < max(ndim, 1):
         raise ValueError(f"cufuse.{name}: axis {axis} is out of range for x with {ndim} dimensions")
-    op = _OPS[name]
     log = name == "log_softmax"
     if ndim == 0:  # one element: a row of length 1
         if out is not None:
@@ -394,18 +456,19 @@ def _softmax(name, x, axis, out):
         res = res.reshape(())
         if out is None:
             return res
-        out[...] = res
+        D.copy_into(out, res, kind)
         return out
     axis = int(axis) % ndim
     if axis == ndim - 1:
-        return _run(op, x, ndim - 1, None, None, None, 0.0, out, lambda xv, wv, bv: _np_softmax(xv, log))
+        return _run(op, x, kind, dt, dev, ndim - 1, None, None, 0.0, out, lambda xv, wv, bv: _np_softmax(xv, log),
+                    key)
     # Another axis: move it last, compute (contiguous rows), move it back.
     if out is not None:
         A.check_out(name, out, kind, dt, tuple(x.shape), dev)
-    res = _run(op, _rows.moveaxis(x, kind, axis, -1), ndim - 1, None, None, None, 0.0, None,
-               lambda xv, wv, bv: _np_softmax(xv, log))
-    back = _rows.moveaxis(res, kind, -1, axis)
+    res = _run(op, D.moveaxis(x, kind, axis, -1), kind, dt, dev, ndim - 1, None, None, 0.0, None,
+               lambda xv, wv, bv: _np_softmax(xv, log), None)
+    back = D.moveaxis(res, kind, -1, axis)
     if out is None:
-        return _rows.contiguous(back, kind)
-    out[...] = back
+        return D.contiguous(back, kind)
+    D.copy_into(out, back, kind)
     return out

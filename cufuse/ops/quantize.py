@@ -14,6 +14,7 @@ from numbers import Real
 import numpy as np
 
 from .. import _arrays as A
+from .. import _driver as D
 from .. import _runtime as R
 from .elementwise import ElementwiseOp, pack_width
 
@@ -189,6 +190,34 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
     return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: the data's device (checked above)
 
 
+_CONSTANTS: dict = {}  # (kind, device, dtype, length, value) -> a device array of that value
+_CONSTANTS_MAX = 64
+
+
+def _on_device(v, given, kind, dev):
+    """A per-channel parameter (``_channel_param``'s result) on the data's
+    device. One scalar for every channel becomes a device array kept for
+    later calls (no host-to-device copy per call, so such calls can be
+    captured in a CUDA graph once warmed up); a NumPy array is copied."""
+    if not isinstance(v, np.ndarray):
+        return v  # already the data's kind, on its device
+    key = None
+    if not isinstance(given, (np.ndarray, list, tuple)):
+        key = (kind, dev, v.dtype, v.shape[0], float(v[0]) if v.shape[0] else 0.0)
+        c = _CONSTANTS.get(key)
+        if c is not None:
+            return c
+    if kind == A.CUPY:
+        c = R._cp.asarray(v)  # dense already (_channel_param)
+    else:
+        c = A.torch().from_numpy(v).to(D.torch_device(dev))
+    if key is not None:
+        if len(_CONSTANTS) >= _CONSTANTS_MAX:
+            _CONSTANTS.clear()
+        _CONSTANTS[key] = c
+    return c
+
+
 def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     """Shared driver of quantize/dequantize: validates the parameters, picks
     the per-tensor op (``ops[0](in_dtype, scale, zero_point)``) or the
@@ -201,9 +230,9 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         s = _scalar_param(name, "scale", scale, True)
         z = _scalar_param(name, "zero_point", zero_point, False)
         rt = real.type
-        return per_tensor(in_dt, s, z)._general((x,), out, out_dtype=out_dtype, params=(s, z),
-                                   np_params={"scale": rt(s), "zero_point": rt(z)}
-                                   | ({"real": real} if in_dt == _I8 else {}))
+        return per_tensor(in_dt, s, z).call((x,), out, out_dtype=out_dtype, params=(s, z),
+                                            np_params={"scale": rt(s), "zero_point": rt(z)}
+                                            | ({"real": real} if in_dt == _I8 else {}), key_extra=out_dtype)
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"cufuse.{name}: axis must be an int or None, got {type(axis).__name__}")
     ndim = len(x.shape)
@@ -216,11 +245,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     if kind in A.GPU_KINDS:
         dev = A.device_of(x, kind)
         with R._cp.cuda.Device(dev):
-            if kind == A.CUPY:
-                sc, zp = (R._cp.asarray(v) for v in (sc, zp))  # dense already (_channel_param)
-            else:
-                t = A.torch()
-                sc, zp = (v if t.is_tensor(v) else t.from_numpy(v).to(f"cuda:{dev}") for v in (sc, zp))
+            sc, zp = (_on_device(v, given, kind, dev) for v, given in ((sc, scale), (zp, zero_point)))
         inner = A.count(x.shape[axis + 1:])
         nch = x.shape[axis]
         ptrs = (A.pointer_of(sc, kind), A.pointer_of(zp, kind))
@@ -238,7 +263,8 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
             np_params[key] = (v.numpy() if A.is_torch_tensor(v) else np.asarray(v)).astype(real).reshape(bshape)
         if in_dt == _I8:
             np_params["real"] = real
-    res = per_channel[walk]._general((x,), out, out_dtype=out_dtype, params=params, np_params=np_params)
+    res = per_channel[walk].call((x,), out, out_dtype=out_dtype, params=params, np_params=np_params,
+                                 key_extra=out_dtype)
     del sc, zp  # kept alive until the launch was queued (stream-ordered allocators)
     return res
 

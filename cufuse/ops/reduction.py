@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 
 from .. import _arrays as A
+from .. import _driver as D
 from .. import _runtime as R
 from . import _rows
 
@@ -50,6 +51,7 @@ class _Reduction:
     def __init__(self, name, map_, mean):
         self.name, self.mean = name, mean
         self.exprs = {}
+        self.fast = D.FastPath(name)
         for tin in A.FLOAT_DTYPES:
             fam = f"{FAMILY}:{name}:{tin.name}"
             for tout in A.FLOAT_DTYPES:
@@ -65,6 +67,18 @@ class _Reduction:
 
     def __call__(self, x, axis, keepdims, dtype, out):
         name = self.name
+        key = None
+        ak = _axis_key(axis)
+        if ak is not None:
+            s = D.signature((x, out))
+            if s is not None:
+                key, ptrs = (s[0], ak, type(keepdims), keepdims, dtype), s[1]
+                try:
+                    res = self.fast.run(key, ptrs, 1, None if out is None else (out,))
+                except TypeError:  # an unhashable dtype: the general path says what is wrong
+                    res = key = None
+                if res is not None:
+                    return res[0]
         kind, dt, dev = _rows.data_arg(name, x)
         odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
         shape = tuple(x.shape)
@@ -82,37 +96,60 @@ class _Reduction:
                 res = np.asarray(self.numpy(v, axes, bool(keepdims))).astype(odt)
             return _rows.from_numpy(res, kind, out)
         with R._cp.cuda.Device(dev):
-            return self._gpu(x, kind, dt, odt, acc, dev, shape, axes, res_shape, out)
+            return self._gpu(x, kind, dt, odt, acc, dev, shape, axes, res_shape, out, key)
 
-    def _gpu(self, x, kind, dt, odt, acc, dev, shape, axes, res_shape, out):
+    def _gpu(self, x, kind, dt, odt, acc, dev, shape, axes, res_shape, out, key):
         count = A.count([shape[i] for i in axes])
-        y = out if out is not None else _rows.empty(res_shape, odt, kind, dev)
         if A.count(res_shape) == 0:
-            return y
+            return out if out is not None else D.empty(res_shape, odt, kind, dev)
         if count == 0:  # a sum of nothing is 0, a mean of nothing NaN (NumPy)
+            y = out if out is not None else D.empty(res_shape, odt, kind, dev)
             y[...] = float("nan") if self.mean else 0.0
             return y
-        target = y
-        if not A.is_c_contiguous(tuple(y.shape), A.strides_of(y, kind)) or _rows.shares_memory(y, x, kind):
-            target = _rows.empty(res_shape, odt, kind, dev)
+        keep = key is not None and not (kind == A.TORCH_CUDA and x.requires_grad)
+        target = out
+        if out is not None and (not A.is_c_contiguous(tuple(out.shape), A.strides_of(out, kind))
+                                or D.overlaps(out, x, kind)):
+            target, keep = None, False
         scale = 1.0 / count if self.mean else 1.0
-        stream = _rows.stream_for(kind, dev)
         fns = [R.get_function(f, e, dev) for f, e in self.exprs[(dt, odt)]]
         rows_fn, cols_fn, block_fn, block_whole_fn = fns[:4]
         final = [R.get_function(f, e, dev) for f, e in _FINAL[(acc, odt)]]
         view = _view(x, kind, shape, axes)
+        xv = view[1]
+        xp = A.pointer_of(xv, kind)
+        keep = keep and xp == A.pointer_of(x, kind)  # x itself (or a view of it at its address), not a copy
+        b = D.RecipeBuilder(kind, dev, 1, 1)
         if view[0] == "rows":
-            _, xv, rows, cols, ldx = view
-            _reduce_rows((rows_fn, block_fn, block_whole_fn), final[0], target, xv, rows, cols, ldx, dt, acc, odt,
-                         scale, kind, dev, stream)
+            _, _, rows, cols, ldx = view
+            _reduce_rows(b, (rows_fn, block_fn, block_whole_fn), final[0], xp, rows, cols, ldx, dt, acc, odt,
+                         scale, dev)
         else:
-            _, xv, outer, r, inner = view
+            _, _, outer, r, inner = view
             deep = dt in _COL_DEEP  # fns[4]: reduce_cols_deep
-            _reduce_cols(fns[4] if deep else cols_fn, _COL_DEEP[dt] if deep else _COL_BLOCKS_PER_SM, final[1],
-                         target, xv, outer, r, inner, dt, acc, scale, kind, dev, stream)
-        if target is not y:
-            y[...] = target
-        return y
+            _reduce_cols(b, fns[4] if deep else cols_fn, _COL_DEEP[dt] if deep else _COL_BLOCKS_PER_SM,
+                         final[1], xp, outer, r, inner, dt, acc, scale, dev)
+        isz = A.dtype_of(x, kind).itemsize
+        rec = b.build([D.output(res_shape, odt, kind)],
+                      [(0, 0) if target is None else D.view_span(res_shape, A.strides_of(target, kind),
+                                                                 odt.itemsize)],
+                      [D.view_span(shape, A.strides_of(x, kind), isz)], [()])
+        res = D.execute(rec, None if target is None else [target], [xp])[0]
+        if out is not None and res is not out:
+            D.copy_into(out, res, kind)
+            return out
+        if keep:
+            self.fast.put(key, rec)
+        return res
+
+
+def _axis_key(axis):
+    """``axis`` as a fast-path key: None, an int or a tuple of ints (else None: the general path)."""
+    if axis is None:
+        return ("all",)
+    if type(axis) is int or (type(axis) is tuple and all(type(a) is int for a in axis)):
+        return axis
+    return None
 
 
 def _axes(name, axis, ndim):
@@ -141,12 +178,12 @@ def _view(x, kind, shape, axes):
     nd, nred = len(keep), len(red)
     size = A.count([shape[i] for i in keep])
     if nred == 0:  # nothing of length > 1 is reduced: rows of one element
-        return "rows", _rows.contiguous(xs, kind).reshape(-1), size, 1, 1
+        return "rows", D.contiguous(xs, kind).reshape(-1), size, 1, 1
     count = A.count([shape[keep[k]] for k in red])
     if red == list(range(nd - nred, nd)):  # trailing: a row reduction
         ld = _rows.row_stride(xs, kind, nd - nred)
         if ld is None:
-            xs, ld = _rows.contiguous(xs, kind), count
+            xs, ld = D.contiguous(xs, kind), count
         return "rows", xs, size // count, count, ld
     st = A.strides_of(xs, kind)
     if red == list(range(red[0], red[-1] + 1)) and A.is_c_contiguous(tuple(xs.shape), st) \
@@ -155,7 +192,7 @@ def _view(x, kind, shape, axes):
         return "cols", xs, outer, count, size // (outer * count)
     order = [k for k in range(nd) if k not in red] + red        # reduced axes last, then rows
     xt = xs.permute(*order) if kind == A.TORCH_CUDA else xs.transpose(order)
-    return "rows", _rows.contiguous(xt, kind), size // count, count, count
+    return "rows", D.contiguous(xt, kind), size // count, count, count
 
 
 def _split(want, most):
@@ -179,11 +216,14 @@ _BLOCK_PACKS = 4096
 _BLOCK_WAVES = 16
 
 
-def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, dev, stream):
+def _reduce_rows(b, fns, final, xp, rows, cols, ldx, dt, acc, odt, scale, dev):
+    """Adds the row reduction of x (address ``xp``: its alignment is read) into
+    output 0 to the recipe ``b``: one launch, or the rows split in chunks and
+    a second launch over the chunks' partial sums."""
     v = 16 // dt.itemsize
-    aligned = A.pointer_of(x, kind) % 16 == 0 and (ldx * dt.itemsize) % 16 == 0
+    aligned = xp % 16 == 0 and (ldx * dt.itemsize) % 16 == 0
     npack = -(-cols // v) + (0 if aligned else 1)  # at least any row's packs
-    xp, yp = A.pointer_of(x, kind), A.pointer_of(y, kind)
+    xp, yp = D.in_(0), D.out_(0)
     if npack >= _BLOCK_MIN_PACKS:
         splits = -(-npack // _BLOCK_PACKS)
         target = R.sm_count(dev) * _BLOCK_WAVES
@@ -210,17 +250,15 @@ def _reduce_rows(fns, final, y, x, rows, cols, ldx, dt, acc, odt, scale, kind, d
         def args(out, partial, s):
             return out, partial, xp, rows, cols, ldx, np.int32(tpr), per, s
     if splits == 1:
-        R.launch_grid(fn, grid, block, args(yp, 0, scale), stream)
+        b.launch(fn, grid, block, args(yp, 0, scale))
         return
-    part = _rows.empty((rows * splits,), acc, kind, dev)
-    pp = A.pointer_of(part, kind)
-    R.launch_grid(fn, grid, block, args(0, pp, 1.0), stream)
+    pp = b.temp(rows * splits * acc.itemsize)
+    b.launch(fn, grid, block, args(0, pp, 1.0))
     npack2 = -(-splits // (16 // acc.itemsize)) + 1
     tpr2 = min(max(_rows.pow2_at_least(-(-npack2 // 4)), 32), 512)
     block2 = max(tpr2, 256)
-    R.launch_grid(final, (-(-rows // (block2 // tpr2)), 1), (block2,),
-                  (yp, 0, pp, rows, splits, splits, np.int32(tpr2), npack2, scale), stream)
-    del part  # queued before the reference goes (stream-ordered allocators)
+    b.launch(final, (-(-rows // (block2 // tpr2)), 1), (block2,),
+             (yp, 0, pp, rows, splits, splits, np.int32(tpr2), npack2, scale))
 
 
 # reduce_cols' block: 64 packs of columns x 4 row phases, and rows split until
@@ -242,10 +280,12 @@ _COL_BLOCK = (64, 4)
 _COL_FINAL_BLOCK = (16, 16)
 
 
-def _reduce_cols(fn, per_sm, final, y, x, outer, r, inner, dt, acc, scale, kind, dev, stream):
-    xp, yp = A.pointer_of(x, kind), A.pointer_of(y, kind)
+def _reduce_cols(b, fn, per_sm, final, xp, outer, r, inner, dt, acc, scale, dev):
+    """Adds the column reduction of x (address ``xp``: its alignment is read)
+    into output 0 to the recipe ``b``."""
     v = 16 // dt.itemsize
     vec = int(inner % v == 0 and xp % 16 == 0)
+    xp, yp = D.in_(0), D.out_(0)
     block = _COL_BLOCK
     bx = outer * -(-inner // (block[0] * (v if vec else 1)))
     target = R.sm_count(dev) * per_sm  # 256-thread blocks
@@ -257,23 +297,20 @@ def _reduce_cols(fn, per_sm, final, y, x, outer, r, inner, dt, acc, scale, kind,
     chunk = -(-r // splits)
     splits = -(-r // chunk)
     if splits == 1:
-        R.launch_grid(fn, (bx, 1), block, (yp, 0, xp, outer, r, inner, chunk, np.int32(vec), scale, 0), stream)
+        b.launch(fn, (bx, 1), block, (yp, 0, xp, outer, r, inner, chunk, np.int32(vec), scale, 0))
         return
-    part = _rows.empty((splits * outer * inner,), acc, kind, dev)
-    pp = A.pointer_of(part, kind)
+    pp = b.temp(splits * outer * inner * acc.itemsize)
     if splits <= _COL_ONE_LAUNCH_SPLITS:
-        R.launch_grid(fn, (bx, splits), block,
-                      (yp, pp, xp, outer, r, inner, chunk, np.int32(vec), scale, _tickets(dev, stream, bx)), stream)
-        del part
+        tickets = b.stream_buffer(4 * bx)  # one uint32 ticket per column tile
+        b.launch(fn, (bx, splits), block, (yp, pp, xp, outer, r, inner, chunk, np.int32(vec), scale, tickets))
         return
-    R.launch_grid(fn, (bx, splits), block, (0, pp, xp, outer, r, inner, chunk, np.int32(vec), 1.0, 0), stream)
+    b.launch(fn, (bx, splits), block, (0, pp, xp, outer, r, inner, chunk, np.int32(vec), 1.0, 0))
     n = outer * inner
     va = 16 // acc.itemsize
     vec2 = int(n % va == 0)
     block2 = _COL_FINAL_BLOCK
-    R.launch_grid(final, (-(-n // (block2[0] * (va if vec2 else 1))), 1), block2,
-                  (yp, 0, pp, 1, splits, n, splits, np.int32(vec2), scale, 0), stream)
-    del part
+    b.launch(final, (-(-n // (block2[0] * (va if vec2 else 1))), 1), block2,
+             (yp, 0, pp, 1, splits, n, splits, np.int32(vec2), scale, 0))
 
 
 # Up to this many chunks, the last block of each column tile adds the
@@ -285,23 +322,6 @@ def _reduce_cols(fn, per_sm, final, y, x, outer, r, inner, dt, acc, scale, kind,
 # 50000 x 1000 float16 (264 chunks) 67 -> 44, float32 (132) 85 -> 79: one
 # block's gather of many chunks is slower than the second launch.
 _COL_ONE_LAUNCH_SPLITS = 16
-# Column tickets (kernels/reduction.cu reduce_cols): zeros, one per tile, per
-# (device, stream). A launch leaves them at 0, so launches on one stream
-# (which run in order) share them; another stream gets its own.
-_TICKETS: dict = {}
-
-
-def _tickets(dev, stream, n):
-    """Pointer to at least ``n`` zeroed tickets for launches on ``stream`` (None: CuPy's current) of ``dev``."""
-    cp = R._cp
-    s = stream or cp.cuda.get_current_stream()
-    t = _TICKETS.get((dev, s.ptr))
-    if t is None or t.size < n:
-        with cp.cuda.Device(dev), s:  # zeroed on the launch's stream, before it
-            t = _TICKETS[(dev, s.ptr)] = cp.zeros(max(n, 1024), np.uint32)
-    return t.data.ptr
-
-
 _sum_squared = _Reduction("sum_squared", "Square", mean=False)
 _mean_abs = _Reduction("mean_abs", "Abs", mean=True)
 

@@ -1,0 +1,589 @@
+"""The one host-side launch path: every op family launches through here.
+
+- **torch binding** (``torch_api``): torch's names the hot path uses, bound
+  once when the first tensor is seen (cufuse never imports torch itself).
+- **streams** (``stream_for``): torch tensors run on torch's current stream,
+  CuPy arrays on CuPy's current stream.
+- **allocation and copies** (``empty``, ``dense``, ``copy_into``, ...):
+  torch results come from torch's caching allocator, CuPy's from CuPy's pool.
+- **aliasing** (``overlaps``, ``needs_temporary``): one rule for every op.
+- **layouts** (``layout``, ``strided_layout``): the collapsed shapes and
+  strides the elementwise kernels walk.
+- **recipes and the fast path**: a family describes its launches as a
+  ``Recipe`` (kernels, grids and arguments, with ``Slot`` placeholders for
+  the pointers and scalar values of a call) built from the call's signature
+  alone; ``execute`` runs a recipe on a call's arrays. A ``FastPath`` keeps
+  the recipes of the signatures seen before (keyed by ``signature``), so a
+  repeated call reads its arguments' attributes, finds its recipe and
+  launches, with no validation or planning.
+"""
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import NamedTuple
+
+import numpy as np
+
+from . import _arrays as A
+from . import _runtime as R
+
+_cp = R._cp
+get_device = _cp.cuda.runtime.getDevice if _cp is not None else None
+
+
+# ----------------------------------------------------------------- torch
+class TorchAPI:
+    """The torch names of the hot path (``Tensor`` is None until bound)."""
+    __slots__ = ("Tensor", "empty", "raw_stream", "float_dtypes", "np_dtypes", "devices")
+
+    def __init__(self):
+        self.Tensor = None
+        self.empty = None
+        self.raw_stream = None
+        self.float_dtypes = {}  # torch float dtype -> NumPy dtype
+        self.np_dtypes = {}     # NumPy dtype -> torch dtype
+        self.devices = {}       # ordinal -> torch.device("cuda", ordinal)
+
+
+TORCH = TorchAPI()
+
+
+def torch_api() -> TorchAPI:
+    """``TORCH``, bound to the imported torch module on first use."""
+    if TORCH.Tensor is None:
+        t = A.torch()
+        if t is not None:
+            TORCH.float_dtypes = {t.float16: np.dtype(np.float16), t.float32: np.dtype(np.float32),
+                                  t.float64: np.dtype(np.float64)}
+            TORCH.np_dtypes = {v: k for k, v in TORCH.float_dtypes.items()} | {np.dtype(np.int8): t.int8,
+                                                                               np.dtype(np.uint8): t.uint8}
+            TORCH.empty = t.empty
+            TORCH.raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None) or (
+                lambda dev: t.cuda.current_stream(dev).cuda_stream)
+            TORCH.Tensor = t.Tensor
+    return TORCH
+
+
+def torch_device(dev):
+    d = TORCH.devices.get(dev)
+    if d is None:
+        d = TORCH.devices[dev] = A.torch().device("cuda", dev)
+    return d
+
+
+# ----------------------------------------------------------------- streams
+_torch_streams: dict = {}  # (raw torch stream, device) -> CuPy stream object
+
+
+def torch_stream(dev):
+    """A CuPy stream object for torch's current stream on ``dev`` (cached per stream)."""
+    raw = TORCH.raw_stream(dev)
+    s = _torch_streams.get((raw, dev))
+    if s is None:
+        s = _torch_streams[(raw, dev)] = R.external_stream(raw, dev)
+    return s
+
+
+def stream_for(kind, dev):
+    """The stream a call on arrays of ``kind`` launches on: torch's current
+    stream for torch tensors, None (CuPy's current stream) for CuPy arrays."""
+    if kind == A.TORCH_CUDA:
+        torch_api()
+        return torch_stream(dev)
+    return None
+
+
+def stream_ptr(stream):
+    return (stream or _cp.cuda.get_current_stream()).ptr
+
+
+# ----------------------------------------------------- allocation and copies
+def empty(shape, dtype, kind, dev):
+    """A new GPU array of ``kind``: torch's caching allocator or CuPy's pool."""
+    if kind == A.TORCH_CUDA:
+        return A.torch().empty(shape, dtype=A.numpy_to_torch_dtype(dtype), device=torch_device(dev))
+    return _cp.ndarray(shape, dtype)
+
+
+def empty_like(x, kind):
+    """A new C-contiguous array of x's shape, dtype and kind (NumPy kinds too)."""
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        return A.torch().empty_like(x, memory_format=A.torch().contiguous_format)
+    return (np if kind == A.NUMPY else _cp).empty(tuple(x.shape), A.dtype_of(x, kind))
+
+
+def dense(x, shape, kind):
+    """``x`` broadcast to ``shape`` as a C-contiguous copy."""
+    if kind == A.TORCH_CUDA:
+        return x.expand(shape).contiguous()
+    return _cp.ascontiguousarray(_cp.broadcast_to(x, shape))
+
+
+def contiguous(x, kind):
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        return x.contiguous()
+    return np.ascontiguousarray(x) if kind == A.NUMPY else _cp.ascontiguousarray(x)
+
+
+def copy_into(out, src, kind):
+    """out[...] = src, queued on the caller's stream."""
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        out.copy_(src)
+    else:
+        out[...] = src
+
+
+def astype(x, dtype, kind):
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        return x.to(A.numpy_to_torch_dtype(dtype))
+    return x.astype(dtype)
+
+
+def moveaxis(x, kind, src, dst):
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        return x.movedim(src, dst)
+    return (np if kind == A.NUMPY else _cp).moveaxis(x, src, dst)
+
+
+_stream_buffers: dict = {}  # (device, stream handle) -> zeroed CuPy uint8 array
+
+
+def stream_buffer(dev, stream, nbytes):
+    """Address of a zeroed buffer of at least ``nbytes`` for launches on
+    ``stream`` (None: CuPy's current) of ``dev``, which leave it zeroed. Made
+    (zeroed on that stream, before the launch) on first use; a call captured
+    in a CUDA graph must have run once on its stream before."""
+    s = stream or _cp.cuda.get_current_stream()
+    key = (dev, s.ptr)
+    b = _stream_buffers.get(key)
+    if b is None or b.size < nbytes:
+        with _cp.cuda.Device(dev), s:
+            b = _stream_buffers[key] = _cp.zeros(max(nbytes, 4096), np.uint8)
+    return b.data.ptr
+
+
+# ------------------------------------------------------------------ aliasing
+def span(x, kind, shape=None, strides=None):
+    """[lo, hi) bytes that view ``x`` touches (``shape``/``strides``: as broadcast)."""
+    item = A.dtype_of(x, kind).itemsize
+    return A.extent(A.pointer_of(x, kind), tuple(x.shape) if shape is None else shape,
+                    A.strides_of(x, kind) if strides is None else strides, item)
+
+
+def overlaps(a, b, kind):
+    """True when two GPU arrays share any byte."""
+    lo1, hi1 = span(a, kind)
+    lo2, hi2 = span(b, kind)
+    return lo1 < hi2 and lo2 < hi1
+
+
+def needs_temporary(out, odt, ins, in_dtypes, kind, shape):
+    """True when ``out`` (dtype ``odt``, the result ``shape``) shares memory with
+    an input (``None`` entries are scalars) in any way other than
+    element-for-element identity, which is safe in an elementwise kernel."""
+    ost = A.strides_of(out, kind)
+    optr = A.pointer_of(out, kind)
+    lo, hi = A.extent(optr, shape, ost, odt.itemsize)
+    for x, dt in zip(ins, in_dtypes):
+        if x is None:
+            continue
+        xst = A.broadcast_strides(tuple(x.shape), A.strides_of(x, kind), shape)
+        xptr = A.pointer_of(x, kind)
+        xlo, xhi = A.extent(xptr, shape, xst, dt.itemsize)
+        if xlo < hi and lo < xhi and not (xptr == optr and list(xst) == list(ost) and dt == odt):
+            return True
+    return False
+
+
+# ------------------------------------------------------------------- layouts
+STRIDED_NDIM = 8     # kernels/elementwise.cuh: kMaxDims
+_LAYOUTS: dict = {}  # operand count -> numpy twin of LayoutT<n>
+
+
+def layout_dtype(nops):
+    """numpy twin of kernels/elementwise.cuh LayoutT<nops> (the hand-written
+    kernels: nops = 4, kMaxOperands; a generated kernel: its operand count)."""
+    dt = _LAYOUTS.get(nops)
+    if dt is None:
+        nd = STRIDED_NDIM
+        dt = _LAYOUTS[nops] = np.dtype({"names": ["shape", "stride", "magic", "ndim", "vec"],
+                                        "formats": [(np.int64, (nd,)), (np.int64, (nops, nd)), (np.uint64, (nd,)),
+                                                    np.int32, np.int32]}, align=True)
+    return dt
+
+
+def layout(nops, cshape, cstrides, vec):
+    """A LayoutT<nops> record: collapsed shape and per-operand strides (dim 0
+    innermost; rows of None stay zero), traversal ``vec``."""
+    L = np.zeros((), dtype=layout_dtype(nops))
+    nd = len(cshape)
+    L["ndim"] = nd
+    L["shape"][:nd] = cshape
+    L["magic"][:nd] = [A.fast_div_magic(d) for d in cshape]
+    for k, st in enumerate(cstrides):
+        if st is not None:
+            L["stride"][k, :nd] = st
+    L["vec"] = vec
+    return L
+
+
+def strided_layout(nops, cshape, parts, vec, n, nout=1):
+    """(LayoutT<nops> record, threads) for the strided kernels. ``parts``: per
+    operand (pointer, collapsed strides, itemsize), the ``nout`` outputs
+    first; None for a scalar input's slot. Only the pointers' alignment is
+    read. The traversal (kernels/elementwise.cuh, LayoutT): tiles (2) when
+    the outputs are C-contiguous and every input an array that repeats a
+    contiguous block, else packs along dim 0 (1) when they fit, else one
+    element per thread (0)."""
+    tiles = _tiles(cshape, parts, vec, n, nout)
+    if tiles is not None:
+        L = layout(nops, cshape, [], 2)
+        for k, row in enumerate(tiles):
+            L["stride"][k, :5] = row
+        return L[()], n // vec
+    strides = [None if p is None else p[1] for p in parts]
+    if any(p[1][0] == 0 for p in parts[:nout]) or not _packs_fit(cshape, parts, vec):
+        return layout(nops, cshape, strides, 0)[()], n
+    return layout(nops, cshape, strides, 1)[()], n // vec
+
+
+def _tiles(cshape, parts, vec, n, nout):
+    """Per operand [pack, div, mod, magic(div), magic(mod)] for tile mode, or
+    None. Operand k's element for logical index i is (i / div) % mod: the
+    outputs are C-contiguous (div 1, mod n) and each input's strides are 0 on
+    the dims inside and outside one run of dims over which it is contiguous.
+    A pack of ``vec`` elements then reads ``vec`` consecutive elements (div
+    1, and the block a multiple of ``vec`` long, aligned) or one (div a
+    multiple of ``vec``)."""
+    if n % vec or n >= 2**31:  # the kernels index tiles in 32 bits
+        return None
+    if any(p is None for p in parts):
+        return None  # the tiled kernels take arrays only (no scalar decoding in them)
+    rows = []
+    for k, (ptr, st, itemsize) in enumerate(parts):
+        a = 0
+        while a < len(cshape) and st[a] == 0:
+            a += 1
+        b, expect = a, 1
+        while b < len(cshape) and st[b] == expect:
+            expect *= cshape[b]
+            b += 1
+        if any(st[d] for d in range(b, len(cshape))):
+            return None
+        div, mod = A.count(cshape[:a]), expect  # mod: the block's length (n // div: no wrap)
+        if k < nout and (a or b < len(cshape)):
+            return None
+        if div == 1 and a < len(cshape):
+            if mod % vec or ptr % min(vec * itemsize, 16):
+                return None
+            pack = 1
+        elif div % vec == 0 or a == len(cshape):
+            pack = 0
+        else:
+            return None
+        rows.append([pack, div, mod, A.fast_div_magic(div), A.fast_div_magic(mod)])
+    return rows
+
+
+def _packs_fit(cshape, parts, vec):
+    """Can the strided kernel walk dim 0 in packs of ``vec``? Its size must be
+    a multiple of ``vec``; the output and each input must be contiguous (or,
+    for inputs, broadcast) along it, with every pack start aligned as the
+    kernel's Pack type is (its size, at most 16 bytes)."""
+    if cshape[0] % vec:
+        return 0
+    for k, part in enumerate(parts):
+        if part is None:
+            continue  # a scalar
+        ptr, st, itemsize = part
+        if st[0] == 0 and k > 0:
+            continue  # one value broadcast over each pack
+        align = min(vec * itemsize, 16)
+        if st[0] != 1 or ptr % align or any((s * itemsize) % align for s in st[1:]):
+            return 0
+    return 1
+
+
+# ----------------------------------------------------------- signatures
+# Scalars whose type (not value) is part of a call's signature; bools too, which
+# cufuse.fuse takes and the ops reject in their general path.
+SCALAR_TYPES = frozenset([int, float, bool, np.bool_, np.float16, np.float32, np.float64, np.int8, np.int16,
+                          np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64])
+
+def signature(items):
+    """(key, pointers) of a call's arguments, or None when one of them is not
+    a CuPy array, a CUDA tensor, None or a scalar (NumPy and CPU tensors take
+    the general path, and so does anything to be rejected).
+
+    Per array: its type, dtype, shape, strides, the low 4 bits of its address
+    (what alignment decisions read), its device and (tensors) requires_grad;
+    per other item its type. ``pointers`` lists the arrays' addresses."""
+    Cupy, Tensor = A.CupyArray, TORCH.Tensor
+    key, ptrs = [], []
+    for a in items:
+        t = type(a)
+        if t is Cupy:
+            d = a.data
+            p = d.ptr
+            key.append((a.dtype, a.shape, a.strides, p & 15, d.device_id))
+            ptrs.append(p)
+        elif t is Tensor:
+            if not a.is_cuda:
+                return None
+            p = a.data_ptr()
+            key.append((a.dtype, a.shape, a.stride(), p & 15, a.get_device(), a.requires_grad))
+            ptrs.append(p)
+        elif t in SCALAR_TYPES or a is None:
+            key.append(t)  # a scalar's type fixes its dtype; its value is read at each call
+        elif Tensor is None and A.is_torch_tensor(a):
+            torch_api()
+            return signature(items)
+        elif Tensor is not None and isinstance(a, Tensor):  # a subclass (nn.Parameter): as a tensor
+            if not a.is_cuda:
+                return None
+            p = a.data_ptr()
+            key.append((t, a.dtype, a.shape, a.stride(), p & 15, a.get_device(), a.requires_grad))
+            ptrs.append(p)
+        else:
+            return None  # NumPy arrays, CuPy subclasses, anything to be rejected: the general path
+    return tuple(key), ptrs
+
+
+# ---------------------------------------------------------------- recipes
+class Slot:
+    """A kernel argument filled in at each call: output k, input k, temporary
+    k, or per-call value k (a scalar: eps, a seed, a scalar operand's bits)."""
+    __slots__ = ("what", "k")
+
+    def __init__(self, what, k):
+        self.what, self.k = what, k
+
+    def __repr__(self):
+        return f"Slot({self.what!r}, {self.k})"
+
+
+def out_(k):
+    return Slot("out", k)
+
+
+def in_(k):
+    return Slot("in", k)
+
+
+def val(k):
+    return Slot("val", k)
+
+
+class Launch(NamedTuple):
+    fn: object
+    grid: tuple
+    block: tuple
+    shared: int
+    get: object    # operator.itemgetter picking the arguments from (*constants, *slot values)
+    consts: tuple
+
+
+class Memset(NamedTuple):
+    slot: int      # index of the pointer among the slot values
+    nbytes: int
+
+
+class Output(NamedTuple):
+    shape: tuple
+    dtype: object  # NumPy dtype (CuPy) or torch dtype (torch)
+
+
+class Recipe(NamedTuple):
+    """Everything a call of one signature launches, with its pointers and
+    per-call values as slots: (outputs, inputs, temporaries, values)."""
+    kind: str
+    device: int
+    outs: tuple       # Output per result (allocated when the call has no out=)
+    temps: tuple      # bytes of each temporary (uint8, allocated per call)
+    steps: tuple      # Launch and Memset, in order
+    nout: int
+    nin: int
+    out_spans: tuple  # per output: (lo, hi) byte offsets from its pointer
+    in_spans: tuple   # per input: the same
+    same_ok: tuple    # per output: inputs that may be the very same view (elementwise in place)
+    sbufs: tuple = ()  # bytes of each per-stream buffer (RecipeBuilder.stream_buffer)
+    extra: object = None  # what else the family keeps with the recipe (cufuse.fuse: the traced signature)
+
+
+class RecipeBuilder:
+    """Collects a recipe's steps; ``temp`` adds a temporary and returns its slot."""
+
+    def __init__(self, kind, device, nout, nin):
+        self.kind, self.device, self.nout, self.nin = kind, device, nout, nin
+        self.temps, self.sbufs, self.steps = [], [], []
+
+    def stream_buffer(self, nbytes):
+        """A buffer of at least ``nbytes`` kept per (device, stream), zeroed
+        once; the kernels that use it (column tickets) leave it zeroed, so
+        launches on one stream, which run in order, share it."""
+        s = Slot("sbuf", len(self.sbufs))
+        self.sbufs.append(int(nbytes))
+        return s
+
+    def temp(self, nbytes, zeroed=0):
+        """A per-call temporary of ``nbytes``, its first ``zeroed`` bytes set to 0 on the call's stream."""
+        s = Slot("tmp", len(self.temps))
+        self.temps.append(int(nbytes))
+        if zeroed:
+            self.steps.append(("memset", s, int(zeroed)))
+        return s
+
+    def launch(self, fn, grid, block, args, shared=0):
+        R.allow_shared(fn, shared)
+        self.steps.append(("launch", fn, tuple(grid), tuple(block), int(shared), tuple(args)))
+
+    def build(self, outs, out_spans=(), in_spans=(), same_ok=(), extra=None):
+        t = self.nout + self.nin
+        base = {"out": 0, "in": self.nout, "tmp": t, "sbuf": t + len(self.temps),
+                "val": t + len(self.temps) + len(self.sbufs)}
+        steps = []
+        for st in self.steps:
+            if st[0] == "memset":
+                steps.append(Memset(base["tmp"] + st[1].k, st[2]))
+                continue
+            _, fn, grid, block, shared, args = st
+            # the arguments are picked from (*constants, *slot values)
+            consts = tuple(a for a in args if type(a) is not Slot)
+            idx, c = [], 0
+            for a in args:
+                if type(a) is Slot:
+                    idx.append(len(consts) + base[a.what] + a.k)
+                else:
+                    idx.append(c)
+                    c += 1
+            get = operator.itemgetter(*idx) if len(idx) > 1 else (lambda v, i=idx[0]: (v[i],))
+            steps.append(Launch(fn, grid, block, shared, get, consts))
+        return Recipe(self.kind, self.device, tuple(outs), tuple(self.temps), tuple(steps), self.nout, self.nin,
+                      tuple(out_spans), tuple(in_spans), tuple(same_ok), tuple(self.sbufs), extra)
+
+
+def output(shape, dtype, kind):
+    """The Output of a recipe for a result of ``shape`` and NumPy ``dtype``."""
+    return Output(tuple(shape), A.numpy_to_torch_dtype(dtype) if kind == A.TORCH_CUDA else np.dtype(dtype))
+
+
+def view_span(shape, strides, itemsize):
+    """(lo, hi) byte offsets from a view's pointer of what it touches (strides in elements)."""
+    return A.extent(0, tuple(shape), tuple(strides), itemsize)
+
+
+def execute(rec, outs, in_ptrs, values=()):
+    """Run ``rec``: ``outs`` the output arrays (None: allocate them),
+    ``in_ptrs`` the inputs' addresses, ``values`` the per-call values.
+    Returns the outputs (a list)."""
+    kind, dev = rec.kind, rec.device
+    if kind == A.TORCH_CUDA and TORCH.Tensor is None:
+        torch_api()
+    switch = dev != get_device()
+    if switch:
+        ctx = _cp.cuda.Device(dev)
+        ctx.__enter__()
+    try:
+        if kind == A.TORCH_CUDA:
+            if outs is None:
+                empty_, tdev = TORCH.empty, torch_device(dev)
+                outs = [empty_(o.shape, dtype=o.dtype, device=tdev) for o in rec.outs]
+            optrs = [o.data_ptr() for o in outs]
+            stream = torch_stream(dev)
+            temps = [TORCH.empty((n,), dtype=TORCH.np_dtypes[np.dtype(np.uint8)], device=torch_device(dev))
+                     for n in rec.temps]
+            tptrs = [t.data_ptr() for t in temps]
+        else:
+            if outs is None:
+                new = _cp.ndarray
+                outs = [new(o.shape, o.dtype) for o in rec.outs]
+            optrs = [o.data.ptr for o in outs]
+            stream = None
+            temps = [_cp.empty((n,), np.uint8) for n in rec.temps]
+            tptrs = [t.data.ptr for t in temps]
+        if rec.sbufs:
+            tptrs += [stream_buffer(dev, stream, n) for n in rec.sbufs]
+        vals = (*optrs, *in_ptrs, *tptrs, *values)
+        for st in rec.steps:
+            if type(st) is Launch:
+                args = st.get(st.consts + vals)
+                if stream is None:
+                    st.fn(st.grid, st.block, args, st.shared)
+                else:
+                    st.fn(st.grid, st.block, args, st.shared, stream)
+            else:
+                _cp.cuda.runtime.memsetAsync(vals[st.slot], 0, st.nbytes, stream_ptr(stream))
+        del temps  # queued: the allocators order the memory's reuse after the launches
+    finally:
+        if switch:
+            ctx.__exit__(None, None, None)
+    return outs
+
+
+def apart(rec, optrs, in_ptrs):
+    """Each given output shares no byte with any input, or is the very same
+    view of it where the recipe allows (an elementwise op in place)."""
+    for k, p in enumerate(optrs):
+        lo, hi = rec.out_spans[k]
+        lo += p
+        hi += p
+        ok = rec.same_ok[k] if rec.same_ok else ()
+        for j, q in enumerate(in_ptrs):
+            ilo, ihi = rec.in_spans[j]
+            if q + ilo < hi and lo < q + ihi and not (q == p and j in ok):
+                return False
+    return True
+
+
+# -------------------------------------------------------------- fast path
+_FAST_PATHS = weakref.WeakSet()
+
+
+class FastPath:
+    """The recipes of one op by call signature; ``hits`` and ``misses`` count
+    calls that found theirs or took the general path."""
+    MAX = 256
+
+    def __init__(self, name):
+        self.name = name
+        self.recipes: dict = {}
+        self.hits = 0
+        self.misses = 0
+        _FAST_PATHS.add(self)
+
+    def put(self, key, rec):
+        if key is None or rec is None:
+            return
+        if len(self.recipes) >= self.MAX:
+            self.recipes.clear()
+        self.recipes[key] = rec
+
+    def lookup(self, key, ptrs, nin, out):
+        """The recipe of this signature, if there is one and a given ``out`` is
+        apart from the inputs (else None: the general path). ``ptrs``: the
+        inputs' addresses, then the outputs' (``nin`` inputs)."""
+        rec = self.recipes.get(key)
+        if rec is None or (out is not None and not apart(rec, ptrs[nin:], ptrs[:nin])):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return rec
+
+    def run(self, key, ptrs, nin, out, values=()):
+        """The call's outputs if its signature has a recipe (``lookup``), else
+        None; ``out``: None or a tuple of output arrays."""
+        rec = self.lookup(key, ptrs, nin, out)
+        if rec is None:
+            return None
+        return execute(rec, out, ptrs[:nin] if len(ptrs) > nin else ptrs, values)
+
+
+def fast_paths():
+    return list(_FAST_PATHS)
+
+
+def clear_fast_paths():
+    """Forget every recipe (tests that wrap the kernels start from here)."""
+    for fp in _FAST_PATHS:
+        fp.recipes.clear()

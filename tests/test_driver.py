@@ -1,0 +1,360 @@
+"""The one host launch path (cufuse/_driver.py): the recipe of a call's
+signature kept by the general path and replayed by the fast path, errors on
+a call that matches a kept signature in all but the bad argument, stream
+binding, CUDA graph capture of every op family, and the recipe mechanism
+itself (CPU)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufuse
+from cufuse import _driver as D
+
+from _reference import rand
+
+SHAPE = (64, 96)
+DT = [np.dtype(np.float16), np.dtype(np.float32)]
+
+
+def _fused():
+    return cufuse.fuse(lambda a, b: a * b + 1.0)
+
+
+def _fused_rows():
+    return cufuse.fuse(lambda a, b: (a * b).sum(axis=-1))
+
+
+# family -> (input spec, the call). Inputs: "x" (SHAPE), "b"/"w" (one row), "q" (int8 codes).
+FAMILIES = {
+    "add_relu": ("xx", lambda a, b, out=None: cufuse.add_relu(a, b, out=out)),
+    "fma_scalar": ("xx", lambda a, b, out=None: cufuse.fma(a, 0.5, b, out=out)),
+    "bias_gelu": ("xb", lambda x, b, out=None: cufuse.bias_gelu(x, b, out=out)),
+    "gelu_dropout": ("x", lambda x, out=None: cufuse.gelu_dropout(x, 0.1, seed=7, out=out)),
+    "quantize_int8": ("x", lambda x, out=None: cufuse.quantize_int8(x, 0.05, out=out)),
+    "quantize_int8_axis": ("xw", lambda x, s, out=None: cufuse.quantize_int8(x, abs(s) + 0.01, axis=-1, out=out)),
+    "dequantize_int8": ("q", lambda q, out=None: cufuse.dequantize_int8(q, 0.05, out=out)),
+    "layer_norm": ("xwb", lambda x, w, b, out=None: cufuse.layer_norm(x, x.shape[-1], w, b, out=out)),
+    "rms_norm": ("xw", lambda x, w, out=None: cufuse.rms_norm(x, (x.shape[-1],), w, out=out)),
+    "softmax": ("x", lambda x, out=None: cufuse.softmax(x, out=out)),
+    "sum_squared": ("x", lambda x, out=None: cufuse.sum_squared(x, out=out)),
+    "mean_abs_axis0": ("x", lambda x, out=None: cufuse.mean_abs(x, axis=0, out=out)),
+    "fuse": ("xx", lambda a, b, out=None: _FUSED["ew"](a, b, out=out)),
+    "fuse_rows": ("xx", lambda a, b, out=None: _FUSED["rows"](a, b, out=out)),
+}
+_FUSED = {}
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    """New fused functions and no kept recipes for each test."""
+    _FUSED["ew"], _FUSED["rows"] = _fused(), _fused_rows()
+    D.clear_fast_paths()
+    yield
+    D.clear_fast_paths()
+
+
+def _np_inputs(spec, dtype, seed):
+    out = []
+    for k, c in enumerate(spec):
+        if c == "q":
+            out.append(np.random.default_rng(seed + k).integers(-128, 128, SHAPE).astype(np.int8))
+        else:
+            out.append(rand(SHAPE[-1:] if c in "wb" else SHAPE, dtype, seed + k))
+    return out
+
+
+def _hits():
+    return sum(fp.hits for fp in D.fast_paths())
+
+
+def _kinds():
+    import cupy as cp
+    kinds = [("cupy", cp.asarray, cp.asnumpy)]
+    torch = pytest.importorskip("torch")
+    kinds.append(("torch", lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda(),
+                  lambda t: t.cpu().numpy()))
+    return kinds
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DT, ids=lambda d: d.name)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_second_call_takes_the_fast_path(family, dtype):
+    """The first call keeps its recipe; the second (same signature, new data)
+    finds it, counted, and gives bit for bit what the general path gives on
+    that data; so does a third with out= (its first out= call is general)."""
+    spec, call = FAMILIES[family]
+    for _, to_dev, to_np in _kinds():
+        D.clear_fast_paths()
+        a = [to_dev(v) for v in _np_inputs(spec, dtype, 1)]
+        b = [to_dev(v) for v in _np_inputs(spec, dtype, 11)]
+        call(*a)
+        h = _hits()
+        fast = to_np(call(*b))
+        assert _hits() == h + 1, family
+        D.clear_fast_paths()
+        general = to_np(call(*b))
+        assert _hits() == h + 1
+        np.testing.assert_array_equal(fast, general)
+        out = call(*a) * 0 + 3  # poisoned (and not a view of anything)
+        call(*a, out=out)
+        h = _hits()
+        got = to_np(call(*b, out=out))
+        assert _hits() == h + 1, family
+        np.testing.assert_array_equal(got, general)
+
+
+@pytest.mark.cuda
+def test_fast_path_in_place_and_overlap():
+    """out= the input itself (element for element) stays on the fast path; an
+    out= that overlaps an input any other way goes to the general path, which
+    computes into a temporary: the result is right either way."""
+    import cupy as cp
+    x = cp.asarray(rand((256,), np.float32, 3))
+    y = cp.asarray(rand((256,), np.float32, 4))
+    ref = np.maximum(cp.asnumpy(x) + cp.asnumpy(y), 0)
+    buf = cp.empty(512, np.float32)
+    buf[:256] = x
+    cufuse.add_relu(buf[:256], y, out=buf[:256])       # general: keeps the in-place recipe
+    np.testing.assert_array_equal(cp.asnumpy(buf[:256]), ref)
+    buf[:256] = x
+    h = _hits()
+    cufuse.add_relu(buf[:256], y, out=buf[:256])
+    assert _hits() == h + 1
+    np.testing.assert_array_equal(cp.asnumpy(buf[:256]), ref)
+    buf[:256] = x
+    h = _hits()
+    buf2 = cp.empty(512, np.float32)
+    buf2[:256] = x
+    cufuse.add_relu(buf2[:256], y, out=buf2[1:257])     # same signature but for alignment: general
+    np.testing.assert_array_equal(cp.asnumpy(buf2[1:257]), ref)
+    cufuse.add_relu(buf[:256], y, out=buf[256:])         # apart: fast
+    assert _hits() == h + 1
+    np.testing.assert_array_equal(cp.asnumpy(buf[256:]), ref)
+    # layer_norm: out overlapping the weight is not the fast path's (nor silently wrong)
+    x2 = cp.asarray(rand((8, 64), np.float32, 5))
+    w = cp.asarray(rand((128,), np.float32, 6))
+    b = cp.asarray(rand((64,), np.float32, 7))
+    ref2 = cp.asnumpy(cufuse.layer_norm(x2, 64, w[:64].copy(), b))
+    o = cp.empty((8, 64), np.float32)
+    cufuse.layer_norm(x2, 64, w[:64], b, out=o)
+    np.testing.assert_allclose(cp.asnumpy(o), ref2, rtol=1e-6, atol=1e-6)
+    wo = cp.empty(64 * 9, np.float32)
+    wo[:64] = w[:64]
+    cufuse.layer_norm(x2, 64, wo[:64], b, out=wo[:512].reshape(8, 64))  # out overlaps the weight
+    np.testing.assert_allclose(cp.asnumpy(wo[:512].reshape(8, 64)), ref2, rtol=1e-6, atol=1e-6)
+
+
+def _errors_after_cached(xp, dev_array):
+    """Each bad call matches a kept signature but for its bad argument."""
+    x = dev_array(rand(SHAPE, np.float32, 1))
+    w = dev_array(rand(SHAPE[-1:], np.float32, 2))
+    cufuse.layer_norm(x, SHAPE[-1], w, w, eps=1e-5)
+    cufuse.layer_norm(x, SHAPE[-1], w, w, eps=1e-5)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        cufuse.layer_norm(x, SHAPE[-1], w, w, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be finite and >= 0"):
+        cufuse.layer_norm(x, SHAPE[-1], w, w, eps=float("nan"))
+    with pytest.raises(TypeError, match="normalized_shape must be an int or a tuple of ints"):
+        cufuse.layer_norm(x, (True,), w, w)
+    with pytest.raises(ValueError, match="must be the trailing dims"):
+        cufuse.layer_norm(x, SHAPE[-1] + 1, w, w)
+    with pytest.raises(TypeError, match="weight has dtype"):
+        cufuse.layer_norm(x, SHAPE[-1], dev_array(rand(SHAPE[-1:], np.float64, 2)), w)
+    cufuse.softmax(x, axis=-1)
+    cufuse.softmax(x, axis=1)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        cufuse.softmax(x, axis=True)
+    cufuse.sum_squared(x, axis=1, keepdims=True)
+    cufuse.sum_squared(x, axis=1, keepdims=True)
+    with pytest.raises(TypeError, match="keepdims must be a bool"):
+        cufuse.sum_squared(x, axis=1, keepdims=1)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        cufuse.sum_squared(x, axis=True, keepdims=True)
+    with pytest.raises(ValueError, match="out of range"):
+        cufuse.sum_squared(x, axis=2, keepdims=True)
+    cufuse.gelu_dropout(x, 0.1)
+    cufuse.gelu_dropout(x, 0.1)
+    with pytest.raises(ValueError, match=r"p must be in \[0, 1\)"):
+        cufuse.gelu_dropout(x, 1.5)
+    cufuse.quantize_int8(x, 0.5)
+    cufuse.quantize_int8(x, 0.5)
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        cufuse.quantize_int8(x, -0.5)
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        cufuse.quantize_int8(x, float("inf"))
+    o = cufuse.add_relu(x, x)
+    cufuse.add_relu(x, x, out=o)
+    cufuse.add_relu(x, x, out=o)
+    with pytest.raises(ValueError, match="out has shape"):
+        cufuse.add_relu(x, x, out=o[:1])
+    with pytest.raises(TypeError, match="out has dtype"):
+        cufuse.add_relu(x, x, out=dev_array(np.zeros(SHAPE, np.float64)))
+    with pytest.raises(TypeError, match="mixed array kinds"):
+        cufuse.add_relu(x, rand(SHAPE, np.float32, 3))
+    cufuse.add_relu(x, 2.0)
+    cufuse.add_relu(x, 2.0)
+    with pytest.raises(TypeError):
+        cufuse.add_relu(x, True)
+    f = cufuse.fuse(lambda a, b: a * b)
+    f(x, 2.0)
+    f(x, 2.0)
+    with pytest.raises(ValueError, match="do not broadcast"):
+        f(x, dev_array(rand((3,), np.float32, 4)))
+
+
+@pytest.mark.cuda
+def test_errors_on_a_kept_signature_cupy():
+    import cupy as cp
+    _errors_after_cached(cp, cp.asarray)
+
+
+@pytest.mark.cuda
+def test_errors_on_a_kept_signature_torch():
+    torch = pytest.importorskip("torch")
+    _errors_after_cached(torch, lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda())
+    x = torch.from_numpy(rand(SHAPE, np.float32, 1)).cuda()
+    with torch.no_grad():
+        xg = x.clone().requires_grad_(True)
+        cufuse.add_relu(xg, xg)
+        cufuse.add_relu(xg, xg)
+        cufuse.layer_norm(xg, SHAPE[-1])
+        cufuse.layer_norm(xg, SHAPE[-1])
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        cufuse.add_relu(xg, xg)
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        cufuse.layer_norm(xg, SHAPE[-1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_fast_path_on_torch_side_stream(family, launches):
+    """Under torch.cuda.stream(s), the general and the fast path both launch on s."""
+    torch = pytest.importorskip("torch")
+    spec, call = FAMILIES[family]
+    s = torch.cuda.Stream()
+    a = [torch.from_numpy(v).cuda() for v in _np_inputs(spec, np.dtype(np.float32), 1)]
+    torch.cuda.synchronize()
+    with torch.cuda.stream(s):
+        r1 = call(*a)
+        h = _hits()
+        r2 = call(*a)
+        assert _hits() == h + 1
+    s.synchronize()
+    # (a fused function's kernels are generated, not the registry's, so the fixture does not see them)
+    assert launches or family.startswith("fuse")
+    assert all(ln.stream is not None and ln.stream.ptr == s.cuda_stream for ln in launches)
+    np.testing.assert_array_equal(r1.cpu().numpy(), r2.cpu().numpy())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cupy_stream_graph_capture(family):
+    """Under a CuPy stream, calls launch on it: a capture of the fast path
+    (out=) on that stream replays on new data (a launch elsewhere would be
+    missing from the graph, or fail the capture)."""
+    import cupy as cp
+    spec, call = FAMILIES[family]
+    a = [cp.asarray(v) for v in _np_inputs(spec, np.dtype(np.float32), 1)]
+    b = _np_inputs(spec, np.dtype(np.float32), 21)
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        out = call(*a) * 0
+        call(*a, out=out)
+        call(*a, out=out)  # warm: the fast path, its memory pools and column tickets
+        s.synchronize()
+        s.begin_capture()
+        h = _hits()
+        call(*a, out=out)
+        assert _hits() == h + 1
+        g = s.end_capture()
+        for dst, src in zip(a, b):
+            dst.set(src, stream=s)
+        out.fill(7)
+        g.launch(stream=s)
+        s.synchronize()
+    D.clear_fast_paths()
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(call(*[cp.asarray(v) for v in b])))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_torch_graph_capture_on_side_stream(family):
+    """torch.cuda.graph on a side stream captures each family's call with
+    out=; a replay on new data gives what an eager call gives."""
+    torch = pytest.importorskip("torch")
+    spec, call = FAMILIES[family]
+    a = [torch.from_numpy(v).cuda() for v in _np_inputs(spec, np.dtype(np.float16), 1)]
+    b = [torch.from_numpy(v).cuda() for v in _np_inputs(spec, np.dtype(np.float16), 31)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = call(*a) * 0
+        call(*a, out=out)
+        call(*a, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=s):
+        call(*a, out=out)
+    for dst, src in zip(a, b):
+        dst.copy_(src)
+    out.fill_(7)
+    g.replay()
+    torch.cuda.synchronize()
+    D.clear_fast_paths()
+    np.testing.assert_array_equal(out.cpu().numpy(), call(*b).cpu().numpy())
+
+
+# ---------------------------------------------------------------- CPU only
+def test_recipe_arguments_from_slots_and_constants():
+    """A recipe's launch takes its constants and this call's slot values in
+    the order written, whatever the number of values given."""
+    calls = []
+
+    class Fn:
+        ptr = 0
+
+        def __call__(self, grid, block, args, shared=0, stream=None):
+            calls.append((grid, block, args, shared))
+
+    b = D.RecipeBuilder("cupy.ndarray", 0, 1, 2)
+    t = b.temp(64, zeroed=0)
+    b.launch(Fn(), (3,), (256,), (D.out_(0), 5, D.in_(1), D.val(1), 7.5, t, D.in_(0), D.val(0)))
+    rec = b.build([D.Output((4,), np.dtype(np.float32))])
+    step = rec.steps[0]
+    vals = (100, 200, 300, 400, 0.25, 0.5)  # out, in 0, in 1, temp 0, value 0, value 1
+    assert step.get(step.consts + vals) == (100, 5, 300, 0.5, 7.5, 400, 200, 0.25)
+    b2 = D.RecipeBuilder("cupy.ndarray", 0, 1, 1)
+    b2.launch(Fn(), (1,), (32,), (D.out_(0),))
+    s2 = b2.build([D.Output((4,), np.dtype(np.float32))]).steps[0]
+    assert s2.get(s2.consts + (9, 8)) == (9,)
+
+
+def test_apart_rule():
+    """An output may be an allowed input's very view (same address) or share
+    no byte with any input; anything else is refused."""
+    rec = D.Recipe("cupy.ndarray", 0, (), (), (), 1, 2, ((0, 64),), ((0, 64), (0, 16)), ((0,),))
+    assert D.apart(rec, [1000], [1000, 5000])          # in place on input 0
+    assert not D.apart(rec, [1000], [1004, 5000])      # shifted by one element
+    assert not D.apart(rec, [1000], [5000, 1000])      # input 1 may not be the output's view
+    assert not D.apart(rec, [1000], [5000, 1060])      # overlaps input 1's last bytes
+    assert D.apart(rec, [1000], [5000, 1064])
+
+
+def test_signature_takes_scalars_and_rejects_others():
+    """NumPy arrays and unknown objects have no fast path; scalars' types are part of the key."""
+    assert D.signature((np.zeros(3), 1.0)) is None
+    assert D.signature((object(),)) is None
+    assert D.signature(([1, 2],)) is None
+    k1, p1 = D.signature((1.0, None, np.float32(2)))
+    k2, _ = D.signature((1, None, np.float32(2)))
+    assert p1 == [] and k1 != k2
+
+
+def test_fallback_relu_speed_path_keeps_nan():
+    """The NumPy fallback's relu (np.maximum) keeps NaN, as the kernels do."""
+    x = np.array([np.nan, -1.0, 2.0], np.float32)
+    got = cufuse.add_relu(x, np.float32(0))
+    assert np.isnan(got[0]) and got[1] == 0 and got[2] == 2
