@@ -20,6 +20,8 @@
 from __future__ import annotations
 
 import operator
+import struct
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -30,16 +32,21 @@ from . import _runtime as R
 
 _cp = R._cp
 get_device = _cp.cuda.runtime.getDevice if _cp is not None else None
+try:  # the driver's launch: what cupy.cuda.Function calls after packing its arguments
+    from cupy.cuda.function import Function as _Function
+    from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
+except Exception:  # pragma: no cover - no CuPy
+    _Function = _launch_kernel = None
 
 
 # ----------------------------------------------------------------- torch
 class TorchAPI:
     """The torch names of the hot path (``Tensor`` is None until bound)."""
-    __slots__ = ("Tensor", "empty", "raw_stream", "float_dtypes", "np_dtypes", "devices")
+    __slots__ = ("Tensor", "empty", "empty_like", "raw_stream", "float_dtypes", "np_dtypes", "devices")
 
     def __init__(self):
         self.Tensor = None
-        self.empty = None
+        self.empty = self.empty_like = None
         self.raw_stream = None
         self.float_dtypes = {}  # torch float dtype -> NumPy dtype
         self.np_dtypes = {}     # NumPy dtype -> torch dtype
@@ -58,7 +65,7 @@ def torch_api() -> TorchAPI:
                                   t.float64: np.dtype(np.float64)}
             TORCH.np_dtypes = {v: k for k, v in TORCH.float_dtypes.items()} | {np.dtype(np.int8): t.int8,
                                                                                np.dtype(np.uint8): t.uint8}
-            TORCH.empty = t.empty
+            TORCH.empty, TORCH.empty_like = t.empty, t.empty_like
             TORCH.raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None) or (
                 lambda dev: t.cuda.current_stream(dev).cuda_stream)
             TORCH.Tensor = t.Tensor
@@ -78,11 +85,7 @@ _torch_streams: dict = {}  # (raw torch stream, device) -> CuPy stream object
 
 def torch_stream(dev):
     """A CuPy stream object for torch's current stream on ``dev`` (cached per stream)."""
-    raw = TORCH.raw_stream(dev)
-    s = _torch_streams.get((raw, dev))
-    if s is None:
-        s = _torch_streams[(raw, dev)] = R.external_stream(raw, dev)
-    return s
+    return _stream_object(A.TORCH_CUDA, dev, TORCH.raw_stream(dev))
 
 
 def stream_for(kind, dev):
@@ -92,10 +95,6 @@ def stream_for(kind, dev):
         torch_api()
         return torch_stream(dev)
     return None
-
-
-def stream_ptr(stream):
-    return (stream or _cp.cuda.get_current_stream()).ptr
 
 
 # ----------------------------------------------------- allocation and copies
@@ -329,10 +328,11 @@ def signature(items):
             key.append((a.dtype, a.shape, a.strides, p & 15, d.device_id))
             ptrs.append(p)
         elif t is Tensor:
-            if not a.is_cuda:
+            d = a.get_device()  # -1 off the GPU
+            if d < 0:
                 return None
             p = a.data_ptr()
-            key.append((a.dtype, a.shape, a.stride(), p & 15, a.get_device(), a.requires_grad))
+            key.append((a.dtype, a.shape, a.stride(), p & 15, d, a.requires_grad))
             ptrs.append(p)
         elif t in SCALAR_TYPES or a is None:
             key.append(t)  # a scalar's type fixes its dtype; its value is read at each call
@@ -382,6 +382,56 @@ class Launch(NamedTuple):
     shared: int
     get: object    # operator.itemgetter picking the arguments from (*constants, *slot values)
     consts: tuple
+    packed: list   # [Packed, None before the first launch, or False: always through fn]
+
+
+# struct formats of kernel arguments as CuPy passes them: Python bool, int and
+# float as bool, int64 (uint64 from 2**63) and double; NumPy scalars as their dtype
+_FORMATS = {np.dtype(t): f for t, f in ((np.bool_, "?"), (np.int8, "b"), (np.uint8, "B"), (np.int16, "h"),
+                                         (np.uint16, "H"), (np.int32, "i"), (np.uint32, "I"), (np.int64, "q"),
+                                         (np.uint64, "Q"), (np.float16, "e"), (np.float32, "f"),
+                                         (np.float64, "d"))}
+
+
+class Packed:
+    """A launch's arguments packed as the driver takes them: one buffer
+    holding every argument 16-byte aligned, and the array of their addresses
+    (cuLaunchKernel's kernelParams). Each call packs its values into the
+    buffer and launches under the lock (the driver copies the arguments
+    before cuLaunchKernel returns)."""
+    __slots__ = ("struct", "buf", "params", "params_ptr", "consts", "dims", "fptr", "lock")
+
+    def __init__(self, st, args):
+        fmt, offsets, off = ["<"], [], 0
+        for a in args:
+            t = type(a)
+            if t is bool:
+                f = "?"
+            elif t is int:
+                f = "Q" if a >= 2**63 else "q"
+            elif t is float:
+                f = "d"
+            elif isinstance(a, np.generic):
+                f = _FORMATS.get(a.dtype) or f"{a.dtype.itemsize}s"  # records (Layout) as their bytes
+            else:
+                raise TypeError(f"no packing for a {t.__name__} kernel argument")
+            start = -(-off // 16) * 16
+            if start > off:
+                fmt.append(f"{start - off}x")
+            fmt.append(f)
+            offsets.append(start)
+            off = start + struct.calcsize("<" + f)
+        self.struct = struct.Struct("".join(fmt))
+        self.buf = np.zeros(max(off, 16), np.uint8)
+        base = self.buf.ctypes.data
+        self.params = np.array([base + o for o in offsets], np.uint64)
+        self.params_ptr = self.params.ctypes.data
+        # constants as packed (records as bytes, once)
+        self.consts = tuple(c.tobytes() if isinstance(c, np.void) else c for c in st.consts)
+        g, b = (tuple(st.grid) + (1, 1))[:3], (tuple(st.block) + (1, 1))[:3]
+        self.dims = (*[max(1, int(v)) for v in g + b], int(st.shared))
+        self.fptr = st.fn.ptr
+        self.lock = threading.Lock()
 
 
 class Memset(NamedTuple):
@@ -409,6 +459,7 @@ class Recipe(NamedTuple):
     same_ok: tuple    # per output: inputs that may be the very same view (elementwise in place)
     sbufs: tuple = ()  # bytes of each per-stream buffer (RecipeBuilder.stream_buffer)
     extra: object = None  # what else the family keeps with the recipe (cufuse.fuse: the traced signature)
+    like: bool = False    # the one output may be empty_like(the call's first argument) (build's like)
 
 
 class RecipeBuilder:
@@ -438,7 +489,17 @@ class RecipeBuilder:
         R.allow_shared(fn, shared)
         self.steps.append(("launch", fn, tuple(grid), tuple(block), int(shared), tuple(args)))
 
-    def build(self, outs, out_spans=(), in_spans=(), same_ok=(), extra=None):
+    def build(self, outs, out_spans, in_spans, same_ok=None, extra=None, like=None):
+        """The recipe of outputs ``outs`` (``output``); ``out_spans`` and
+        ``in_spans`` (``view_span``, one per output and input) and ``same_ok``
+        (per output, the inputs it may be the very same view of; default none)
+        are what ``apart`` checks a given out= with. ``like``: the call's first
+        argument, whose twin (empty_like) output 0 may be when it is the only
+        output, of its shape and dtype, and C-contiguous."""
+        same_ok = ((),) * len(outs) if same_ok is None else same_ok
+        if not len(out_spans) == len(same_ok) == len(outs) or len(in_spans) != self.nin:
+            raise ValueError(f"recipe: {len(outs)} outputs with {len(out_spans)} spans and {len(same_ok)} "
+                             f"same-view sets; {self.nin} inputs with {len(in_spans)} spans")
         t = self.nout + self.nin
         base = {"out": 0, "in": self.nout, "tmp": t, "sbuf": t + len(self.temps),
                 "val": t + len(self.temps) + len(self.sbufs)}
@@ -458,9 +519,14 @@ class RecipeBuilder:
                     idx.append(c)
                     c += 1
             get = operator.itemgetter(*idx) if len(idx) > 1 else (lambda v, i=idx[0]: (v[i],))
-            steps.append(Launch(fn, grid, block, shared, get, consts))
+            steps.append(Launch(fn, grid, block, shared, get, consts, [None]))
+        like_ok = False
+        if like is not None and len(outs) == 1 and self.kind == A.TORCH_CUDA and A.is_torch_tensor(like):
+            o = outs[0]
+            like_ok = (tuple(like.shape) == o.shape and like.dtype == o.dtype
+                       and A.is_c_contiguous(o.shape, A.strides_of(like, self.kind)))
         return Recipe(self.kind, self.device, tuple(outs), tuple(self.temps), tuple(steps), self.nout, self.nin,
-                      tuple(out_spans), tuple(in_spans), tuple(same_ok), tuple(self.sbufs), extra)
+                      tuple(out_spans), tuple(in_spans), tuple(same_ok), tuple(self.sbufs), extra, like_ok)
 
 
 def output(shape, dtype, kind):
@@ -473,66 +539,95 @@ def view_span(shape, strides, itemsize):
     return A.extent(0, tuple(shape), tuple(strides), itemsize)
 
 
-def execute(rec, outs, in_ptrs, values=()):
+def execute(rec, outs, in_ptrs, values=(), like=None):
     """Run ``rec``: ``outs`` the output arrays (None: allocate them),
-    ``in_ptrs`` the inputs' addresses, ``values`` the per-call values.
-    Returns the outputs (a list)."""
+    ``in_ptrs`` the inputs' addresses, ``values`` the per-call values,
+    ``like`` the call's first argument (a torch result is allocated as
+    ``empty_like`` of it where the recipe says it may: half the host time of
+    ``torch.empty``). Returns the outputs (a list)."""
     kind, dev = rec.kind, rec.device
-    if kind == A.TORCH_CUDA and TORCH.Tensor is None:
-        torch_api()
-    switch = dev != get_device()
-    if switch:
-        ctx = _cp.cuda.Device(dev)
-        ctx.__enter__()
-    try:
-        if kind == A.TORCH_CUDA:
-            if outs is None:
-                empty_, tdev = TORCH.empty, torch_device(dev)
+    if dev != get_device():
+        with _cp.cuda.Device(dev):
+            return execute(rec, outs, in_ptrs, values, like)
+    if kind == A.TORCH_CUDA:
+        T = TORCH if TORCH.Tensor is not None else torch_api()
+        if outs is None:
+            if rec.like and like is not None:
+                outs = [T.empty_like(like)]
+            else:
+                empty_, tdev = T.empty, T.devices.get(dev) or torch_device(dev)
                 outs = [empty_(o.shape, dtype=o.dtype, device=tdev) for o in rec.outs]
-            optrs = [o.data_ptr() for o in outs]
-            stream = torch_stream(dev)
-            temps = [TORCH.empty((n,), dtype=TORCH.np_dtypes[np.dtype(np.uint8)], device=torch_device(dev))
-                     for n in rec.temps]
+        optrs = [o.data_ptr() for o in outs] if len(outs) > 1 else (outs[0].data_ptr(),)
+        sptr = T.raw_stream(dev)  # torch's current stream
+        temps = tptrs = ()
+        if rec.temps:
+            tdev = T.devices.get(dev) or torch_device(dev)
+            temps = [T.empty((n,), dtype=T.np_dtypes[_U8], device=tdev) for n in rec.temps]
             tptrs = [t.data_ptr() for t in temps]
-        else:
-            if outs is None:
-                new = _cp.ndarray
-                outs = [new(o.shape, o.dtype) for o in rec.outs]
-            optrs = [o.data.ptr for o in outs]
-            stream = None
+    else:
+        if outs is None:
+            new = _cp.ndarray
+            outs = [new(o.shape, o.dtype) for o in rec.outs]
+        optrs = [o.data.ptr for o in outs] if len(outs) > 1 else (outs[0].data.ptr,)
+        sptr = _cp.cuda.get_current_stream().ptr
+        temps = tptrs = ()
+        if rec.temps:
             temps = [_cp.empty((n,), np.uint8) for n in rec.temps]
             tptrs = [t.data.ptr for t in temps]
-        if rec.sbufs:
-            tptrs += [stream_buffer(dev, stream, n) for n in rec.sbufs]
-        vals = (*optrs, *in_ptrs, *tptrs, *values)
-        for st in rec.steps:
-            if type(st) is Launch:
-                args = st.get(st.consts + vals)
-                if stream is None:
-                    st.fn(st.grid, st.block, args, st.shared)
-                else:
-                    st.fn(st.grid, st.block, args, st.shared, stream)
-            else:
-                _cp.cuda.runtime.memsetAsync(vals[st.slot], 0, st.nbytes, stream_ptr(stream))
-        del temps  # queued: the allocators order the memory's reuse after the launches
-    finally:
-        if switch:
-            ctx.__exit__(None, None, None)
+    if rec.sbufs:
+        tptrs = [*tptrs, *[stream_buffer(dev, _stream_object(kind, dev, sptr), n) for n in rec.sbufs]]
+    vals = (*optrs, *in_ptrs, *tptrs, *values)
+    for st in rec.steps:
+        if type(st) is not Launch:
+            _cp.cuda.runtime.memsetAsync(vals[st.slot], 0, st.nbytes, sptr)
+            continue
+        p = st.packed[0]
+        if p:
+            try:
+                with p.lock:
+                    p.struct.pack_into(p.buf, 0, *st.get(p.consts + vals))
+                    _launch_kernel(p.fptr, *p.dims, sptr, p.params_ptr, 0)
+                continue
+            except Exception:  # a value that does not pack, or no context on this thread: as below
+                pass
+        args = st.get(st.consts + vals)
+        st.fn(st.grid, st.block, args, st.shared, _stream_object(kind, dev, sptr))
+        if p is None:
+            try:
+                st.packed[0] = Packed(st, args) if type(st.fn) is _Function else False
+            except TypeError:
+                st.packed[0] = False
+    del temps  # queued: the allocators order the memory's reuse after the launches
     return outs
+
+
+_U8 = np.dtype(np.uint8)
+
+
+def _stream_object(kind, dev, sptr):
+    """The stream argument of a launch on the handle ``sptr``: for torch a
+    CuPy stream object (cached per handle), for CuPy None (its current)."""
+    if kind == A.TORCH_CUDA:
+        s = _torch_streams.get((sptr, dev))
+        if s is None:
+            s = _torch_streams[(sptr, dev)] = R.external_stream(sptr, dev)
+        return s
+    return None
 
 
 def apart(rec, optrs, in_ptrs):
     """Each given output shares no byte with any input, or is the very same
     view of it where the recipe allows (an elementwise op in place)."""
-    for k, p in enumerate(optrs):
-        lo, hi = rec.out_spans[k]
+    spans = rec.in_spans
+    for (lo, hi), ok, p in zip(rec.out_spans, rec.same_ok, optrs):
         lo += p
         hi += p
-        ok = rec.same_ok[k] if rec.same_ok else ()
-        for j, q in enumerate(in_ptrs):
-            ilo, ihi = rec.in_spans[j]
+        j = 0
+        for q in in_ptrs:
+            ilo, ihi = spans[j]
             if q + ilo < hi and lo < q + ihi and not (q == p and j in ok):
                 return False
+            j += 1
     return True
 
 
@@ -570,13 +665,14 @@ class FastPath:
         self.hits += 1
         return rec
 
-    def run(self, key, ptrs, nin, out, values=()):
+    def run(self, key, ptrs, nin, out, values=(), like=None):
         """The call's outputs if its signature has a recipe (``lookup``), else
-        None; ``out``: None or a tuple of output arrays."""
+        None; ``out``: None or a tuple of output arrays; ``like``: the call's
+        first argument (``execute``)."""
         rec = self.lookup(key, ptrs, nin, out)
         if rec is None:
             return None
-        return execute(rec, out, ptrs[:nin] if len(ptrs) > nin else ptrs, values)
+        return execute(rec, out, ptrs[:nin] if len(ptrs) > nin else ptrs, values, like)
 
 
 def fast_paths():

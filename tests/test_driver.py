@@ -322,14 +322,45 @@ def test_recipe_arguments_from_slots_and_constants():
     b = D.RecipeBuilder("cupy.ndarray", 0, 1, 2)
     t = b.temp(64, zeroed=0)
     b.launch(Fn(), (3,), (256,), (D.out_(0), 5, D.in_(1), D.val(1), 7.5, t, D.in_(0), D.val(0)))
-    rec = b.build([D.Output((4,), np.dtype(np.float32))])
+    rec = b.build([D.Output((4,), np.dtype(np.float32))], [(0, 16)], [(0, 16), (0, 16)])
     step = rec.steps[0]
     vals = (100, 200, 300, 400, 0.25, 0.5)  # out, in 0, in 1, temp 0, value 0, value 1
     assert step.get(step.consts + vals) == (100, 5, 300, 0.5, 7.5, 400, 200, 0.25)
     b2 = D.RecipeBuilder("cupy.ndarray", 0, 1, 1)
     b2.launch(Fn(), (1,), (32,), (D.out_(0),))
-    s2 = b2.build([D.Output((4,), np.dtype(np.float32))]).steps[0]
+    s2 = b2.build([D.Output((4,), np.dtype(np.float32))], [(0, 16)], [(0, 16)]).steps[0]
     assert s2.get(s2.consts + (9, 8)) == (9,)
+
+
+def test_packed_arguments_as_cupy_passes_them():
+    """The driver-level launch packs each argument as CuPy would: Python int
+    as int64, float as double, NumPy scalars as their dtype, records as their
+    bytes; each at its own 16-byte aligned address in kernelParams."""
+    class Fn:
+        ptr = 1234
+
+    lay = D.layout(4, [5, 7], [[1, 5], None, [0, 1]], 1)[()]
+    b = D.RecipeBuilder("cupy.ndarray", 0, 1, 1)
+    b.launch(Fn(), (3, 2), (128,), (D.out_(0), D.in_(0), -7, 2.5, np.int32(-3), np.float32(0.25), lay, D.val(0),
+                                     np.uint64(2**63 + 5)))
+    st = b.build([D.Output((4,), np.dtype(np.float32))], [(0, 16)], [(0, 16)]).steps[0]
+    vals = (0x7F0000001000, 0x7F0000002000, 2**62 + 1)
+    args = st.get(st.consts + vals)
+    p = D.Packed(st, args)
+    p.struct.pack_into(p.buf, 0, *st.get(p.consts + vals))
+    base = p.buf.ctypes.data
+    offs = [int(a) - base for a in p.params]
+    assert all(o % 16 == 0 for o in offs) and len(offs) == len(args)
+    raw = p.buf.tobytes()
+
+    def at(k, fmt):
+        import struct
+        return struct.unpack_from("<" + fmt, raw, offs[k])[0]
+
+    assert at(0, "q") == vals[0] and at(1, "q") == vals[1] and at(2, "q") == -7 and at(3, "d") == 2.5
+    assert at(4, "i") == -3 and at(5, "f") == 0.25 and at(7, "q") == 2**62 + 1 and at(8, "Q") == 2**63 + 5
+    assert raw[offs[6]:offs[6] + lay.dtype.itemsize] == lay.tobytes()
+    assert p.dims == (3, 2, 1, 128, 1, 1, 0) and p.fptr == 1234
 
 
 def test_apart_rule():

@@ -201,7 +201,7 @@ class Fused:
             values = rec.extra.param_values(args)
         except (OverflowError, TypeError, ValueError):
             return self._call(args, out, None)
-        res = D.execute(rec, outs, ptrs[:len(ptrs) - nout], values)
+        res = D.execute(rec, outs, ptrs[:len(ptrs) - nout], values, args[0] if args else None)
         self.stats["launches"] += len(rec.steps)
         return tuple(res) if rec.extra.graph.tuple_out else res[0]
 
@@ -301,7 +301,7 @@ class Fused:
                 rec = (self._rows_recipe(sig, kind, dev, ins, targets, shape, out_shapes) if sig.graph.reduction
                        else self._elementwise_recipe(sig, kind, dev, ins, targets, shape, n))
             res = D.execute(rec, None if targets[0] is None else targets,
-                            [A.pointer_of(x, kind) for x in ins], params)
+                            [A.pointer_of(x, kind) for x in ins], params, ins[0] if sig.in_pos[:1] == [0] else None)
             self.stats["launches"] += len(rec.steps)
             final = []
             for r, o in zip(res, outs):
@@ -346,7 +346,8 @@ class Fused:
             b.launch(fn, (R.grid_for(work, dev) or 1,), (codegen.BLOCK,), (*slots, n, L, *vals))
         spans = self._spans(sig, kind, ins, targets, [shape] * nout,
                             (ost, list(zip(ist, sig.in_dtypes))))
-        return b.build([D.output(shape, dt, kind) for dt in sig.out_dtypes], *spans, extra=sig)
+        return b.build([D.output(shape, dt, kind) for dt in sig.out_dtypes], *spans, extra=sig,
+                       like=ins[0] if sig.in_pos[:1] == [0] else None)
 
     def _rows_recipe(self, sig, kind, dev, ins, targets, shape, out_shapes):
         """The launch of a trailing reduction over rows of ``shape[-1]``; None

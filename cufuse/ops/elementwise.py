@@ -71,7 +71,7 @@ class ElementwiseOp:
     """
 
     def __init__(self, name, functor, arity, numpy_impl, *, signatures=None, params=(), indexed=False,
-                 family=FAMILY, pack_bytes=None, np_dtype=False, packs_per_thread=1, one_wave=False):
+                 family=FAMILY, pack_bytes=None, np_dtype=False, packs_per_thread=1, one_wave=False, fast=None):
         self.name = name
         self.np_dtype = np_dtype
         self.family = family
@@ -106,7 +106,7 @@ class ElementwiseOp:
                 entries.append((fam, expr))
             self._expr[(in_dt, out_dt)] = tuple(entries)
         self.nparams = len(params)
-        self.fast = D.FastPath(name)
+        self.fast = fast or D.FastPath(name)  # ops chosen by a call's values may share one (key_extra tells)
 
     def width(self, in_dt, out_dt):
         """Elements per pack of the (input dtype, output dtype) kernels."""
@@ -153,7 +153,7 @@ class ElementwiseOp:
                         values = (*[scalar_bits(a) for a in args if type(a) in D.SCALAR_TYPES], *params)
                     except (OverflowError, TypeError, ValueError):
                         return self._general(args, out, out_dtype, params, np_params, None)
-                res = self.fast.run(key, ptrs, nin, None if out is None else (out,), values)
+                res = self.fast.run(key, ptrs, nin, None if out is None else (out,), values, args[0])
                 if res is not None:
                     return res[0]
                 return self._general(args, out, out_dtype, params, np_params, key)
@@ -228,7 +228,7 @@ class ElementwiseOp:
                 rec = self.recipe(kind, dev, dt, odt, shape, target, ins)
             values = (*[scalar_bits(s) for x, s in zip(ins, plan.scalars) if x is None], *params)
             res = D.execute(rec, None if target is None else [target],
-                            [A.pointer_of(x, kind) for x in ins if x is not None], values)[0]
+                            [A.pointer_of(x, kind) for x in ins if x is not None], values, ins[0])[0]
             if out is not None and res is not out:
                 D.copy_into(out, res, kind)
                 return out
@@ -289,18 +289,26 @@ class ElementwiseOp:
                        [D.view_span(shape, ost, odt.itemsize)],
                        [D.view_span(tuple(x.shape), A.strides_of(x, kind), dt.itemsize) for x in arrays],
                        [tuple(j for j, (x, st) in enumerate(zip(arrays, strides[1:]))
-                              if dt == odt and list(st) == list(ost))])
+                              if dt == odt and list(st) == list(ost))], like=ins[0])
 
 
 # ------------------------------------------------------------------ the ops
+# The fallbacks work in place on the first step's new array: one allocation
+# per call, as many passes as the NumPy chain, so never slower than it.
+def _into(ufunc, t, *more):
+    """ufunc(t, *more) into ``t`` when it is an array (a step's own result)."""
+    return ufunc(t, *more, out=t) if type(t) is np.ndarray else ufunc(t, *more)
+
+
 def _relu(v):
-    return np.maximum(v, v.dtype.type(0))  # NaN stays NaN (np.maximum propagates it), like the kernel
+    return _into(np.maximum, v, v.dtype.type(0))  # NaN stays NaN (np.maximum propagates it), like the kernel
 
 
 _add_relu = ElementwiseOp("add_relu", "AddRelu", 2, lambda a, b: _relu(a + b))
-_mul_tanh = ElementwiseOp("mul_tanh", "MulTanh", 2, lambda a, b: np.tanh(a * b))
-_add_mul_exp = ElementwiseOp("add_mul_exp", "AddMulExp", 2, lambda x, y: np.exp((x + y) * 2))
-_fma = ElementwiseOp("fma", "Fma", 3, lambda q, k, v: q * k + v)
+_mul_tanh = ElementwiseOp("mul_tanh", "MulTanh", 2, lambda a, b: _into(np.tanh, a * b))
+_add_mul_exp = ElementwiseOp("add_mul_exp", "AddMulExp", 2,
+                             lambda x, y: _into(np.exp, _into(np.multiply, x + y, x.dtype.type(2))))
+_fma = ElementwiseOp("fma", "Fma", 3, lambda q, k, v: _into(np.add, q * k, v))
 
 _COMMON = """
     Operands broadcast as in NumPy and may be Python or NumPy scalars; float16,
@@ -444,20 +452,35 @@ def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, o
     if not training or p == 0.0:
         return _bias_gelu[tanh](x, 0.0, out=out)
     seed = _random.next_seed() if seed is None else _random.check_seed(seed, "cufuse.gelu_dropout")
+    c = _DROPOUT_P.get(p)
+    if c is None:
+        c = _dropout_constants(p)
+    threshold, scale, scale_f, lift, lanes16 = c
+    return _dropout_ops[tanh, lanes16].call(
+        (x,), out, params=(np.uint64(seed), threshold, scale, scale_f, lift),
+        np_params={"approximate": approximate, "seed": seed, "threshold": int(threshold), "scale": scale,
+                   "lanes16": lanes16})
+
+
+_DROPOUT_P: dict = {}  # p -> its kernel constants (_dropout_constants)
+
+
+def _dropout_constants(p):
+    """(threshold, scale, float32 scale, its log2, lanes16) of gelu_dropout's p, kept per p."""
     # floor(p * 2**32): exact, p * 2**32 is a scaled double; 16-bit lanes
     # compare with threshold >> 16 = floor(p * 2**16)
-    threshold = int(p * 4294967296.0)
+    threshold = np.uint64(int(p * 4294967296.0))
     scale = 1.0 / (1.0 - p)
     # the float kernels' scale and its log2, which they fold into the erf
     # tail's exponent (kernels/common.cuh: gelu_normal): once here rather than
     # a conversion and a log2f in every thread
     scale_f = np.float32(scale)
     lift = np.float32(np.log2(float(scale_f)))
-    lanes16 = _LANE16_P[0] <= p <= _LANE16_P[1]
-    return _dropout_ops[tanh, lanes16].call(
-        (x,), out, params=(np.uint64(seed), np.uint64(threshold), scale, scale_f, lift),
-        np_params={"approximate": approximate, "seed": seed, "threshold": threshold, "scale": scale,
-                   "lanes16": lanes16})
+    c = (threshold, scale, scale_f, lift, _LANE16_P[0] <= p <= _LANE16_P[1])
+    if len(_DROPOUT_P) >= 256:
+        _DROPOUT_P.clear()
+    _DROPOUT_P[p] = c
+    return c
 
 
 bias_gelu.__doc__ += _COMMON

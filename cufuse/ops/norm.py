@@ -302,7 +302,7 @@ def _fast(op, x, w, b, eps, out, shape_key):
     if s is None or type(eps) is not float or not 0.0 <= eps < _INF:
         return None, None
     key, ptrs = (s[0], shape_key), s[1]
-    res = op.fast.run(key, ptrs, len(ptrs) - (out is not None), None if out is None else (out,), (eps,))
+    res = op.fast.run(key, ptrs, len(ptrs) - (out is not None), None if out is None else (out,), (eps,), x)
     return (None if res is None else res[0]), key
 
 
@@ -355,8 +355,8 @@ def _run(op, x, kind, dt, dev, lead, w, b, eps, out, np_impl, key):
         rec = bld.build([D.output(shape, dt, kind)],
                         [D.view_span(shape, A.strides_of(target, kind), isz) if target is not None else (0, 0)],
                         [D.view_span(tuple(a.shape), A.strides_of(a, kind), isz) for a in ins],
-                        [(0,)] if target is not None and ldy == ldx else [()])
-        res = D.execute(rec, None if target is None else [target], ptrs, (eps,))[0]
+                        [(0,)] if target is not None and ldy == ldx else [()], like=x)
+        res = D.execute(rec, None if target is None else [target], ptrs, (eps,), x)[0]
         if out is not None and res is not out:
             D.copy_into(out, res, kind)
             return out

@@ -56,12 +56,17 @@ def _dequantize_np(q, scale, zero_point, real):
 # float16 72.6 -> 75.0, float32 89.4 -> 91.7 (8 / 32 packs per thread:
 # float16 67.8 / 67.6; the stateless kernel before it: float16 51.6, float32
 # 87.1).
+# The per-tensor quantize ops share one fast path: which of them a call takes
+# depends on its dtype (in the signature) and on its scale and zero point
+# (reciprocal_ok, in the key's extra part).
+_QUANT_FAST = D.FastPath("quantize_int8")
 _quant = ElementwiseOp("quantize_int8", lambda i, o: f"Quantize<{_rname(i)}, {'false' if i == _F64 else 'true'}>", 1,
                        _quantize_np, signatures=[(d, _I8) for d in _FLOATS], params=("double", "double"),
-                       family="quantize", packs_per_thread=lambda i, o: 4 if i == _F16 else 1)
+                       family="quantize", packs_per_thread=lambda i, o: 4 if i == _F16 else 1, fast=_QUANT_FAST)
 # float scales outside reciprocal_ok's range divide per element (kernels/quantize.cu: Quantize)
 _quant_div = ElementwiseOp("quantize_int8", "Quantize<float, false>", 1, _quantize_np,
-                           signatures=[(_F16, _I8), (_F32, _I8)], params=("double", "double"), family="quantize:div")
+                           signatures=[(_F16, _I8), (_F32, _I8)], params=("double", "double"), family="quantize:div",
+                           fast=_QUANT_FAST)
 
 
 def _reciprocal_ok(s, z):
@@ -218,6 +223,28 @@ def _on_device(v, given, kind, dev):
     return c
 
 
+_CHOICE: dict = {}  # (scale, zero point) of a valid per-tensor call -> reciprocal_ok of them
+
+
+def _per_tensor_fast(fast, x, scale, zero_point, out, out_dtype):
+    """A per-tensor call with float parameters seen before (valid, their
+    choice of op known) whose signature has a recipe: its result, else None."""
+    if type(zero_point) is int:
+        zero_point = float(zero_point)
+    if type(scale) is not float or type(zero_point) is not float:
+        return None
+    ok = _CHOICE.get((scale, zero_point))
+    if ok is None:
+        return None
+    s = D.signature((x, out))
+    if s is None:
+        return None
+    key, ptrs = s
+    res = fast.run((key, (out_dtype, ok)), ptrs, len(ptrs) - (out is not None), None if out is None else (out,),
+                   (scale, zero_point), x)
+    return None if res is None else res[0]
+
+
 def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     """Shared driver of quantize/dequantize: validates the parameters, picks
     the per-tensor op (``ops[0](in_dtype, scale, zero_point)``) or the
@@ -230,9 +257,13 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         s = _scalar_param(name, "scale", scale, True)
         z = _scalar_param(name, "zero_point", zero_point, False)
         rt = real.type
-        return per_tensor(in_dt, s, z).call((x,), out, out_dtype=out_dtype, params=(s, z),
-                                            np_params={"scale": rt(s), "zero_point": rt(z)}
-                                            | ({"real": real} if in_dt == _I8 else {}), key_extra=out_dtype)
+        op = per_tensor(in_dt, s, z)
+        if len(_CHOICE) >= 4096:
+            _CHOICE.clear()
+        _CHOICE[(s, z)] = ok = _reciprocal_ok(s, z)
+        return op.call((x,), out, out_dtype=out_dtype, params=(s, z),
+                       np_params={"scale": rt(s), "zero_point": rt(z)} | ({"real": real} if in_dt == _I8 else {}),
+                       key_extra=(out_dtype, ok))
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
         raise TypeError(f"cufuse.{name}: axis must be an int or None, got {type(axis).__name__}")
     ndim = len(x.shape)
@@ -284,6 +315,10 @@ def quantize_int8(x, /, scale, zero_point=0.0, axis=None, *, out=None):
     ``zero_point`` a scalar or such an array. Returns int8 of x's shape and
     kind; ``out=`` (int8, x's shape and kind) receives it.
     """
+    if axis is None:
+        res = _per_tensor_fast(_QUANT_FAST, x, scale, zero_point, out, _I8)
+        if res is not None:
+            return res
     return _run("quantize_int8", (_quant_per_tensor, _quant_ch), x, scale, zero_point, axis, out, _I8)
 
 
@@ -295,5 +330,19 @@ def dequantize_int8(q, /, scale, zero_point=0.0, axis=None, dtype=np.float32, *,
     torch dtype is accepted too). ``scale``/``zero_point``/``axis`` as in
     ``quantize_int8``.
     """
-    odt = A.float_dtype_arg("dequantize_int8", dtype)
+    try:
+        odt = _DTYPES.get((type(dtype), dtype))
+    except TypeError:  # unhashable: float_dtype_arg says what is wrong
+        odt = None
+    if odt is None:
+        odt = A.float_dtype_arg("dequantize_int8", dtype)
+        if len(_DTYPES) < 64:
+            _DTYPES[(type(dtype), dtype)] = odt
+    if axis is None:
+        res = _per_tensor_fast(_dequant.fast, q, scale, zero_point, out, odt)
+        if res is not None:
+            return res
     return _run("dequantize_int8", (lambda in_dt, s, z: _dequant, _dequant_ch), q, scale, zero_point, axis, out, odt)
+
+
+_DTYPES: dict = {}  # dequantize_int8's dtype arguments seen -> the NumPy dtype they name
