@@ -307,6 +307,44 @@ def test_torch_graph_capture_on_side_stream(family):
     np.testing.assert_array_equal(out.cpu().numpy(), call(*b).cpu().numpy())
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_arrays_on_another_gpu_than_the_current(family):
+    """Arrays on GPU 1 while GPU 0 is current: the general and the fast path
+    both launch on GPU 1 (and leave GPU 0 current), giving what a call made
+    with GPU 1 current gives."""
+    from _reference import gpu_count
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import cupy as cp
+    torch = pytest.importorskip("torch")
+    spec, call = FAMILIES[family]
+    # (the per-channel case computes its scale with CuPy, which takes arrays of the current GPU only)
+    for lib in ("torch",) if family == "quantize_int8_axis" else ("cupy", "torch"):
+        def on1(a):
+            if lib == "torch":
+                return torch.from_numpy(np.ascontiguousarray(a)).to("cuda:1")
+            with cp.cuda.Device(1):
+                return cp.asarray(a)
+
+        def host(r):
+            return r.cpu().numpy() if lib == "torch" else cp.asnumpy(r)
+
+        a = [on1(v) for v in _np_inputs(spec, np.dtype(np.float32), 1)]
+        b = [on1(v) for v in _np_inputs(spec, np.dtype(np.float32), 41)]
+        D.clear_fast_paths()
+        with cp.cuda.Device(1):
+            want = host(call(*b))
+        D.clear_fast_paths()
+        assert cp.cuda.runtime.getDevice() == 0
+        call(*a)
+        h = _hits()
+        got = call(*b)
+        assert _hits() == h + 1 and cp.cuda.runtime.getDevice() == 0
+        assert (got.get_device() if lib == "torch" else got.data.device_id) == 1
+        np.testing.assert_array_equal(host(got), want)
+
+
 # ---------------------------------------------------------------- CPU only
 def test_recipe_arguments_from_slots_and_constants():
     """A recipe's launch takes its constants and this call's slot values in
