@@ -604,6 +604,23 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
 _U8 = np.dtype(np.uint8)
 
 
+def run_general(rec, targets, outs, in_ptrs, values=(), like=None, fast=None, key=None):
+    """The general path's launch: ``execute`` into ``targets`` (None: new
+    arrays), each result copied into the caller's ``outs`` entry where that
+    is not where it was computed (a temporary), and the recipe kept in
+    ``fast`` under ``key`` unless key is None (the call needed copies).
+    Returns the results (a list)."""
+    res = execute(rec, targets, in_ptrs, values, like)
+    if outs is not None:
+        for k, (r, o) in enumerate(zip(res, outs)):
+            if o is not None and r is not o:
+                copy_into(o, r, rec.kind)
+                res[k] = o
+    if key is not None:
+        fast.put(key, rec)
+    return res
+
+
 def _stream_object(kind, dev, sptr):
     """The stream argument of a launch on the handle ``sptr``: for torch a
     CuPy stream object (cached per handle), for CuPy None (its current)."""

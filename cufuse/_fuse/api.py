@@ -300,18 +300,9 @@ class Fused:
                 targets = [None] * len(targets)
                 rec = (self._rows_recipe(sig, kind, dev, ins, targets, shape, out_shapes) if sig.graph.reduction
                        else self._elementwise_recipe(sig, kind, dev, ins, targets, shape, n))
-            res = D.execute(rec, None if targets[0] is None else targets,
-                            [A.pointer_of(x, kind) for x in ins], params, ins[0] if sig.in_pos[:1] == [0] else None)
             self.stats["launches"] += len(rec.steps)
-            final = []
-            for r, o in zip(res, outs):
-                if o is not None and r is not o:
-                    D.copy_into(o, r, kind)
-                    r = o
-                final.append(r)
-            if keep:
-                self.fast.put(key, rec)
-            return final
+            return D.run_general(rec, None if targets[0] is None else targets, outs, [A.pointer_of(x, kind) for x in ins],
+                                 params, ins[0] if sig.in_pos[:1] == [0] else None, self.fast, key if keep else None)
 
     def _spans(self, sig, kind, ins, targets, out_shapes, out_strides):
         """(output spans, input spans, same-view inputs per output) of a recipe."""

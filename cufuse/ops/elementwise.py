@@ -227,14 +227,9 @@ class ElementwiseOp:
                     target = D.empty(shape, odt, kind, dev)
                 rec = self.recipe(kind, dev, dt, odt, shape, target, ins)
             values = (*[scalar_bits(s) for x, s in zip(ins, plan.scalars) if x is None], *params)
-            res = D.execute(rec, None if target is None else [target],
-                            [A.pointer_of(x, kind) for x in ins if x is not None], values, ins[0])[0]
-            if out is not None and res is not out:
-                D.copy_into(out, res, kind)
-                return out
-            if keep:
-                self.fast.put(key, rec)
-            return res
+            return D.run_general(rec, None if target is None else [target], None if out is None else [out],
+                                 [A.pointer_of(x, kind) for x in ins if x is not None], values, ins[0],
+                                 self.fast, key if keep else None)[0]
 
     def recipe(self, kind, dev, dt, odt, shape, out, ins):
         """The launch of this op for operands ``ins`` (None: a scalar) of dtype

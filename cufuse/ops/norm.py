@@ -356,13 +356,8 @@ def _run(op, x, kind, dt, dev, lead, w, b, eps, out, np_impl, key):
                         [D.view_span(shape, A.strides_of(target, kind), isz) if target is not None else (0, 0)],
                         [D.view_span(tuple(a.shape), A.strides_of(a, kind), isz) for a in ins],
                         [(0,)] if target is not None and ldy == ldx else [()], like=x)
-        res = D.execute(rec, None if target is None else [target], ptrs, (eps,), x)[0]
-        if out is not None and res is not out:
-            D.copy_into(out, res, kind)
-            return out
-        if keep:
-            op.fast.put(key, rec)
-        return res
+        return D.run_general(rec, None if target is None else [target], None if out is None else [out], ptrs,
+                             (eps,), x, op.fast, key if keep else None)[0]
 
 
 def _shape_key(ns):

@@ -134,13 +134,8 @@ class _Reduction:
                       [(0, 0) if target is None else D.view_span(res_shape, A.strides_of(target, kind),
                                                                  odt.itemsize)],
                       [D.view_span(shape, A.strides_of(x, kind), isz)], [()])
-        res = D.execute(rec, None if target is None else [target], [xp])[0]
-        if out is not None and res is not out:
-            D.copy_into(out, res, kind)
-            return out
-        if keep:
-            self.fast.put(key, rec)
-        return res
+        return D.run_general(rec, None if target is None else [target], None if out is None else [out], [xp],
+                             fast=self.fast, key=key if keep else None)[0]
 
 
 def _axis_key(axis):
