@@ -310,6 +310,7 @@ def _packs_fit(cshape, parts, vec):
 SCALAR_TYPES = frozenset([int, float, bool, np.bool_, np.float16, np.float32, np.float64, np.int8, np.int16,
                           np.int32, np.int64, np.uint8, np.uint16, np.uint32, np.uint64])
 
+
 def signature(items):
     """(key, pointers) of a call's arguments, or None when one of them is not
     a CuPy array, a CUDA tensor, None or a scalar (NumPy and CPU tensors take
@@ -634,8 +635,10 @@ def _stream_object(kind, dev, sptr):
 
 def apart(rec, optrs, in_ptrs):
     """Each given output shares no byte with any input, or is the very same
-    view of it where the recipe allows (an elementwise op in place)."""
+    view of it where the recipe allows (an elementwise op in place), and no
+    byte with another output."""
     spans = rec.in_spans
+    done = []
     for (lo, hi), ok, p in zip(rec.out_spans, rec.same_ok, optrs):
         lo += p
         hi += p
@@ -645,6 +648,10 @@ def apart(rec, optrs, in_ptrs):
             if q + ilo < hi and lo < q + ihi and not (q == p and j in ok):
                 return False
             j += 1
+        for plo, phi in done:
+            if plo < hi and lo < phi:
+                return False
+        done.append((lo, hi))
     return True
 
 

@@ -410,6 +410,9 @@ def test_apart_rule():
     assert not D.apart(rec, [1000], [5000, 1000])      # input 1 may not be the output's view
     assert not D.apart(rec, [1000], [5000, 1060])      # overlaps input 1's last bytes
     assert D.apart(rec, [1000], [5000, 1064])
+    two = D.Recipe("cupy.ndarray", 0, (), (), (), 2, 1, ((0, 64), (0, 64)), ((0, 64),), ((), ()))
+    assert D.apart(two, [1000, 2000], [3000])
+    assert not D.apart(two, [1000, 1032], [3000])     # the outputs overlap each other
 
 
 def test_signature_takes_scalars_and_rejects_others():
