@@ -337,7 +337,8 @@ def _special(name, v):
     return np.asarray(f(v), dtype=v.dtype)  # (math's: per element, in float64)
 
 
-def _erf(v):
+def erf_numpy(v):
+    """erf of a NumPy array in its dtype (the fallbacks': SciPy's when installed)."""
     return _special("erf", v)
 
 
