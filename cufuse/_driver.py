@@ -575,6 +575,10 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
         if rec.temps:
             temps = [_cp.empty((n,), np.uint8) for n in rec.temps]
             tptrs = [t.data.ptr for t in temps]
+            if _cp.cuda.get_current_stream().is_capturing():
+                # a CUDA graph being captured keeps these addresses: the memory
+                # must not return to the pool, where another array would take it
+                _CAPTURED_TEMPS.extend(temps)
     if rec.sbufs:
         tptrs = [*tptrs, *[stream_buffer(dev, _stream_object(kind, dev, sptr), n) for n in rec.sbufs]]
     vals = (*optrs, *in_ptrs, *tptrs, *values)
@@ -603,6 +607,7 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
 
 
 _U8 = np.dtype(np.uint8)
+_CAPTURED_TEMPS: list = []  # CuPy temporaries of launches captured into CUDA graphs (kept for good)
 
 
 def run_general(rec, targets, outs, in_ptrs, values=(), like=None, fast=None, key=None):

@@ -279,6 +279,35 @@ def test_cupy_stream_graph_capture(family):
 
 
 @pytest.mark.cuda
+def test_cupy_capture_keeps_the_workspace():
+    """A layer_norm whose rows need a workspace (split rows), captured on a
+    CuPy stream: the graph keeps the workspace's address, so the memory must
+    not go back to the pool. Arrays allocated after the capture stay intact
+    through replays, and the replay's result is right."""
+    import cupy as cp
+    shape = (8, 500001)
+    x = cp.asarray(rand(shape, np.float32, 51))
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        out = cufuse.layer_norm(x, shape[-1])
+        cufuse.layer_norm(x, shape[-1], out=out)
+        cufuse.layer_norm(x, shape[-1], out=out)
+        s.synchronize()
+        s.begin_capture()
+        cufuse.layer_norm(x, shape[-1], out=out)
+        g = s.end_capture()
+        others = [cp.full(n, 7, np.uint8) for n in (8192, 7984, 4096, 16384) for _ in range(16)]
+        x2 = rand(shape, np.float32, 52)
+        x.set(x2, stream=s)
+        out.fill(0)
+        for _ in range(3):
+            g.launch(stream=s)
+        s.synchronize()
+    assert all(bool((o == 7).all()) for o in others)
+    np.testing.assert_array_equal(cp.asnumpy(out), cp.asnumpy(cufuse.layer_norm(cp.asarray(x2), shape[-1])))
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_torch_graph_capture_on_side_stream(family):
     """torch.cuda.graph on a side stream captures each family's call with
