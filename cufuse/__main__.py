@@ -14,7 +14,8 @@ def _env_lines():
     import cufuse
     lines = [f"cufuse {cufuse.__version__}  (python {platform.python_version()}, numpy {np.__version__})"]
     if R._cp is None:
-        lines.append("backend: NumPy fallback (CuPy not installed; install cufuse[cuda12] or cufuse[cuda13])")
+        lines.append("backend: NumPy fallback (CuPy not installed; install the cuda12 or cuda13 extra of "
+                     "cufuse-nvrtc: pip install -e '.[cuda12]' in a clone)")
     elif not R.CUDA_AVAILABLE:
         lines.append(f"backend: NumPy fallback (CuPy {R._cp.__version__} installed, but no usable GPU)")
     else:

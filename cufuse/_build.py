@@ -34,7 +34,8 @@ def build(archs, out=sys.stdout, family="") -> int:
         import cupy  # noqa: F401
         from cupy.cuda.compiler import CompileException
     except Exception as e:
-        print(f"cufuse build: CuPy is not importable ({e}); install cufuse[cuda12] or cufuse[cuda13]", file=out)
+        print(f"cufuse build: CuPy is not importable ({e}); install the cuda12 or cuda13 extra of "
+              "cufuse-nvrtc (pip install -e '.[cuda12]' in a clone)", file=out)
         return 2
     options = R.compile_options()
     failures = 0

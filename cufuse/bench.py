@@ -4,7 +4,7 @@
     >>> t = compare({"cufuse": cufuse.add_mul_exp, "cupy": lambda x, y: cp.exp((x + y) * 2)},
     ...             x, y, nbytes=3 * x.nbytes)
     >>> print(t)            # median, spread, GB/s, speedup, error against the first
-    >>> t.plot("cmp.png")   # needs matplotlib (pip install cufuse[bench])
+    >>> t.plot("cmp.png")   # needs matplotlib (the bench extra: pip install -e ".[bench]" in a clone)
 
 ``python -m cufuse.bench`` runs the benchmark suite (or reads saved results)
 and prints the report; ``--quick`` runs a small comparison in under a minute,
@@ -114,7 +114,8 @@ def _pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ImportError("plots need matplotlib: pip install 'cufuse[bench]' (or matplotlib)") from e
+        raise ImportError("plots need matplotlib: pip install matplotlib (or the bench extra of "
+                          "cufuse-nvrtc: pip install -e '.[bench]' in a clone)") from e
     return plt
 
 
@@ -465,7 +466,7 @@ def main(argv=None) -> int:
     p.add_argument("--from", dest="src", metavar="FILE",
                    help="report from a saved result (.benchmarks/cufuse-summary.json) instead of running")
     p.add_argument("--quick", action="store_true", help="a small comparison in under a minute (no GPU: NumPy fallback)")
-    p.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib: cufuse[bench])")
+    p.add_argument("--plot", metavar="DIR", help="write PNG plots there (needs matplotlib)")
     p.add_argument("--json", metavar="FILE", default=".benchmarks/cufuse-bench.json",
                    help="where the suite saves pytest-benchmark's JSON (default %(default)s)")
     p.add_argument("-k", metavar="EXPR", help="run only the benchmarks pytest -k selects")
