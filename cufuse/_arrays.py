@@ -217,6 +217,10 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None
                             f"{describe(arrays[0][1], kind)} and operand {i + 1} is {describe(x, k)}; "
                             "convert one (cufuse.from_torch / cufuse.to_torch, cupy.asarray, .get())")
     scalars = [None if k is not None else x for x, k in zip(args, kinds)]
+    for i, s in enumerate(scalars):
+        if s is not None and not _fits_a_float(s):
+            raise OverflowError(f"cufuse.{name}: operand {i + 1} is an int of {int(s).bit_length()} bits, "
+                                "beyond the largest float (2**1024); NumPy raises too")
     try:
         dtype = np.result_type(*dtypes, *[s for s in scalars if s is not None])
     except (OverflowError, TypeError) as e:
@@ -245,6 +249,15 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None
                 scalars, device, out, out_dtype=out_dtype)
     plan.size = count(shape)
     return plan
+
+
+def _fits_a_float(s) -> bool:
+    """A scalar converts to a Python float (huge Python ints do not)."""
+    try:
+        float(s)
+    except OverflowError:
+        return False
+    return True
 
 
 def check_out(name, out, kind, dtype, shape, device):

@@ -474,6 +474,11 @@ def main(argv=None) -> int:
     if args.quick:
         quick(plot_dir=args.plot)
         return 0
+    if not args.src and not R.CUDA_AVAILABLE:
+        saved = Path(__file__).resolve().parent.parent / "bench" / "results" / "cufuse-summary.json"
+        hint = f" or --from {saved} (the saved device results)" if saved.is_file() else " or --from FILE"
+        raise SystemExit("cufuse.bench: the suite needs a CUDA GPU (cufuse.CUDA_AVAILABLE is False: CuPy "
+                         f"missing, no driver or no device); try --quick (the NumPy fallback){hint}")
     src = Path(args.src) if args.src else _run_suite(args, Path(args.json).resolve())
     try:
         data = json.loads(Path(src).read_text())

@@ -172,6 +172,15 @@ def test_cli_from_bad_file(tmp_path):
     assert p.returncode != 0 and "not a cufuse suite summary" in p.stderr
 
 
+def test_cli_suite_without_gpu_says_so():
+    """Without a GPU the suite is not started: the CLI says at once what it needs and what works."""
+    env = dict(os.environ, CUFUSE_DISABLE_CUDA="1")
+    p = subprocess.run([sys.executable, "-m", "cufuse.bench"], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode != 0
+    assert "needs a CUDA GPU" in p.stderr and "--quick" in p.stderr and "--from" in p.stderr
+    assert "suite" not in p.stdout and "running:" not in p.stderr
+
+
 def test_cli_quick_without_gpu():
     env = dict(os.environ, CUFUSE_DISABLE_CUDA="1")
     p = subprocess.run([sys.executable, "-m", "cufuse.bench", "--quick"], capture_output=True, text=True,

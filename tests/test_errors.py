@@ -315,3 +315,22 @@ def test_cupy_operands_on_second_gpu_run_there(launches):
         res = cufuse.add_relu(da, db)
     assert res.data.device_id == 1 and len(launches) == 1
     assert_close(cp.asnumpy(res), reference("add_relu", [a, b], F32), F32)
+
+
+# ------------------------------------------------------- huge Python ints
+def test_int_scalars_beyond_any_float_are_named():
+    """A Python int no float can hold gets an error naming the op and operand
+    (OverflowError for operands, as NumPy raises; ValueError for parameters
+    that must be finite), raised before anything runs."""
+    x = rand((4,), F32, 1)
+    with pytest.raises(OverflowError, match=r"cufuse.add_relu: operand 2 is an int of 1329 bits"):
+        cufuse.add_relu(x, 10**400)
+    with pytest.raises(OverflowError, match=r"cufuse.fma: operand 1 is an int"):
+        cufuse.fma(-10**400, x, x)
+    with pytest.raises(ValueError, match=r"cufuse.quantize_int8: scale must be finite and > 0, got an int"):
+        cufuse.quantize_int8(x, 10**400)
+    with pytest.raises(ValueError, match=r"cufuse.dequantize_int8: zero_point must be finite, got an int"):
+        cufuse.dequantize_int8(np.zeros(4, np.int8), 0.5, zero_point=-10**400)
+    with pytest.raises(ValueError, match=r"cufuse.layer_norm: eps must be finite and >= 0"):
+        cufuse.layer_norm(x, 4, eps=10**400)
+    assert cufuse.add_relu(x, 10**30).dtype == F32  # a big int that a float holds is fine

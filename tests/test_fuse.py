@@ -1085,8 +1085,10 @@ def test_foreach_plan_errors(backend):
         f.foreach_plan(xa, ya, 2.0)                              # out= is required
     with pytest.raises(TypeError, match="out= is required"):
         f.foreach_plan(xa, ya, 2.0, out=None)
-    with pytest.raises(ValueError, match="different lengths"):
-        f.foreach_plan(xa, ya[:2], 2.0, out=out)                 # list lengths differ
+    with pytest.raises(ValueError, match=r"different lengths \(argument 1 has 3, argument 2 has 2\)"):
+        f.foreach_plan(xa, ya[:2], 2.0, out=out)                 # list lengths differ, named in argument order
+    with pytest.raises(ValueError, match=r"different lengths \(argument 1 has 2, argument 2 has 3\)"):
+        f.foreach(xa[:2], ya, 2.0)
     with pytest.raises(TypeError, match="out must be a list"):
         f.foreach_plan([], [], 2.0, out=7)
     with pytest.raises(ValueError, match="foreach_plan: out must be a list of 3"):
@@ -1391,3 +1393,11 @@ def test_gpu_fast_path_repeated_calls(name):
         x = np.tanh(x.astype(np.float64) * 0.5) + y
         assert_close(backend.to_numpy(xa), x, F32, tol, err_msg=f"in place, round {k}")
         x = backend.to_numpy(xa)
+
+
+def test_math_functions_get_a_message_that_names_them():
+    """math.exp(traced) calls float() on it: the error says so and what to use instead."""
+    import math
+    f = cufuse.fuse(lambda a: math.exp(a) + 1)
+    with pytest.raises(cufuse.TraceError, match=r"math functions \(math\.exp.*use cufuse\.exp"):
+        f(np.ones(3, np.float32))

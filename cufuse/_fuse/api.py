@@ -500,9 +500,10 @@ class Fused:
         list_pos = [p for p, a in enumerate(args) if isinstance(a, (list, tuple))]
         if not list_pos:
             raise TypeError(f"cufuse.{self._name}.{what}: at least one argument must be a list of arrays")
-        lens = sorted({len(args[p]) for p in list_pos})
-        if len(lens) > 1:
-            raise ValueError(f"cufuse.{self._name}.{what}: the lists have different lengths {lens}")
+        lens = [len(args[p]) for p in list_pos]
+        if len(set(lens)) > 1:
+            given = ", ".join(f"argument {p + 1} has {n}" for p, n in zip(list_pos, lens))
+            raise ValueError(f"cufuse.{self._name}.{what}: the lists have different lengths ({given})")
         return list_pos, lens[0]
 
     def _foreach_signature(self, args, list_pos, out, count, what):

@@ -99,7 +99,9 @@ class Traced:
 
     def __float__(self):
         raise TraceError("cufuse.fuse: float() of a traced value is not traceable (its value is not known "
-                         "while tracing); keep it an array, or use .astype(numpy.float32)")
+                         "while tracing). Python's math functions (math.exp, math.sqrt, math.tanh, ...) call "
+                         "float() on their argument: use cufuse.exp, cufuse.sqrt, ... (or numpy's) instead; to "
+                         "change the dtype, use .astype(numpy.float32)")
 
     def __int__(self):
         raise TraceError("cufuse.fuse: int() of a traced value is not traceable (its value is not known "

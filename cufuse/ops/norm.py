@@ -241,7 +241,10 @@ def _normalized_shape(name, x, normalized_shape):
 def _eps(name, eps):
     if isinstance(eps, (bool, np.bool_)) or not isinstance(eps, (Real, np.integer, np.floating)):
         raise TypeError(f"cufuse.{name}: eps must be a real number, got {type(eps).__name__}")
-    e = float(eps)
+    try:
+        e = float(eps)
+    except OverflowError:  # an int beyond any float
+        e = math.inf
     if not math.isfinite(e) or e < 0:
         raise ValueError(f"cufuse.{name}: eps must be finite and >= 0, got {eps!r}")
     return e

@@ -155,9 +155,12 @@ def _scalar_param(name, what, v, positive):
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (Real, np.integer, np.floating)):
         raise TypeError(f"cufuse.{name}: {what} must be a real scalar when axis is None, got "
                         f"{type(v).__module__}.{type(v).__name__}; pass axis= for per-channel parameters")
-    f = float(v)
+    need = "finite and > 0" if positive else "finite"
+    try:
+        f = float(v)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"cufuse.{name}: {what} must be {need}, got an int of {int(v).bit_length()} bits") from None
     if not math.isfinite(f) or (positive and f <= 0):
-        need = "finite and > 0" if positive else "finite"
         raise ValueError(f"cufuse.{name}: {what} must be {need}, got {v!r}")
     return f
 
@@ -229,7 +232,7 @@ _CHOICE: dict = {}  # (scale, zero point) of a valid per-tensor call -> reciproc
 def _per_tensor_fast(fast, x, scale, zero_point, out, out_dtype):
     """A per-tensor call with float parameters seen before (valid, their
     choice of op known) whose signature has a recipe: its result, else None."""
-    if type(zero_point) is int:
+    if type(zero_point) is int and -2**53 <= zero_point <= 2**53:  # exactly a float
         zero_point = float(zero_point)
     if type(scale) is not float or type(zero_point) is not float:
         return None
