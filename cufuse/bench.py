@@ -8,7 +8,7 @@
 
 ``python -m cufuse.bench`` runs the benchmark suite (or reads saved results)
 and prints the report; ``--quick`` runs a small comparison in under a minute,
-with or without a GPU. See the README section "Benchmarks".
+with or without a GPU. See docs/performance.md.
 """
 from __future__ import annotations
 

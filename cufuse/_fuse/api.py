@@ -738,7 +738,7 @@ def fuse(fn=None):
     computed with Python operators, ``cufuse.where``/``exp``/... (or NumPy
     ufuncs) and ``astype``; a trailing ``sum``/``mean``/``max``/``min`` over
     the last axis may end it. Works as ``@cufuse.fuse`` or ``cufuse.fuse(fn)``
-    (lambdas included). See the README section "Fusing your own functions".
+    (lambdas included). See docs/fuse.md.
     """
     if fn is None:
         return fuse
