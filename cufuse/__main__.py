@@ -26,9 +26,17 @@ def _env_lines():
                      f"{props['totalGlobalMem'] / 2**30:.0f} GiB, cc {props['major']}.{props['minor']}")
     if R._cp is not None:
         lines.append(f"CuPy {R._cp.__version__}, NVRTC {R.nvrtc_version()}")
-    lines.append(f"kernel cache: {R.cache_dir()}")
+    lines.append(f"kernel cache: {R.cache_dir()} (CuPy's: the op families)")
+    lines.append(f"generated kernel cache: {R.generated_cache_dir()} (cufuse.fuse; $CUFUSE_CACHE_DIR)")
     lines.append(f"kernel sources: {R.kernel_dir()}")
+    lines.append(f"GPU architectures: {GPU_ARCHS}")
     return lines
+
+
+# What this version was checked on: `python -m cufuse build` (CI) compiles for
+# sm_80 and sm_90; the test suite and benchmarks run on H100 and H200 (sm_90).
+GPU_ARCHS = ("compute capability 8.0 or newer (every kernel compiles for sm_80 and sm_90; tested on sm_90: "
+             "H100, H200); the pipelined row kernels need 8.0, thread-block clusters 9.0")
 
 
 def demo(sizes=(100_000, 1_000_000, 20_000_000)) -> int:
@@ -42,6 +50,7 @@ def demo(sizes=(100_000, 1_000_000, 20_000_000)) -> int:
     print()
     print("exp((x + y) * 2), float32" + ("" if gpu else "  [no GPU: NumPy fallback vs the NumPy chain]"))
     unfused_label = "cupy chain" if gpu else "numpy chain"
+    print(f"speedup: {unfused_label} µs / cufuse µs (> 1: cufuse is faster)")
     print(f"{'elements':>12} {unfused_label + ' (us)':>18} {'cufuse (us)':>13} {'speedup':>8} {'cufuse GB/s':>12}")
     for n in sizes:
         x = xp.asarray(rng.standard_normal(n, dtype=np.float32))

@@ -60,8 +60,9 @@ class Comparison:
         return [head] + body
 
     def __str__(self):
-        lines = [f"{self.device}; {self.method}. speedup: {self.rows[0]['name']} µs / impl µs "
-                 f"(>1 = faster than {self.rows[0]['name']}); errors against {self.rows[0]['name']}."]
+        first = self.rows[0]['name']
+        lines = [f"{self.device}; {self.method}. speedup of {first}: impl µs / {first} µs "
+                 f"(> 1: {first} is faster); errors against {first}."]
         lines += _format(self.table())
         lines += self.notes
         return "\n".join(lines)
@@ -162,8 +163,8 @@ def compare(impls, *args, nbytes=None, repeats=50, warmup=10, flush=True, check=
     """Time implementations of one computation the way cufuse's benchmarks do.
 
     ``impls``: a dict name -> callable, or a list of callables (named by
-    ``__name__``); each is called as ``fn(*args, **kwargs)``. The first is the
-    baseline of the speedups and of the error columns.
+    ``__name__``); each is called as ``fn(*args, **kwargs)``. The first
+    (yours, say cufuse) is the one the speedups are of and the errors against.
 
     On the GPU (when a result is a CuPy array or a CUDA tensor): CUDA events
     on the stream the work goes to (torch's current stream for tensors),
@@ -172,7 +173,9 @@ def compare(impls, *args, nbytes=None, repeats=50, warmup=10, flush=True, check=
     while the host queues the call (``flush=False``: back-to-back, L2 warm).
     On the CPU: the host clock over ``repeats`` calls. Reported: median and interquartile range in µs;
     GB/s when you give ``nbytes`` (bytes one call must move: inputs read once
-    plus outputs written once); speedup = baseline median / median; with
+    plus outputs written once); speedup = median / the first's median (as in
+    every cufuse table: peer time / cufuse time, > 1 means the first is
+    faster); with
     ``check``, the max abs and relative difference of each result from the
     baseline's (computed on the same inputs before timing).
 
@@ -214,7 +217,7 @@ def compare(impls, *args, nbytes=None, repeats=50, warmup=10, flush=True, check=
                      "max_abs_err": abs_e, "max_rel_err": rel_e, "samples_us": samples})
     base = rows[0]["median_us"]
     for r in rows:
-        r["speedup"] = base / r["median_us"] if r["median_us"] else float("inf")
+        r["speedup"] = r["median_us"] / base if base else float("inf")
     if on_gpu:
         props = R._cp.cuda.runtime.getDeviceProperties(R._cp.cuda.runtime.getDevice())
         name = props["name"].decode() if isinstance(props["name"], bytes) else str(props["name"])

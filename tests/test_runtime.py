@@ -203,6 +203,8 @@ def test_info_cli():
     assert f"cufuse {cufuse.__version__}" in p.stdout
     assert f"kernel sources: {R.kernel_dir()}" in p.stdout
     assert ("NumPy fallback" in p.stdout) == (not cufuse.CUDA_AVAILABLE)
+    assert f"generated kernel cache: {R.generated_cache_dir()}" in p.stdout   # cufuse's own, not only CuPy's
+    assert "GPU architectures: compute capability 8.0 or newer" in p.stdout
 
 
 # --------------------------------------------------------------- disk cache
