@@ -11,6 +11,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from numbers import Number
+from typing import Any
 
 import numpy as np
 
@@ -20,8 +21,15 @@ try:
 except Exception:  # pragma: no cover - depends on the machine
     _cp = None
 
-    class CupyArray:  # placeholder: no instance ever matches
+    class CupyArray:  # type: ignore[no-redef]  # placeholder: no instance ever matches
         pass
+
+# Type names of the public API: an array is a numpy.ndarray, a cupy.ndarray or a
+# torch.Tensor (every op returns the kind it was given); a scalar a Python or
+# NumPy int or float. (Any: CuPy and torch are optional imports.)
+Array = Any
+Operand = Any   # an Array or a scalar
+DType = Any     # a NumPy dtype, its name or type, or a torch dtype
 
 NUMPY = "numpy.ndarray"
 CUPY = "cupy.ndarray"
@@ -173,7 +181,7 @@ class Plan:
     device: int | None = None  # GPU ordinal for GPU kinds
     out: object = None
     size: int = field(default=0)
-    out_dtype: np.dtype = None  # result dtype when it differs from the computed one (e.g. int8)
+    out_dtype: np.dtype | None = None  # result dtype when it differs from the computed one (e.g. int8)
 
 
 def dtype_names(dtypes) -> str:

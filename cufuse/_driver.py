@@ -661,7 +661,7 @@ def apart(rec, optrs, in_ptrs):
 
 
 # -------------------------------------------------------------- fast path
-_FAST_PATHS = weakref.WeakSet()
+_FAST_PATHS: weakref.WeakSet = weakref.WeakSet()
 
 
 class FastPath:

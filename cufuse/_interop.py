@@ -1,12 +1,14 @@
 """Zero-copy, stream-ordered conversion between torch and NumPy/CuPy."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from . import _arrays as A
 
 
-def from_torch(t):
+def from_torch(t: Any) -> Any:
     """A torch tensor as a CuPy array (CUDA) or a NumPy array (CPU), sharing memory.
 
     CUDA tensors go through DLPack with CuPy's current stream as the consumer:
@@ -27,7 +29,7 @@ def from_torch(t):
     return t.detach().numpy()
 
 
-def to_torch(a):
+def to_torch(a: Any) -> Any:
     """A CuPy array (as a CUDA tensor) or a NumPy array (as a CPU tensor), sharing memory.
 
     CuPy arrays go through DLPack with torch's current stream as the consumer,

@@ -337,7 +337,7 @@ def launch_grid(fn, grid: tuple, block: tuple, args: tuple, stream=None, shared_
 
 
 # ------------------------------------------------------------------- streams
-_external_streams: dict[int, object] = {}
+_external_streams: dict[tuple[int, int], object] = {}
 
 
 class _RawStream:

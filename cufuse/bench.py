@@ -347,7 +347,7 @@ def plot_report(data: dict, folder) -> list[str]:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
-    by = {}
+    by: dict = {}
     for r in data.get("bandwidth", []):
         by.setdefault((_group(r["op"])[0], r["dtype"]), []).append(r)
     for (op, dt), rows in by.items():

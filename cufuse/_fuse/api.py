@@ -12,6 +12,7 @@ import functools
 import itertools
 import logging
 import weakref
+from typing import Any, Callable
 
 import numpy as np
 
@@ -178,12 +179,12 @@ class Fused:
         return sig
 
     # -------------------------------------------------------------- calls
-    def source(self, *args):
+    def source(self, *args: Any) -> str:
         """The generated CUDA source for these arguments' signature (no GPU needed)."""
         _, spec, _, _ = self._classify(args)
         return self._signature(spec, len(args)).source
 
-    def __call__(self, *args, out=None):
+    def __call__(self, *args: Any, out: Any = None) -> Any:
         # Fast path: a signature seen before (arrays' dtypes, shapes, strides,
         # alignment, devices; scalars' types; out's) launches its recipe with
         # this call's pointers and scalar values.
@@ -385,7 +386,7 @@ class Fused:
         return b.build([D.output(s, dt, kind) for s, dt in zip(out_shapes, sig.out_dtypes)], *spans, extra=sig)
 
     # ---------------------------------------------------------- horizontal
-    def foreach(self, *args, out=None):
+    def foreach(self, *args: Any, out: Any = None) -> list:
         """Apply the function to lists of arrays in one launch (horizontal fusion).
 
         Each argument is a list (or tuple) of arrays, all lists of one length
@@ -456,7 +457,7 @@ class Fused:
             self._plans[key] = ([weakref.ref(a, drop) for a in flat], ptrs, sig, plan, kind, device)
         return results
 
-    def foreach_plan(self, *args, out):
+    def foreach_plan(self, *args: Any, out: Any) -> ForeachPlan:
         """Check a ``foreach`` call once and keep its launch: returns a
         ``ForeachPlan``; calling it, ``plan(*scalars)``, applies the function
         again to the same arrays, with new values for the scalar arguments (in
@@ -731,7 +732,7 @@ def _apart(optrs, odts, iptrs, idts, n):
     return True
 
 
-def fuse(fn=None):
+def fuse(fn: Callable[..., Any] | None = None) -> Any:
     """Trace ``fn`` once per argument signature and run it as one generated kernel.
 
     ``fn`` takes arrays and scalars and returns an array or a tuple of arrays,

@@ -6,6 +6,8 @@ second call neither traces nor compiles).
 """
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from . import graph as G
 
 _SINGLE: dict = {}  # (name, fixed args) -> Fused of that one function
@@ -23,10 +25,10 @@ def _concrete(key, fn, args):
     return f(*args)
 
 
-def _unary(name, op=None, doc=""):
+def _unary(name: str, op: str | None = None, doc: str = "") -> Callable[[Any], Any]:
     op = op or name
 
-    def f(x, /):
+    def f(x: Any, /) -> Any:
         if _is_traced(x):
             return G.unary(op, x)
         return _concrete((name,), f, (x,))
@@ -59,7 +61,7 @@ ceil = _unary("ceil", doc="Elementwise ceil; integers are returned unchanged.")
 abs = _unary("abs", doc="Elementwise absolute value.")
 
 
-def gelu(x, /, approximate="none"):
+def gelu(x: Any, /, approximate: str = "none") -> Any:
     """GELU with PyTorch's definitions: approximate="none" (erf) or "tanh"."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"cufuse.gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
@@ -69,8 +71,8 @@ def gelu(x, /, approximate="none"):
     return _concrete(("gelu", approximate), lambda v: gelu(v, approximate), (x,))
 
 
-def _binary(name):
-    def f(a, b, /):
+def _binary(name: str) -> Callable[[Any, Any], Any]:
+    def f(a: Any, b: Any, /) -> Any:
         if _is_traced(a, b):
             return G.binary(name, a, b)
         return _concrete((name,), f, (a, b))
@@ -85,14 +87,14 @@ minimum = _binary("minimum")
 maximum = _binary("maximum")
 
 
-def where(cond, a, b, /):
+def where(cond: Any, a: Any, b: Any, /) -> Any:
     """``a`` where ``cond`` is true, else ``b`` (numpy.where with three arguments)."""
     if _is_traced(cond, a, b):
         return G.where(cond, a, b)
     return _concrete(("where",), where, (cond, a, b))
 
 
-def clip(x, lo, hi, /):
+def clip(x: Any, lo: Any, hi: Any, /) -> Any:
     """minimum(maximum(x, lo), hi), as numpy.clip."""
     if _is_traced(x, lo, hi):
         return minimum(maximum(x, lo), hi)

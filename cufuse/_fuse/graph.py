@@ -47,7 +47,7 @@ def float_result(dt):
 class Node:
     op: str
     args: tuple = ()
-    dtype: np.dtype = None
+    dtype: np.dtype | None = None
     attr: object = None   # input/param index, cast target, reduction kind, ...
 
 
@@ -163,7 +163,7 @@ class Traced:
     def __pos__(self): return self
     def __invert__(self): return unary("invert", self)
     def __abs__(self): return unary("abs", self)
-    __hash__ = None
+    __hash__ = None  # type: ignore[assignment]  # == builds a graph node: not hashable
 
     def astype(self, dtype, copy=True):
         dt = _dtype_arg(dtype)

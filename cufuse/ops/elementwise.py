@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import inspect
 import struct
+from typing import Callable
 
 import numpy as np
 
 from .. import _arrays as A
+from .._arrays import Array, Operand
 from .. import _driver as D
 from .. import _random
 from .. import _runtime as R
@@ -122,7 +124,7 @@ class ElementwiseOp:
         return self._per_thread[(in_dt, out_dt)]
 
     # ------------------------------------------------------------ the call
-    def public(self, params, doc):
+    def public(self, params: str, doc: str) -> Callable[..., Array]:
         """The public function of an op whose every argument is an operand."""
         call = self.call
 
@@ -132,9 +134,10 @@ class ElementwiseOp:
         op.__name__ = op.__qualname__ = self.name
         op.__module__ = "cufuse"
         op.__doc__ = doc
-        op.__signature__ = inspect.Signature(
-            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY) for p in params]
-            + [inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None)])
+        op.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [inspect.Parameter(p, inspect.Parameter.POSITIONAL_ONLY, annotation="Operand") for p in params]
+            + [inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="Array | None")],
+            return_annotation="Array")
         return op
 
     def call(self, args, out, out_dtype=None, params=(), np_params=None, key_extra=None):
@@ -413,7 +416,7 @@ _dropout_ops = {  # (tanh, lanes16): float32/float64 results take 32-bit lanes e
 }
 
 
-def bias_gelu(x, bias, /, approximate="none", *, out=None):
+def bias_gelu(x: Array, bias: Operand, /, approximate: str = "none", *, out: Array | None = None) -> Array:
     """gelu(x + bias), fused: one pass over memory.
 
     ``approximate``: "none" (0.5 v (1 + erf(v / sqrt 2))) or "tanh"
@@ -423,7 +426,8 @@ def bias_gelu(x, bias, /, approximate="none", *, out=None):
     return _bias_gelu[_check_approximate("bias_gelu", approximate)](x, bias, out=out)
 
 
-def gelu_dropout(x, /, p=0.1, training=True, seed=None, approximate="none", *, out=None):
+def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int | None = None,
+                 approximate: str = "none", *, out: Array | None = None) -> Array:
     """dropout(gelu(x)), fused: one pass over memory.
 
     Each element is kept with probability 1 - p and scaled by 1 / (1 - p);
@@ -479,7 +483,7 @@ def _dropout_constants(p):
     return c
 
 
-bias_gelu.__doc__ += _COMMON
+bias_gelu.__doc__ = (bias_gelu.__doc__ or "") + _COMMON
 
 OPS = {"add_relu": _add_relu, "mul_tanh": _mul_tanh, "add_mul_exp": _add_mul_exp, "fma": _fma,
        "bias_gelu": _bias_gelu_ops[False], "bias_gelu_tanh": _bias_gelu_ops[True],

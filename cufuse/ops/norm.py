@@ -21,6 +21,7 @@ from numbers import Real
 import numpy as np
 
 from .. import _arrays as A
+from .._arrays import Array
 from .. import _driver as D
 from .. import _runtime as R
 from . import _rows
@@ -370,7 +371,8 @@ def _shape_key(ns):
     return None
 
 
-def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, out=None):
+def layer_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None,
+               bias: Array | None = None, eps: float = 1e-5, *, out: Array | None = None) -> Array:
     """Layer normalization over the trailing ``normalized_shape`` dims, with
     PyTorch's semantics: (x - mean) / sqrt(var + eps) * weight + bias, the
     biased variance, ``weight``/``bias`` optional (shape ``normalized_shape``,
@@ -380,7 +382,8 @@ def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, out=Non
     return _layer_norm("layer_norm", x, normalized_shape, weight, bias, eps, out, False)
 
 
-def layer_norm_relu(x, normalized_shape, weight=None, bias=None, eps=1e-5, *, out=None):
+def layer_norm_relu(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None,
+                    bias: Array | None = None, eps: float = 1e-5, *, out: Array | None = None) -> Array:
     """relu(layer_norm(x, ...)), fused: one read of x, one write. Arguments as in ``layer_norm``."""
     return _layer_norm("layer_norm_relu", x, normalized_shape, weight, bias, eps, out, True)
 
@@ -402,7 +405,8 @@ def _layer_norm(name, x, normalized_shape, weight, bias, eps, out, relu):
                 lambda xv, wv, bv: _np_layer_norm(xv, ns, wv, bv, e, relu), key)
 
 
-def rms_norm(x, normalized_shape, weight=None, eps=1e-6, *, out=None):
+def rms_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None, eps: float = 1e-6,
+             *, out: Array | None = None) -> Array:
     """RMS normalization over the trailing ``normalized_shape`` dims, with
     PyTorch's semantics: x / sqrt(mean(x^2) + eps) * weight (``weight``
     optional). Returns x's shape, dtype and kind; ``out=`` receives it."""
@@ -421,14 +425,14 @@ def rms_norm(x, normalized_shape, weight=None, eps=1e-6, *, out=None):
                 lambda xv, wv, bv: _np_rms_norm(xv, ns, wv, e), key)
 
 
-def softmax(x, axis=-1, *, out=None):
+def softmax(x: Array, axis: int = -1, *, out: Array | None = None) -> Array:
     """exp(x - max) / sum(exp(x - max)) along ``axis``: stable for any
     magnitude; a row of all -inf gives NaN, as in PyTorch. Returns x's shape,
     dtype and kind; ``out=`` receives it."""
     return _softmax("softmax", x, axis, out)
 
 
-def log_softmax(x, axis=-1, *, out=None):
+def log_softmax(x: Array, axis: int = -1, *, out: Array | None = None) -> Array:
     """(x - max) - log(sum(exp(x - max))) along ``axis``; as ``softmax``."""
     return _softmax("log_softmax", x, axis, out)
 

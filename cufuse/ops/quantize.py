@@ -14,6 +14,7 @@ from numbers import Real
 import numpy as np
 
 from .. import _arrays as A
+from .._arrays import Array, DType, Operand
 from .. import _driver as D
 from .. import _runtime as R
 from .elementwise import ElementwiseOp, pack_width
@@ -303,7 +304,8 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     return res
 
 
-def quantize_int8(x, /, scale, zero_point=0.0, axis=None, *, out=None):
+def quantize_int8(x: Array, /, scale: Operand, zero_point: Operand = 0.0, axis: int | None = None, *,
+                  out: Array | None = None) -> Array:
     """int8 quantization: clamp(rint(x / scale + zero_point), -128, 127).
 
     ``x``: a float16/float32/float64 array (NumPy, CuPy or torch). Rounding is
@@ -325,7 +327,8 @@ def quantize_int8(x, /, scale, zero_point=0.0, axis=None, *, out=None):
     return _run("quantize_int8", (_quant_per_tensor, _quant_ch), x, scale, zero_point, axis, out, _I8)
 
 
-def dequantize_int8(q, /, scale, zero_point=0.0, axis=None, dtype=np.float32, *, out=None):
+def dequantize_int8(q: Array, /, scale: Operand, zero_point: Operand = 0.0, axis: int | None = None,
+                    dtype: DType = np.float32, *, out: Array | None = None) -> Array:
     """int8 dequantization: (q - zero_point) * scale, in ``dtype``.
 
     ``q``: an int8 array. Computed in float32 (float64 when ``dtype`` is

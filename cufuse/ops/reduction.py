@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 
 from .. import _arrays as A
+from .._arrays import Array, DType
 from .. import _driver as D
 from .. import _runtime as R
 from . import _rows
@@ -321,7 +322,8 @@ _sum_squared = _Reduction("sum_squared", "Square", mean=False)
 _mean_abs = _Reduction("mean_abs", "Abs", mean=True)
 
 
-def sum_squared(x, axis=-1, keepdims=False, dtype=None, *, out=None):
+def sum_squared(x: Array, axis: int | tuple[int, ...] | None = -1, keepdims: bool = False, dtype: DType = None,
+                *, out: Array | None = None) -> Array:
     """sum(x * x) over ``axis`` (an int, a tuple of ints, or None for all),
     with NumPy's ``keepdims``. float16 and float32 accumulate in float32,
     float64 in float64 (also when ``dtype=float64``); the result has x's
@@ -332,6 +334,7 @@ def sum_squared(x, axis=-1, keepdims=False, dtype=None, *, out=None):
     return _sum_squared(x, axis, keepdims, dtype, out)
 
 
-def mean_abs(x, axis=-1, keepdims=False, dtype=None, *, out=None):
+def mean_abs(x: Array, axis: int | tuple[int, ...] | None = -1, keepdims: bool = False, dtype: DType = None,
+             *, out: Array | None = None) -> Array:
     """mean(|x|) over ``axis``; a mean over nothing is NaN. Otherwise as ``sum_squared``."""
     return _mean_abs(x, axis, keepdims, dtype, out)
