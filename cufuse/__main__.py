@@ -81,13 +81,14 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="cmd")
     b = sub.add_parser("build", help="compile every kernel for every dtype (no GPU needed)")
     b.add_argument("--arch", default="sm_80,sm_90", help="comma-separated, e.g. sm_80,sm_90 (default)")
+    b.add_argument("-v", "--verbose", action="store_true", help="also a line per kernel and dtype")
     b.add_argument("--family", default="", help="only the kernel families whose names start with this "
                    "(e.g. norm, reduction, elementwise); default: every family")
     sub.add_parser("info", help="print the backend, device, versions and cache folder")
     args = p.parse_args(argv)
     if args.cmd == "build":
         from ._build import build, parse_archs
-        return build(parse_archs(args.arch), family=args.family)
+        return build(parse_archs(args.arch), family=args.family, verbose=args.verbose)
     if args.cmd == "info":
         print("\n".join(_env_lines()))
         return 0

@@ -25,10 +25,12 @@ def _compile(source, options, arch, names):
         return "ltoir", mapping
 
 
-def build(archs, out=sys.stdout, family="") -> int:
+def build(archs, out=sys.stdout, family="", verbose=False) -> int:
     """Compile every registered family whose name starts with ``family`` for
     each architecture; 0 when every kernel compiled, 1 on failures, 2 without
-    CuPy or when no family matches."""
+    CuPy or when no family matches. Prints a line per family and
+    architecture (``verbose``: also one per kernel; failures always), then a
+    summary."""
     from . import ops  # noqa: F401 - registers every family's kernels
     try:
         import cupy  # noqa: F401
@@ -38,7 +40,8 @@ def build(archs, out=sys.stdout, family="") -> int:
               "cufuse-nvrtc (pip install -e '.[cuda12]' in a clone)", file=out)
         return 2
     options = R.compile_options()
-    failures = 0
+    failures = built = 0
+    start = time.perf_counter()
     families = {f: e for f, e in R.registry().items() if f.startswith(family)}
     if not families:
         print(f"cufuse build: no kernel family starts with {family!r}", file=out)
@@ -64,13 +67,20 @@ def build(archs, out=sys.stdout, family="") -> int:
                 print(f"FAIL sm_{arch} {family}: {type(e).__name__}: {e}", file=out)
                 continue
             dt = time.perf_counter() - t0
+            bad = 0
             for name in names:
                 label, dtype = entries[name]
                 ok = bool(mapping.get(name))
-                failures += not ok
-                print(f"{'ok  ' if ok else 'FAIL'} sm_{arch} {family:12s} {label:28s} {dtype:8s} {name}", file=out)
-            print(f"     sm_{arch} {family}: {len(names)} kernels, {kind}, {dt:.1f} s", file=out)
-    print(f"cufuse build: {'FAILED' if failures else 'all kernels compiled'} "
+                bad += not ok
+                if verbose or not ok:
+                    print(f"{'ok  ' if ok else 'FAIL'} sm_{arch} {family:12s} {label:28s} {dtype:8s} {name}", file=out)
+            failures += bad
+            built += len(names) - bad
+            print(f"{'    ' if not bad else 'FAIL'} sm_{arch} {family}: {len(names)} kernels, {kind}, {dt:.1f} s",
+                  file=out)
+    print(f"cufuse build: {'FAILED' if failures else 'all kernels compiled'}: {built} kernel builds of "
+          f"{len(families)} families for {', '.join('sm_' + a for a in archs)} in "
+          f"{time.perf_counter() - start:.0f} s, {failures} failed "
           f"(NVRTC {R.nvrtc_version()}, include {R.cuda_include_dirs() or 'none found'})", file=out)
     return 1 if failures else 0
 

@@ -152,7 +152,7 @@ def _need_nvrtc():
 @pytest.mark.parametrize("archs,family", [("sm_90", "dropout"), ("sm_80,sm_90", "reduction:final")])
 def test_build_cli_compiles_every_kernel(archs, family):
     _need_nvrtc()
-    p = run_py(["-m", "cufuse", "build", "--arch", archs, "--family", family])
+    p = run_py(["-m", "cufuse", "build", "--arch", archs, "--family", family, "-v"])
     assert p.returncode == 0, p.stdout + p.stderr
     assert "FAIL" not in p.stdout
     expressions = [e for f, fam in R.registry().items() if f.startswith(family) for e in fam]
@@ -164,6 +164,19 @@ def test_build_cli_compiles_every_kernel(archs, family):
     for arch, e in wanted:
         hits = [line for line in ok if f" {arch} " in line and line.endswith(" " + e)]
         assert len(hits) == 1, (arch, e)
+
+
+def test_build_cli_prints_a_summary_without_v():
+    """Without -v: a line per family and architecture and a summary, no line per kernel."""
+    _need_nvrtc()
+    p = run_py(["-m", "cufuse", "build", "--arch", "sm_90", "--family", "dropout"])
+    assert p.returncode == 0, p.stdout + p.stderr
+    fams = sorted(f for f in R.registry() if f.startswith("dropout"))
+    n = sum(len(R.registry()[f]) for f in fams)
+    lines = p.stdout.splitlines()
+    assert not [line for line in lines if line.startswith("ok ")]
+    assert len([line for line in lines if " sm_90 dropout" in line and "kernels, " in line]) == len(fams)
+    assert f"all kernels compiled: {n} kernel builds of {len(fams)} families for sm_90" in lines[-1]
 
 
 def test_build_cli_unknown_family():
