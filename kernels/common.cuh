@@ -368,6 +368,21 @@ template <typename T, typename S> __device__ __forceinline__ compute_t<T> cast_t
         else return __half2float(__float2half_rn(static_cast<float>(x)));
     } else if constexpr (same_type<T, bool>::value) {
         return x != S(0);
+    } else if constexpr ((same_type<S, float>::value || same_type<S, double>::value) &&
+                         !same_type<T, float>::value && !same_type<T, double>::value) {
+        // A float to an integer: truncated toward zero; NaN and values beyond the
+        // range of int32 (int64 for 8-byte targets) give that type's minimum, and
+        // narrower targets take the low bits, as NumPy and torch do on x86-64
+        // (the GPU's own conversion saturates). Defined once: docs/fuse.md;
+        // the NumPy path: numpy_eval.float_to_int.
+        const double d = static_cast<double>(x);
+        if constexpr (sizeof(T) == 8) {
+            return (d >= -9223372036854775808.0 && d < 9223372036854775808.0)
+                ? static_cast<T>(static_cast<long long>(d)) : static_cast<T>(-9223372036854775807LL - 1);
+        } else {
+            return static_cast<T>((d >= -2147483648.0 && d < 2147483648.0)
+                ? static_cast<int>(d) : (-2147483647 - 1));
+        }
     } else {
         return static_cast<T>(x);
     }

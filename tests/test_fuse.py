@@ -1401,3 +1401,212 @@ def test_math_functions_get_a_message_that_names_them():
     f = cufuse.fuse(lambda a: math.exp(a) + 1)
     with pytest.raises(cufuse.TraceError, match=r"math functions \(math\.exp.*use cufuse\.exp"):
         f(np.ones(3, np.float32))
+
+
+# =============================================================================
+# 12. NumPy 2's rules for Python ints, integer powers and float -> int casts
+# =============================================================================
+INT_SAMPLE = [232, 7, 42, 0, 255, 128, 1]   # what uint8 holds; int8 etc. take these modulo their range
+
+
+def _int_array(dtype):
+    return np.array(INT_SAMPLE, dtype=np.int64).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [U8, I8, I16, I32, I64], ids=lambda d: d.name)
+def test_python_int_compares_by_value(backend, dtype):
+    """uint8_array == 1000 is all False and < 300 all True: the Python int is not
+    wrapped to the array's type (NumPy 2), as a literal and as an argument."""
+    x = _int_array(dtype)
+    xa = backend.asarray(x)
+    consts = cufuse.fuse(lambda a: (a == 1000, a < 300, a > -1, a >= -129, a != 70000, 2 ** 40 > a, a <= 127))
+    refs = [np.full(x.shape, v, bool) for v in (False, True, True, True, True, True, False)]
+    refs[-1] = x.astype(np.int64) <= 127
+    refs[2] = x.astype(np.int64) > -1
+    with np.errstate(all="ignore"):  # NumPy itself agrees (NumPy 2 compares Python ints by value)
+        for got_np, ref in zip([x == 1000, x < 300, x > -1, x >= -129, x != 70000, 2 ** 40 > x, x <= 127], refs):
+            np.testing.assert_array_equal(got_np, ref)
+    for i, (got, ref) in enumerate(zip(consts(xa), refs)):
+        assert_exact(backend.to_numpy(got), ref, BOOL, f"literal comparison {i}")
+    arg = cufuse.fuse(lambda a, s: (a == s, a < s, a > s))
+    for s in (1000, -1, 300, 42, -2 ** 40):
+        eq, lt, gt = arg(xa, s)
+        wide = x.astype(np.int64)
+        assert_exact(backend.to_numpy(eq), wide == s, BOOL, f"== {s}")
+        assert_exact(backend.to_numpy(lt), wide < s, BOOL, f"< {s}")
+        assert_exact(backend.to_numpy(gt), wide > s, BOOL, f"> {s}")
+
+
+@pytest.mark.parametrize("dtype", [U8, I8, I16], ids=lambda d: d.name)
+def test_python_int_out_of_range_raises(backend, dtype):
+    """uint8_array + 300 raises OverflowError as in NumPy 2 (the int takes the
+    array's type), for a literal and for an argument, on every call of a
+    signature already seen; an int beyond int64 raises a clear OverflowError."""
+    x = _int_array(dtype)
+    xa = backend.asarray(x)
+    big = int(np.iinfo(dtype).max) + 1
+    with pytest.raises(OverflowError, match=rf"Python integer {big} out of bounds for {dtype.name}"):
+        x + big                                       # NumPy itself
+    with pytest.raises(OverflowError, match=rf"Python integer {big} out of bounds for {dtype.name}"):
+        cufuse.fuse(lambda a: a + big)(xa)
+    with pytest.raises(OverflowError, match=rf"out of bounds for {dtype.name}"):
+        cufuse.fuse(lambda a: cufuse.maximum(a, big))(xa)
+    f = cufuse.fuse(lambda a, s: a * s)
+    with np.errstate(over="ignore"):
+        assert_exact(backend.to_numpy(f(xa, 3)), x * 3, dtype, "in range")
+    before = stats(f)["launches"]
+    for _ in range(2):                                # the second call is on the fast path
+        with pytest.raises(OverflowError, match=rf"Python integer {big} out of bounds for {dtype.name}"):
+            f(xa, big)
+    assert stats(f)["launches"] == before             # raised before any launch
+    with np.errstate(over="ignore"):
+        assert_exact(backend.to_numpy(f(xa, 2)), x * 2, dtype, "in range after the error")
+    with pytest.raises(OverflowError, match="out of bounds for int64"):
+        cufuse.fuse(lambda a: a.astype(np.int64) + 2 ** 70)(xa)
+    with pytest.raises(OverflowError, match="out of bounds for int64"):
+        f(xa, -2 ** 64)
+    # numpy.where converts its scalars unchecked, as NumPy does
+    w = cufuse.fuse(lambda a: np.where(a > 10, a, big + 5))(xa)
+    with np.errstate(all="ignore"):
+        ref = np.where(x > 10, x, big + 5)
+    assert_exact(backend.to_numpy(w), ref, dtype, "where")
+
+
+@pytest.mark.parametrize("dtype", [I8, I32, I64], ids=lambda d: d.name)
+def test_integer_negative_power(backend, dtype):
+    """An integer to a negative scalar integer power raises ValueError (NumPy);
+    an unsigned array with -1 raises OverflowError first, as NumPy does."""
+    x = _int_array(dtype)
+    xa = backend.asarray(x)
+    with pytest.raises(ValueError, match="negative integer powers"):
+        x ** -1                                       # NumPy itself
+    with pytest.raises(ValueError, match="negative integer powers"):
+        cufuse.fuse(lambda a: a ** -1)(xa)
+    f = cufuse.fuse(lambda a, s: a ** s)
+    with np.errstate(over="ignore"):
+        assert_exact(backend.to_numpy(f(xa, 2)), x ** 2, dtype, "x ** 2")
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"negative integer powers.*exponent -2"):
+            f(xa, -2)
+    with pytest.raises(ValueError, match="negative integer powers"):
+        f(xa, np.int64(-1))                           # a strong NumPy scalar too
+    # float bases or exponents are fine
+    with np.errstate(divide="ignore"):
+        ref = 1.0 / x.astype(np.float64)               # 0 ** -1.0 is inf
+    assert_close(backend.to_numpy(f(xa, -1.0)), ref, F64, FUNC_TOL[F64])
+    with pytest.raises(OverflowError, match="Python integer -1 out of bounds for uint8"):
+        cufuse.fuse(lambda a: a ** -1)(backend.asarray(_int_array(U8)))
+
+
+@pytest.mark.parametrize("dtype", [U8, I8], ids=lambda d: d.name)
+def test_clip_python_int_bounds(backend, dtype):
+    """numpy.clip / cufuse.clip of an integer array with Python int bounds beyond
+    its range: a bound beyond it is no bound; a lower bound above the range or an
+    upper bound below it raises OverflowError (NumPy 2's numpy.clip)."""
+    x = _int_array(dtype)
+    xa = backend.asarray(x)
+    info = np.iinfo(dtype)
+    cases = [(-5, 100), (50, 10), (int(info.min) - 1, int(info.max) + 1), (3, 1000), (-1000, 20)]
+    for lo, hi in cases:
+        ref = np.clip(x, lo, hi)                      # NumPy itself
+        for fn in (lambda a: np.clip(a, lo, hi), lambda a: cufuse.clip(a, lo, hi)):
+            assert_exact(backend.to_numpy(cufuse.fuse(fn)(xa)), ref, dtype, f"clip({lo}, {hi})")
+        g = cufuse.fuse(lambda a, lo_, hi_: cufuse.clip(a, lo_, hi_))
+        assert_exact(backend.to_numpy(g(xa, lo, hi)), ref, dtype, f"clip(arguments {lo}, {hi})")
+    for lo, hi in [(int(info.max) + 1, int(info.max) + 2), (0, int(info.min) - 1)]:
+        with pytest.raises(OverflowError):
+            np.clip(x, lo, hi)
+        with pytest.raises(OverflowError, match=f"out of bounds for {dtype.name}"):
+            cufuse.fuse(lambda a: np.clip(a, lo, hi))(xa)
+
+
+def _float_to_int_reference(v, dtype):
+    """The documented float -> int conversion, element by element in Python:
+    truncate; NaN or beyond int32 (int64 for 8-byte types) gives the minimum of
+    that width; then the low bits of the target type."""
+    bits = 64 if dtype.itemsize == 8 else 32
+    lim = 2 ** (bits - 1)
+    out = []
+    for f in map(float, v):
+        w = -lim if (f != f or not -lim <= f < lim) else int(f)
+        nbits = 8 * dtype.itemsize
+        w &= (1 << nbits) - 1
+        if dtype.kind == "i" and w >= 1 << (nbits - 1):
+            w -= 1 << nbits
+        out.append(w)
+    return np.array(out).astype(dtype)
+
+
+@pytest.mark.parametrize("src", [F16, F32, F64], ids=lambda d: d.name)
+def test_float_to_int_cast_edges(backend, src):
+    """astype(int) of NaN, ±inf, values beyond the type and negatives into unsigned
+    types: the same defined values on every path (what NumPy gives on x86-64)."""
+    import platform
+    with np.errstate(over="ignore"):                 # float16: the large ones become ±inf
+        vals = np.array([np.inf, -np.inf, np.nan, 300.7, -1.5, 3e9, -3e9, 1e20, -2147483648.5, 2147483647.0,
+                         65504.0, -0.9, 0.9, 129.0, -129.0, 9.3e18, -9.3e18], np.float64).astype(src)
+    xa = backend.asarray(vals)
+    for dst in (I8, U8, I16, I32, I64, BOOL):
+        ref = vals != 0 if dst == BOOL else _float_to_int_reference(vals, dst)
+        got = backend.to_numpy(cufuse.fuse(_astype_fn(dst))(xa))
+        assert_exact(got, ref, dst, f"{src.name} -> {dst.name}")
+        if platform.machine() in ("x86_64", "AMD64"):
+            with np.errstate(invalid="ignore", over="ignore"):
+                assert_exact(vals.astype(dst), ref, dst, f"NumPy's own {src.name} -> {dst.name}")
+
+
+def test_rounding_ufuncs_follow_numpy_result_types(backend):
+    """numpy.rint of an integer array gives a float (float16 for int8), as the
+    installed NumPy's loops say; floor / ceil keep integers where NumPy does."""
+    for dtype in (I8, U8, I32, BOOL):
+        x = rand_int((5, 9), dtype, 31)
+        xa = backend.asarray(x)
+        for fn in (np.rint, np.floor, np.ceil):
+            ref = fn(x)
+            got = cufuse.fuse(lambda a: fn(a))(xa)
+            check_kind(backend, got, x.shape, ref.dtype)
+            assert_exact(backend.to_numpy(got), ref, ref.dtype, f"{fn.__name__}({dtype.name})")
+
+
+def test_nested_fused_functions_trace_inline(backend):
+    """A fused function called inside another is traced into the outer kernel."""
+    inner = cufuse.fuse(lambda a, s: (a * s, a - 1))
+    outer = cufuse.fuse(lambda a, b: inner(a, 2.0)[0] + inner(b, 0.5)[1])
+    x, y, xa, ya = _two_inputs(backend, F32, 900)
+    got = outer(xa, ya)
+    ref = x.astype(np.float64) * 2.0 + (y.astype(np.float64) - 1)
+    assert_close(backend.to_numpy(got), ref, F32, FUNC_TOL[F32])
+    assert stats(inner)["traces"] == 0 and stats(outer)["traces"] == 1
+    bad = cufuse.fuse(lambda a: inner(a, 1.0, out=(a, a))[0])
+    with pytest.raises(cufuse.TraceError, match="out="):
+        bad(xa)
+
+
+def test_tracing_state_is_per_thread(backend):
+    """While one thread traces (its function blocked half way), another thread's
+    calls run as calls: cufuse.exp on an array computes, a scalars-only
+    cufuse.where is rejected as a call, and neither joins the first trace."""
+    import threading
+    x, y, xa, ya = _two_inputs(backend, F32, 910)
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(a, b):
+        t = a * b
+        inside.set()
+        assert release.wait(30)
+        return t + 1
+
+    f = cufuse.fuse(slow)
+    box = {}
+    th = threading.Thread(target=lambda: box.setdefault("r", f(xa, ya)))
+    th.start()
+    try:
+        assert inside.wait(30)
+        got = cufuse.exp(xa)                     # this thread is not tracing
+        assert_close(backend.to_numpy(got), np.exp(x.astype(np.float64)), F32, FUNC_TOL[F32])
+        with pytest.raises(TypeError, match="at least one argument must be an array"):
+            cufuse.where(True, 1.0, 2.0)
+    finally:
+        release.set()
+        th.join(60)
+    assert_close(backend.to_numpy(box["r"]), x.astype(np.float64) * y + 1, F32, FUNC_TOL[F32])

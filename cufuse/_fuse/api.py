@@ -42,6 +42,7 @@ class _Signature:
     """One traced signature: its graph, and its kernels per device."""
 
     def __init__(self, fused, spec):
+        self.fused = fused
         self.graph = G.trace(fused.fn, spec)
         self.in_dtypes = [d for _, d, _ in self.graph.inputs]
         self.in_pos = [p for p, _, _ in self.graph.inputs]
@@ -51,10 +52,15 @@ class _Signature:
         conv = {"double": float, "long long": int}
         self.params = [(src[1], conv[ck], None) if src[0] == "arg" else (-1, conv[ck], conv[ck](src[1]))
                        for src, ck in self.graph.params]
+        # NumPy 2's checks of scalar values (graph.checks), and every int in int64; the
+        # literals' are done here, once
+        checks = [(k, _I64, "both") for k, (_, ck) in enumerate(self.graph.params) if ck == "long long"]
+        checks += self.graph.checks
+        self._check_params([c for _, _, c in self.params], [c for c in checks if self.params[c[0]][0] < 0])
+        self.checks = [c for c in checks if self.params[c[0]][0] >= 0]
         self._source = None
         self._sources = {}
         self._fns = {}
-        self.fused = fused
 
     @property
     def source(self):
@@ -76,7 +82,30 @@ class _Signature:
         return fn
 
     def param_values(self, args):
-        return [conv(args[i]) if i >= 0 else c for i, conv, c in self.params]
+        vals = [conv(args[i]) if i >= 0 else c for i, conv, c in self.params]
+        if self.checks:
+            self._check_params(vals, self.checks)
+        return vals
+
+    def _check_params(self, vals, checks):
+        for k, dt, side in checks:
+            v = vals[k]
+            if dt is None:
+                if v < 0:
+                    raise ValueError(f"cufuse.{self.fused._name}: integers to negative integer powers are not "
+                                     f"allowed (exponent {v}), as in NumPy; use a float base or exponent")
+            else:
+                lo, hi = _INT_RANGE[dt]
+                if (side != "lo" and v < lo) or (side != "hi" and v > hi):
+                    why = ("; int64 is the widest integer a fused kernel computes with" if dt == _I64 else
+                           ", as in NumPy 2 (a Python int takes the array's type); cast the array first "
+                           "(x.astype(numpy.int64)) for a wider result")
+                    raise OverflowError(f"cufuse.{self.fused._name}: Python integer {v} out of bounds for "
+                                        f"{dt.name}{why}")
+
+
+_I64 = np.dtype(np.int64)
+_INT_RANGE = {dt: (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for dt in G.INPUT_DTYPES if dt.kind in "iu"}
 
 
 def _scalar_spec(x):
@@ -244,6 +273,12 @@ class Fused:
         return outs
 
     def _call(self, args, out, key=None):
+        if G.tracing() is not None and any(isinstance(a, G.Traced) for a in args):
+            # called inside another fused function: traced inline, into its kernel
+            if out is not None:
+                raise G.TraceError(f"cufuse.{self._name}: out= is not supported when a fused function is "
+                                   "called inside another one")
+            return self.fn(*args)
         kind, spec, arrays, device = self._classify(args)
         sig = self._signature(spec, len(args))
         shape, out_shapes = self._shapes(arrays, sig)

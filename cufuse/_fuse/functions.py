@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import numpy as np
+
 from . import graph as G
 
 _SINGLE: dict = {}  # (name, fixed args) -> Fused of that one function
@@ -97,7 +99,7 @@ def where(cond: Any, a: Any, b: Any, /) -> Any:
 def clip(x: Any, lo: Any, hi: Any, /) -> Any:
     """minimum(maximum(x, lo), hi), as numpy.clip."""
     if _is_traced(x, lo, hi):
-        return minimum(maximum(x, lo), hi)
+        return G.clip(x, lo, hi)
     return _concrete(("clip",), clip, (x, lo, hi))
 
 
@@ -124,6 +126,17 @@ def _np_round(x, decimals=0, out=None):
     return round(x)
 
 
+def _np_rounding(ufunc, op):
+    """numpy.rint / floor / ceil on a traced value: the installed NumPy's loop
+    decides the result type (NumPy 2: rint of int8 gives float16)."""
+    def f(x):
+        a = G.lift(G._graph_of(x), x)
+        dt = ufunc.resolve_dtypes((a.dtype, None))[0]
+        return G.unary(op, a if dt == a.dtype else G.cast(a, dt))
+    f.__name__ = ufunc.__name__
+    return f
+
+
 def _np_where(c, a=None, b=None):
     if a is None or b is None:
         raise G.TraceError("cufuse.fuse: numpy.where needs three arguments inside a fused function")
@@ -144,7 +157,8 @@ NUMPY_UFUNCS = {
     "bitwise_and": lambda a, b: G.binary("and", a, b), "bitwise_or": lambda a, b: G.binary("or", a, b),
     "bitwise_xor": lambda a, b: G.binary("xor", a, b), "invert": lambda a: G.unary("invert", a),
     "absolute": abs, "fabs": abs, "exp": exp, "exp2": exp2, "log": log, "log1p": log1p, "expm1": expm1,
-    "sqrt": sqrt, "sin": sin, "cos": cos, "tanh": tanh, "rint": round, "floor": floor, "ceil": ceil,
+    "sqrt": sqrt, "sin": sin, "cos": cos, "tanh": tanh, "rint": _np_rounding(np.rint, "round"), "floor": _np_rounding(np.floor, "floor"),
+    "ceil": _np_rounding(np.ceil, "ceil"),
     "minimum": minimum, "maximum": maximum,
 }
 

@@ -11,6 +11,7 @@ constants in the source: a new value never recompiles.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -57,6 +58,11 @@ class Graph:
     inputs: list = field(default_factory=list)   # per array input: (argument position, dtype, ndim)
     params: list = field(default_factory=list)   # per scalar parameter: ("arg", position) or ("const", value), C kind
     outputs: list = field(default_factory=list)  # per output: (node id, reduction or None, keepdims)
+    # per-call checks of scalar parameters, as NumPy 2 raises: (param index, dtype, side):
+    # the value must fit dtype (side "both": a Python int cast into an integer
+    # operation; "lo" / "hi": a clip bound must not lie above / below the range),
+    # or dtype None: an integer power's exponent must not be negative
+    checks: list = field(default_factory=list)
     ndim: int = 0                                # of the broadcast (elementwise) shape
     tuple_out: bool = False
 
@@ -70,11 +76,21 @@ class Graph:
 
 
 # ---------------------------------------------------------------------- tracer
-_TRACING: list = []  # stack of graphs being traced (nested fuse calls trace inline)
+# The graphs being traced, per thread (nested fused calls trace inline): another
+# thread's calls run as calls while this one traces.
+_STATE = threading.local()
 
 
 def tracing():
-    return _TRACING[-1] if _TRACING else None
+    stack = getattr(_STATE, "stack", None)
+    return stack[-1] if stack else None
+
+
+def _stack():
+    stack = getattr(_STATE, "stack", None)
+    if stack is None:
+        stack = _STATE.stack = []
+    return stack
 
 
 class Traced:
@@ -262,8 +278,20 @@ def param(g, source, dtype, weak):
     return Traced(g, node, dtype, weak=weak, ndim=0)
 
 
-def cast(v, dt):
+def _param_index(v):
+    nd = v.graph.nodes[v.node]
+    return nd.attr if nd.op == "param" else None
+
+
+def cast(v, dt, checked=True):
+    """``v`` as ``dt``. A Python int cast into an integer type must fit it, as in
+    NumPy 2 (``uint8_array + 300`` raises OverflowError), unless ``checked`` is
+    False (numpy.where converts unchecked)."""
     dt = np.dtype(dt)
+    if checked and v.weak and v.dtype.kind == "i" and dt.kind in "iu" and dt != _I64:
+        k = _param_index(v)
+        if k is not None:
+            v.graph.checks.append((k, dt, "both"))
     if v.dtype == dt:
         return Traced(v.graph, v.node, dt, weak=False, ndim=v.ndim) if v.weak else v
     return Traced(v.graph, v.graph.add("cast", (v.node,), dt, dt), dt, weak=False, ndim=v.ndim)
@@ -305,13 +333,20 @@ def binary(op, a, b):
             raise TraceError(f"cufuse.fuse: `{_SYMBOL[op]}` needs booleans or integers, got {a.dtype} and {b.dtype}")
         return _result(g, op, [cast(a, dt), cast(b, dt)], dt, weak=all_weak)
     if op in _COMPARE:
+        if dt.kind in "iu" and a.weak != b.weak and (a if a.weak else b).dtype.kind == "i":
+            # a Python int against an integer array compares by value (NumPy 2:
+            # uint8_array < 300 is all True): in int64, which holds both
+            dt = _I64
         return _result(g, op, [cast(a, dt), cast(b, dt)], _BOOL)
     if op == "truediv" and not is_float(dt):
         dt = _F64
     if dt == _BOOL and op in ("sub", "truediv", "floordiv", "mod", "pow"):
         raise TraceError(f"cufuse.fuse: `{_SYMBOL.get(op, op)}` on booleans is not supported (as in NumPy); "
                          "use astype first")
-    return _result(g, op, [cast(a, dt), cast(b, dt)], dt, weak=all_weak)
+    args = [cast(a, dt), cast(b, dt)]
+    if op == "pow" and dt.kind in "iu" and _param_index(b) is not None:
+        g.checks.append((_param_index(b), None, None))  # NumPy: integers to negative integer powers raise
+    return _result(g, op, args, dt, weak=all_weak)
 
 
 # unary float functions: result is float_result(dtype)
@@ -340,7 +375,28 @@ def where(c, a, b):
     g = _graph_of(c, a, b)
     c, a, b = lift(g, c), lift(g, a), lift(g, b)
     dt = promote(a, b)
-    return _result(g, "where", [cast(c, _BOOL), cast(a, dt), cast(b, dt)], dt, weak=a.weak and b.weak and c.weak)
+    return _result(g, "where", [cast(c, _BOOL), cast(a, dt, checked=False), cast(b, dt, checked=False)], dt,
+                   weak=a.weak and b.weak and c.weak)
+
+
+def clip(x, lo, hi):
+    """minimum(maximum(x, lo), hi), as numpy.clip: on an integer array a Python
+    int bound beyond the type's range is no bound (a lower bound above it or an
+    upper bound below it raises OverflowError at the call, as NumPy does)."""
+    g = _graph_of(x, lo, hi)
+    x, lo, hi = lift(g, x), lift(g, lo), lift(g, hi)
+    if x.weak or x.dtype.kind not in "iu":
+        return binary("minimum", binary("maximum", x, lo), hi)
+    dt = x.dtype
+    for bound, op, side in ((lo, "maximum", "lo"), (hi, "minimum", "hi")):
+        if bound.weak and bound.dtype.kind == "i":
+            k = _param_index(bound)
+            if k is not None:
+                g.checks.append((k, dt, side))
+            x = cast(_result(g, op, [cast(x, _I64), bound], _I64), dt)  # by value, in int64
+        else:
+            x = binary(op, x, bound)
+    return x
 
 
 def reduce(kind, v, axis, keepdims, extra):
@@ -381,11 +437,12 @@ def trace(fn, spec):
         else:
             args.append(param(g, ("arg", pos), s[1], weak=s[2]))
     g.ndim = max((s[2] for s in spec if s[0] == "array"), default=0)
-    _TRACING.append(g)
+    stack = _stack()
+    stack.append(g)
     try:
         res = fn(*args)
     finally:
-        _TRACING.pop()
+        stack.pop()
     g.tuple_out = isinstance(res, (tuple, list))
     outs = list(res) if g.tuple_out else [res]
     if not outs:

@@ -29,6 +29,26 @@ def _power(a, b):
     return np.where(neg, np.zeros((), a.dtype), r)
 
 
+def float_to_int(v, dt):
+    """A float array as integer type ``dt``, as the kernels' cast_to does:
+    truncated toward zero; NaN and values beyond int32 (int64 for 8-byte
+    types) give that type's minimum; narrower types take the low bits (what
+    NumPy and torch give on x86-64, defined here for every platform)."""
+    wide = np.dtype(np.int64 if dt.itemsize == 8 else np.int32)
+    lim = float(2 ** (8 * wide.itemsize - 1))
+    d = v.astype(np.float64)
+    ok = (d >= -lim) & (d < lim)
+    r = np.where(ok, d, 0.0).astype(wide)
+    r[~ok] = np.iinfo(wide).min
+    return r.astype(dt)
+
+
+def _cast(v, dt):
+    if v.dtype.kind == "f" and dt.kind in "iu":
+        return float_to_int(v, dt)
+    return v.astype(dt)
+
+
 def _one(a):
     return a.dtype.type(1)
 
@@ -64,7 +84,7 @@ def evaluate(g, arrays, params, shape):
             elif node.op == "param":
                 v = np.asarray(params[node.attr]).astype(node.dtype).astype(cdt)
             elif node.op == "cast":
-                v = vals[node.args[0]].astype(node.attr).astype(cdt, copy=False)
+                v = _cast(np.asarray(vals[node.args[0]]), node.attr).astype(cdt, copy=False)
             else:
                 v = np.asarray(_FN[node.op](*[vals[j] for j in node.args]))
                 if v.dtype != cdt:
