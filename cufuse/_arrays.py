@@ -82,6 +82,9 @@ def is_torch_tensor(x) -> bool:
 def kind_of(x):
     """The array kind of ``x``, or None for a scalar. TypeError for anything else."""
     if isinstance(x, np.ndarray):
+        if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray):
+            raise TypeError("got a numpy.ma.MaskedArray; its mask would be ignored: pass x.filled(value) "
+                            "(or x.data to compute on the masked values too)")
         return NUMPY
     if isinstance(x, CupyArray):
         return CUPY
@@ -138,11 +141,12 @@ def array_kind(name, x, what):
     """The kind of ``x``, which must be an array (not a scalar or another object)."""
     try:
         kind = kind_of(x)
-    except TypeError:
-        kind = None
+        why = ""
+    except TypeError as e:
+        kind, why = None, str(e) if "MaskedArray" in str(e) else ""
     if kind is None:
         raise TypeError(f"cufuse.{name}: {what} must be an array (numpy.ndarray, cupy.ndarray or "
-                        f"torch.Tensor), got {type(x).__module__}.{type(x).__name__}")
+                        f"torch.Tensor), {why or f'got {type(x).__module__}.{type(x).__name__}'}")
     return kind
 
 
@@ -230,7 +234,13 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None
             raise OverflowError(f"cufuse.{name}: operand {i + 1} is an int of {int(s).bit_length()} bits, "
                                 "beyond the largest float (2**1024); NumPy raises too")
     try:
-        dtype = np.result_type(*dtypes, *[s for s in scalars if s is not None])
+        if kind in (TORCH_CPU, TORCH_CUDA):
+            # torch's rules: numbers (Python or NumPy scalars) and zero-dim tensors
+            # do not widen the tensors' float type (float32 * numpy.float64(2) is float32)
+            dims = [d for (_, x, _), d in zip(arrays, dtypes) if x.dim()]
+            dtype = np.result_type(*(dims or dtypes))
+        else:
+            dtype = np.result_type(*dtypes, *[s for s in scalars if s is not None])
     except (OverflowError, TypeError) as e:
         raise TypeError(f"cufuse.{name}: cannot combine the operands' types ({e})") from None
     if dtype not in accepted:  # e.g. an int64 NumPy scalar that promotes float16 to float64 stays valid

@@ -11,6 +11,8 @@ import math
 import numpy as np
 import pytest
 
+import cufuse
+
 from _reference import (ARITY, DTYPES, OP_NAMES, OPS, assert_close, check_kind, rand,
                         reference, scale_for)
 
@@ -206,6 +208,7 @@ def test_float16_plus_float32_is_float32(backend):
 
 
 # (array dtype, scalar, result dtype): Python scalars are weak, NumPy scalars are not (NumPy 2).
+# torch tensors follow torch's rules: any number keeps the tensor's float type.
 SCALAR_PROMOTIONS = [
     (F16, 2.5, F16),
     (F16, 3, F16),
@@ -224,9 +227,30 @@ SCALAR_PROMOTIONS = [
 def test_scalar_promotion(backend, op, adt, scalar, expected, launches):
     a = rand((4, 33), adt, 400, scale_for(op))
     assert np.result_type(a, scalar) == expected
+    if backend.is_torch:
+        expected = adt
+        torch = backend.torch
+        assert (torch.from_numpy(a) * scalar).dtype == torch.from_numpy(a).dtype   # torch itself
     np_in = [a, scalar] + [scalar] * (ARITY[op] - 2)
     args = [backend.asarray(a)] + np_in[1:]
     run_checked(backend, op, args, np_in, launches, expected)
+
+
+@op_param
+def test_torch_zero_dim_tensors_do_not_widen(op):
+    """torch's rule: a zero-dim float64 tensor beside a float32 tensor gives float32."""
+    torch = pytest.importorskip("torch")
+    devices = ["cpu"] + (["cuda"] if cufuse.CUDA_AVAILABLE and torch.cuda.is_available() else [])
+    a = rand((4, 33), F32, 401, scale_for(op))
+    for dev in devices:
+        t = torch.from_numpy(a).to(dev)
+        z = torch.tensor(0.75, dtype=torch.float64, device=dev)
+        args = [t, z] + [z] * (ARITY[op] - 2)
+        assert (t * z).dtype == torch.float32                      # torch itself
+        res = OPS[op](*args)
+        assert isinstance(res, torch.Tensor) and res.dtype == torch.float32 and res.device == t.device
+        want = reference(op, [a.astype(np.float64)] + [np.float64(0.75)] * (ARITY[op] - 1), F64)
+        np.testing.assert_allclose(res.cpu().numpy(), want, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------- NaN and inf

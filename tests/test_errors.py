@@ -334,3 +334,66 @@ def test_int_scalars_beyond_any_float_are_named():
     with pytest.raises(ValueError, match=r"cufuse.layer_norm: eps must be finite and >= 0"):
         cufuse.layer_norm(x, 4, eps=10**400)
     assert cufuse.add_relu(x, 10**30).dtype == F32  # a big int that a float holds is fine
+
+
+# -------------------------------------------- quantize parameters, masked arrays
+def test_quantize_scalar_scale_with_axis(backend, launches):
+    """A scalar scale with axis= is a mistake (one scale per channel was asked
+    for); a scalar zero point with axis= is one zero point for every channel."""
+    x = backend.asarray(rand((3, 8), F32, 2))
+    with pytest.raises(TypeError, match=r"quantize_int8: scale is a scalar .* axis=0 .*shape \(3,\)"):
+        cufuse.quantize_int8(x, 0.5, axis=0)
+    with pytest.raises(TypeError, match=r"dequantize_int8: scale is a scalar .* axis=1 .*shape \(8,\)"):
+        cufuse.dequantize_int8(backend.asarray(np.ones((3, 8), np.int8)), 0.5, axis=1)
+    assert launches == []
+    q = cufuse.quantize_int8(x, np.full(3, 0.25, np.float32), 2.0, axis=0)   # a scalar zero point
+    ref = np.clip(np.rint(rand((3, 8), F32, 2).astype(np.float64) / 0.25 + 2.0), -128, 127)
+    np.testing.assert_array_equal(backend.to_numpy(q), ref.astype(np.int8))
+
+
+@pytest.mark.parametrize("dtype", [F16, F32], ids=lambda d: d.name)
+def test_quantize_parameters_checked_in_the_compute_type(backend, dtype, launches):
+    """A scale that is positive in float64 but 0 (or inf) in float32, where the
+    data is computed, is rejected, per tensor as per channel; float64 data takes it."""
+    x = backend.asarray(rand((4, 8), dtype, 3))
+    with pytest.raises(ValueError, match=r"quantize_int8: scale 1e-46 is 0.0 in float32"):
+        cufuse.quantize_int8(x, 1e-46, 5.0)
+    with pytest.raises(ValueError, match=r"quantize_int8: every scale must be finite and > 0"):
+        cufuse.quantize_int8(x, np.full(4, 1e-46), axis=0)
+    with pytest.raises(ValueError, match=r"dequantize_int8: scale 1e\+39 is inf in float32"):
+        cufuse.dequantize_int8(backend.asarray(np.zeros(8, np.int8)), 1e39, dtype=dtype)
+    with pytest.raises(ValueError, match=r"quantize_int8: zero_point 1e\+39 is inf in float32"):
+        cufuse.quantize_int8(x, 0.5, 1e39)
+    assert launches == []
+    x64 = rand((4, 8), F64, 3)
+    q = cufuse.quantize_int8(backend.asarray(x64), 1e-46, 5.0)     # float64: a valid scale
+    np.testing.assert_array_equal(backend.to_numpy(q), np.full((4, 8), 127, np.int8) * np.sign(x64).astype(np.int8)
+                                  + (np.sign(x64) < 0).astype(np.int8) * -1)
+
+
+def test_per_channel_parameter_that_requires_grad(backend, launches):
+    """A per-channel scale tensor that requires grad: the same clear error as for
+    the data; under torch.no_grad() it runs (the CPU path too)."""
+    if not backend.is_torch:
+        pytest.skip("torch only")
+    torch = backend.torch
+    x = backend.asarray(rand((3, 8), F32, 4))
+    s = backend.asarray(np.full(3, 0.5, np.float32)).requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        cufuse.quantize_int8(x, s, axis=0)
+    assert launches == []
+    with torch.no_grad():
+        q = cufuse.quantize_int8(x, s, axis=0)
+    ref = np.clip(np.rint(rand((3, 8), F32, 4).astype(np.float64) / 0.5), -128, 127).astype(np.int8)
+    np.testing.assert_array_equal(backend.to_numpy(q), ref)
+
+
+def test_masked_arrays_rejected():
+    """numpy.ma arrays: their mask would be ignored, so every entry point says so."""
+    m = np.ma.masked_array(rand((2, 4), F32, 5), mask=[[1, 0, 0, 0], [0, 0, 0, 1]])
+    calls = [lambda: cufuse.add_relu(m, 1.0), lambda: cufuse.quantize_int8(m, 0.5),
+             lambda: cufuse.layer_norm(m, 4), lambda: cufuse.softmax(m), lambda: cufuse.sum_squared(m),
+             lambda: cufuse.fuse(lambda a: a * 2)(m), lambda: cufuse.exp(m)]
+    for call in calls:
+        with pytest.raises(TypeError, match="MaskedArray; its mask would be ignored"):
+            call()

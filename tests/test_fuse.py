@@ -294,11 +294,17 @@ class PCase(NamedTuple):
     id: str
     fn: Callable        # fn(F, *args): F is CF (traced), NPCHK (NumPy's dtype) or REF (reference)
     args: list          # per argument: a dtype (an array) or ("py", v) / ("np", v) (a scalar)
-    expected: np.dtype  # the result dtype
+    expected: np.dtype  # the result dtype (NumPy 2's rules: NumPy and CuPy arrays)
+    torch: object       # the result dtype under torch's rules (torch tensors), or RAISES
 
 
-def P(id, fn, args, expected):
-    return PCase(id, fn, args, np.dtype(expected))
+RAISES = "raises"   # torch gives no result (a TraceError)
+
+
+def P(id, fn, args, expected, torch=None):
+    """A case; ``torch``: torch's result dtype where it is not NumPy's."""
+    return PCase(id, fn, args, np.dtype(expected), expected if torch is None else
+                 (torch if torch is RAISES else np.dtype(torch)))
 
 
 def py(v):
@@ -316,36 +322,36 @@ PROMOTION_GROUPS = {
         P("f16*2.0", lambda F, x: x * 2.0, [F16], F16),
         P("f16+2", lambda F, x: x + 2, [F16], F16),
         P("2.0-f16", lambda F, x: 2.0 - x, [F16], F16),
-        P("i32*2.5", lambda F, x: x * 2.5, [I32], F64),
+        P("i32*2.5", lambda F, x: x * 2.5, [I32], F64, torch=F32),
         P("i32+2", lambda F, x: x + 2, [I32], I32),
         P("i8+2", lambda F, x: x + 2, [I8], I8),
         P("u8*3", lambda F, x: x * 3, [U8], U8),
-        P("bool*2.0", lambda F, c: c * 2.0, [BOOL], F64),
+        P("bool*2.0", lambda F, c: c * 2.0, [BOOL], F64, torch=F32),
         P("bool+1", lambda F, c: c + 1, [BOOL], I64),
-        P("i32*arg_float", lambda F, x, s: x * s, [I32, py(2.5)], F64),
+        P("i32*arg_float", lambda F, x, s: x * s, [I32, py(2.5)], F64, torch=F32),
         P("i32+arg_int", lambda F, x, s: x + s, [I32, py(3)], I32),
         P("f16*arg_float", lambda F, x, s: x * s, [F16, py(0.75)], F16),
         P("arg_int-f16", lambda F, x, s: s - x, [F16, py(3)], F16),
     ],
     # strong NumPy scalars
     "strong_numpy_scalars": [
-        P("f32*arg_np.float64", lambda F, x, s: x * s, [F32, nps(np.float64(0.75))], F64),
-        P("f16*arg_np.float32", lambda F, x, s: x * s, [F16, nps(np.float32(0.75))], F32),
+        P("f32*arg_np.float64", lambda F, x, s: x * s, [F32, nps(np.float64(0.75))], F64, torch=F32),
+        P("f16*arg_np.float32", lambda F, x, s: x * s, [F16, nps(np.float32(0.75))], F32, torch=F16),
         P("f32*arg_np.float16", lambda F, x, s: x * s, [F32, nps(np.float16(0.75))], F32),
         P("f16*arg_np.float16", lambda F, x, s: x * s, [F16, nps(np.float16(0.75))], F16),
-        P("i8*arg_np.int32", lambda F, x, s: x * s, [I8, nps(np.int32(3))], I32),
-        P("f16*arg_np.int64", lambda F, x, s: x * s, [F16, nps(np.int64(3))], F64),
+        P("i8*arg_np.int32", lambda F, x, s: x * s, [I8, nps(np.int32(3))], I32, torch=I8),
+        P("f16*arg_np.int64", lambda F, x, s: x * s, [F16, nps(np.int64(3))], F64, torch=F16),
         P("f16*arg_np.int8", lambda F, x, s: x * s, [F16, nps(np.int8(3))], F16),
-        P("np.float64_literal*f32", lambda F, x: np.float64(0.75) * x, [F32], F64),
-        P("np.float32_literal*f16", lambda F, x: x * np.float32(0.75), [F16], F32),
+        P("np.float64_literal*f32", lambda F, x: np.float64(0.75) * x, [F32], F64, torch=F32),
+        P("np.float32_literal*f16", lambda F, x: x * np.float32(0.75), [F16], F32, torch=F16),
     ],
     # array with array
     "array_with_array": [
         P("f16+f32", lambda F, x, y: x + y, [F16, F32], F32),
         P("f32+f64", lambda F, x, y: x + y, [F32, F64], F64),
-        P("i16+f16", lambda F, x, y: x + y, [I16, F16], F32),
-        P("i32+f32", lambda F, x, y: x + y, [I32, F32], F64),
-        P("i64*f16", lambda F, x, y: x * y, [I64, F16], F64),
+        P("i16+f16", lambda F, x, y: x + y, [I16, F16], F32, torch=F16),
+        P("i32+f32", lambda F, x, y: x + y, [I32, F32], F64, torch=F32),
+        P("i64*f16", lambda F, x, y: x * y, [I64, F16], F64, torch=F16),
         P("u8+i8", lambda F, x, y: x + y, [U8, I8], I16),
         P("i16+i32", lambda F, x, y: x + y, [I16, I32], I32),
         P("bool+f16", lambda F, c, x: c + x, [BOOL, F16], F16),
@@ -360,9 +366,9 @@ PROMOTION_GROUPS = {
         P("abs(i32)", lambda F, x: F.abs(x), [I32], I32),
         P("pyabs(i8)", lambda F, x: abs(x), [I8], I8),
         P("i32**2", lambda F, x: x ** 2, [I32], I32),
-        P("i32/i32", lambda F, x, y: x / y, [I32, I32], F64),
-        P("i8/i8", lambda F, x, y: x / y, [I8, I8], F64),
-        P("u8/2", lambda F, x: x / 2, [U8], F64),
+        P("i32/i32", lambda F, x, y: x / y, [I32, I32], F64, torch=F32),
+        P("i8/i8", lambda F, x, y: x / y, [I8, I8], F64, torch=F32),
+        P("u8/2", lambda F, x: x / 2, [U8], F64, torch=F32),
         P("f16/f16", lambda F, x, y: x / y, [F16, F16], F16),
         P("i32//i32", lambda F, x, y: x // y, [I32, I32], I32),
         P("i32%i32", lambda F, x, y: x % y, [I32, I32], I32),
@@ -373,30 +379,30 @@ PROMOTION_GROUPS = {
         P("i32%-3", lambda F, x: x % -3, [I32], I32),
         P("i16//-2", lambda F, x: x // -2, [I16], I16),
         P("7%i32", lambda F, x: 7 % x, [I32], I32),
-        P("i32//2.5", lambda F, x: x // 2.5, [I32], F64),
-        P("i32%2.0", lambda F, x: x % 2.0, [I32], F64),
+        P("i32//2.5", lambda F, x: x // 2.5, [I32], F64, torch=F32),
+        P("i32%2.0", lambda F, x: x % 2.0, [I32], F64, torch=F32),
     ],
     # float functions of integers / bools (NumPy ufunc loops)
     "float_functions_of_ints": [
-        P("exp(i8)", lambda F, x: F.exp(x), [I8], F16),
-        P("exp(u8)", lambda F, x: F.exp(x), [U8], F16),
-        P("exp(bool)", lambda F, x: F.exp(x), [BOOL], F16),
-        P("exp(i16)", lambda F, x: F.exp(x), [I16], F32),
-        P("exp(i32)", lambda F, x: F.exp(x), [I32], F64),
-        P("exp(i64)", lambda F, x: F.exp(x), [I64], F64),
-        P("exp2(i8)", lambda F, x: F.exp2(x), [I8], F16),
-        P("sqrt(u8)", lambda F, x: F.sqrt(x), [U8], F16),
-        P("rsqrt(u8)", lambda F, x: F.rsqrt(x), [U8], F16),
-        P("log1p(u8)", lambda F, x: F.log1p(x), [U8], F16),
-        P("expm1(i8)", lambda F, x: F.expm1(x), [I8], F16),
-        P("sin(i32)", lambda F, x: F.sin(x), [I32], F64),
-        P("cos(i16)", lambda F, x: F.cos(x), [I16], F32),
-        P("tanh(i16)", lambda F, x: F.tanh(x), [I16], F32),
-        P("sigmoid(i8)", lambda F, x: F.sigmoid(x), [I8], F16),
-        P("erf(i16)", lambda F, x: F.erf(x), [I16], F32),
-        P("gelu(i32)", lambda F, x: F.gelu(x), [I32], F64),
-        P("softplus(i8)", lambda F, x: F.softplus(x), [I8], F16),
-        P("silu(bool)", lambda F, x: F.silu(x), [BOOL], F16),
+        P("exp(i8)", lambda F, x: F.exp(x), [I8], F16, torch=F32),
+        P("exp(u8)", lambda F, x: F.exp(x), [U8], F16, torch=F32),
+        P("exp(bool)", lambda F, x: F.exp(x), [BOOL], F16, torch=F32),
+        P("exp(i16)", lambda F, x: F.exp(x), [I16], F32, torch=F32),
+        P("exp(i32)", lambda F, x: F.exp(x), [I32], F64, torch=F32),
+        P("exp(i64)", lambda F, x: F.exp(x), [I64], F64, torch=F32),
+        P("exp2(i8)", lambda F, x: F.exp2(x), [I8], F16, torch=F32),
+        P("sqrt(u8)", lambda F, x: F.sqrt(x), [U8], F16, torch=F32),
+        P("rsqrt(u8)", lambda F, x: F.rsqrt(x), [U8], F16, torch=F32),
+        P("log1p(u8)", lambda F, x: F.log1p(x), [U8], F16, torch=F32),
+        P("expm1(i8)", lambda F, x: F.expm1(x), [I8], F16, torch=F32),
+        P("sin(i32)", lambda F, x: F.sin(x), [I32], F64, torch=F32),
+        P("cos(i16)", lambda F, x: F.cos(x), [I16], F32, torch=F32),
+        P("tanh(i16)", lambda F, x: F.tanh(x), [I16], F32, torch=F32),
+        P("sigmoid(i8)", lambda F, x: F.sigmoid(x), [I8], F16, torch=F32),
+        P("erf(i16)", lambda F, x: F.erf(x), [I16], F32, torch=F32),
+        P("gelu(i32)", lambda F, x: F.gelu(x), [I32], F64, torch=F32),
+        P("softplus(i8)", lambda F, x: F.softplus(x), [I8], F16, torch=F32),
+        P("silu(bool)", lambda F, x: F.silu(x), [BOOL], F16, torch=F32),
     ],
     # floor / ceil / round of integers: unchanged
     "round_of_ints": [
@@ -431,10 +437,10 @@ PROMOTION_GROUPS = {
     "where_minimum_maximum": [
         P("where(c,i32,i32)", lambda F, c, x, y: F.where(c, x, y), [BOOL, I32, I32], I32),
         P("where(c,f16,2)", lambda F, c, x: F.where(c, x, 2), [BOOL, F16], F16),
-        P("where(c,i32,2.5)", lambda F, c, x: F.where(c, x, 2.5), [BOOL, I32], F64),
+        P("where(c,i32,2.5)", lambda F, c, x: F.where(c, x, 2.5), [BOOL, I32], F64, torch=F32),
         P("where(c,f16,f32)", lambda F, c, x, y: F.where(c, x, y), [BOOL, F16, F32], F32),
         P("where(x>y,x,y)", lambda F, x, y: F.where(x > y, x, y), [F32, F32], F32),
-        P("minimum(i32,2.5)", lambda F, x: F.minimum(x, 2.5), [I32], F64),
+        P("minimum(i32,2.5)", lambda F, x: F.minimum(x, 2.5), [I32], F64, torch=F32),
         P("maximum(f16,0)", lambda F, x: F.maximum(x, 0), [F16], F16),
         P("maximum(i32,i32)", lambda F, x, y: F.maximum(x, y), [I32, I32], I32),
         P("minimum(u8,i8)", lambda F, x, y: F.minimum(x, y), [U8, I8], I16),
@@ -451,8 +457,8 @@ PROMOTION_GROUPS = {
         P("sum(x>y)", lambda F, x, y: (x > y).sum(axis=-1), [F32, F32], I64),
         P("sum(i32)", lambda F, x: x.sum(axis=-1), [I32], I64),
         P("sum(i8)", lambda F, x: x.sum(axis=-1), [I8], I64),
-        P("mean(bool)", lambda F, c: c.mean(axis=-1), [BOOL], F64),
-        P("mean(i32)", lambda F, x: x.mean(axis=-1), [I32], F64),
+        P("mean(bool)", lambda F, c: c.mean(axis=-1), [BOOL], F64, torch=RAISES),
+        P("mean(i32)", lambda F, x: x.mean(axis=-1), [I32], F64, torch=RAISES),
         P("max(i16)", lambda F, x: x.max(axis=-1), [I16], I16),
         P("min(u8)", lambda F, x: x.min(axis=-1, keepdims=True), [U8], U8),
     ],
@@ -497,9 +503,29 @@ def check_cases(cases, check):
         pytest.fail(f"{len(failures)} of {len(cases)} cases failed:\n" + "\n".join(failures), pytrace=False)
 
 
+def _torch_dtype_of(case, vals):
+    """The result dtype torch itself gives for the case on CPU tensors, or None
+    where torch cannot run it (.astype, a function torch lacks for the types)."""
+    import torch
+    import torch.nn.functional as TF
+    ns = SimpleNamespace(abs=torch.abs, exp=torch.exp, exp2=torch.exp2, log=torch.log, log1p=torch.log1p,
+                         expm1=torch.expm1, sqrt=torch.sqrt, rsqrt=torch.rsqrt, sin=torch.sin, cos=torch.cos,
+                         tanh=torch.tanh, sigmoid=torch.sigmoid, erf=torch.erf, floor=torch.floor,
+                         ceil=torch.ceil, round=torch.round, minimum=torch.minimum, maximum=torch.maximum,
+                         where=torch.where, gelu=TF.gelu, silu=TF.silu, softplus=TF.softplus)
+    args = [torch.from_numpy(v) if isinstance(v, np.ndarray) else v for v in vals]
+    try:
+        res = case.fn(ns, *args)
+    except (AttributeError, TypeError, RuntimeError, NotImplementedError):
+        return None
+    from cufuse._arrays import torch_to_numpy_dtype
+    return torch_to_numpy_dtype(res.dtype) if isinstance(res, torch.Tensor) else None
+
+
 def check_pcase(backend, case):
     vals = _pcase_args(case, seed=sum(map(ord, case.id)))
-    # The table agrees with NumPy 2 itself wherever NumPy has the function.
+    # The table agrees with NumPy 2 itself wherever NumPy has the function, and
+    # (torch tensors) with torch itself wherever torch can run the case.
     try:
         with np.errstate(all="ignore"):
             numpy_dtype = np.asarray(case.fn(NPCHK, *vals)).dtype
@@ -507,18 +533,26 @@ def check_pcase(backend, case):
         numpy_dtype = None
     if numpy_dtype is not None:
         assert numpy_dtype == case.expected, f"table says {case.expected}, NumPy says {numpy_dtype}"
+    expected = case.torch if backend.is_torch else case.expected
+    if backend.is_torch and expected is not RAISES:
+        torch_dtype = _torch_dtype_of(case, vals)
+        assert torch_dtype in (None, expected), f"table says {expected} for torch, torch says {torch_dtype}"
 
     args = [v if isinstance(v, (int, float, np.generic)) else backend.asarray(v) for v in vals]
     f = cufuse.fuse(fixed_arity(case.fn, len(args)))
+    if expected is RAISES:
+        with pytest.raises(cufuse.TraceError, match="torch"):
+            f(*args)
+        return
     res = f(*args)
     ref = _pcase_reference(case, vals)
     like = next(a for a in args if not isinstance(a, (int, float, np.generic)))
-    check_kind(backend, res, ref.shape, case.expected, like=like)
+    check_kind(backend, res, ref.shape, expected, like=like)
     got = backend.to_numpy(res)
-    if case.expected.kind == "f":
-        assert_close(got, ref, case.expected, FUNC_TOL[case.expected], err_msg=case.id)
+    if expected.kind == "f":
+        assert_close(got, ref, expected, FUNC_TOL[expected], err_msg=case.id)
     else:
-        assert_exact(got, ref, case.expected, case.id)
+        assert_exact(got, ref, expected, case.id)
 
 
 @pytest.mark.parametrize("group", list(PROMOTION_GROUPS))
@@ -1145,8 +1179,8 @@ def test_scalars_never_retrace(backend):
         assert s6["compiles"] == s5["compiles"]
     assert_close(backend.to_numpy(r5), x64 * 2 + 1.0, F32, FUNC_TOL[F32])
     assert_close(backend.to_numpy(r6), x64 * 5 + 1.0, F32, FUNC_TOL[F32])
-    r7 = f(xa, np.float32(1.5))                       # a NumPy scalar is another kind again
-    assert stats(f)["traces"] == s6["traces"] + 1
+    r7 = f(xa, np.float32(1.5))  # a NumPy scalar is another kind again (torch: a number like 2.0)
+    assert stats(f)["traces"] == s6["traces"] + (0 if backend.is_torch else 1)
     check_kind(backend, r7, (7, 33), F32)
     assert_close(backend.to_numpy(r7), x64 * 1.5 + 1.0, F32, FUNC_TOL[F32])
 
@@ -1344,7 +1378,9 @@ def test_torch_results(torch_backend):
     i = torch_backend.asarray(rand_int((7, 33), I8, 331))
     f = cufuse.fuse(lambda x, i: (x * 2.0, cufuse.exp(i), x > 0, i + 1, i / 2))
     res = f(x, i)
-    want = [torch.float16, torch.float16, torch.bool, torch.int8, torch.float64]
+    # torch's own types (torch's rules, not NumPy's: exp(int8) and int8 / 2 are float32)
+    want = [torch.float16, torch.float32, torch.bool, torch.int8, torch.float32]
+    assert want == [t.dtype for t in (x * 2.0, torch.exp(i), x > 0, i + 1, i / 2)]
     for k, (r, d) in enumerate(zip(res, want)):
         assert isinstance(r, torch.Tensor), f"output {k}: {type(r)}"
         assert r.dtype == d, f"output {k}: {r.dtype}, expected {d}"
@@ -1407,6 +1443,13 @@ def test_math_functions_get_a_message_that_names_them():
 # 12. NumPy 2's rules for Python ints, integer powers and float -> int casts
 # =============================================================================
 INT_SAMPLE = [232, 7, 42, 0, 255, 128, 1]   # what uint8 holds; int8 etc. take these modulo their range
+NUMPY_RULES_PARAMS = [p for p in BACKEND_PARAMS if p.id in ("numpy", "cupy")]
+
+
+@pytest.fixture(params=NUMPY_RULES_PARAMS)
+def numpy_rules_backend(request):
+    """NumPy and CuPy arrays: NumPy 2's rules (torch tensors follow torch's: below)."""
+    return Backend(request.param)
 
 
 def _int_array(dtype):
@@ -1414,9 +1457,10 @@ def _int_array(dtype):
 
 
 @pytest.mark.parametrize("dtype", [U8, I8, I16, I32, I64], ids=lambda d: d.name)
-def test_python_int_compares_by_value(backend, dtype):
+def test_python_int_compares_by_value(numpy_rules_backend, dtype):
     """uint8_array == 1000 is all False and < 300 all True: the Python int is not
     wrapped to the array's type (NumPy 2), as a literal and as an argument."""
+    backend = numpy_rules_backend
     x = _int_array(dtype)
     xa = backend.asarray(x)
     consts = cufuse.fuse(lambda a: (a == 1000, a < 300, a > -1, a >= -129, a != 70000, 2 ** 40 > a, a <= 127))
@@ -1438,10 +1482,11 @@ def test_python_int_compares_by_value(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [U8, I8, I16], ids=lambda d: d.name)
-def test_python_int_out_of_range_raises(backend, dtype):
+def test_python_int_out_of_range_raises(numpy_rules_backend, dtype):
     """uint8_array + 300 raises OverflowError as in NumPy 2 (the int takes the
     array's type), for a literal and for an argument, on every call of a
     signature already seen; an int beyond int64 raises a clear OverflowError."""
+    backend = numpy_rules_backend
     x = _int_array(dtype)
     xa = backend.asarray(x)
     big = int(np.iinfo(dtype).max) + 1
@@ -1473,9 +1518,10 @@ def test_python_int_out_of_range_raises(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [I8, I32, I64], ids=lambda d: d.name)
-def test_integer_negative_power(backend, dtype):
+def test_integer_negative_power(numpy_rules_backend, dtype):
     """An integer to a negative scalar integer power raises ValueError (NumPy);
     an unsigned array with -1 raises OverflowError first, as NumPy does."""
+    backend = numpy_rules_backend
     x = _int_array(dtype)
     xa = backend.asarray(x)
     with pytest.raises(ValueError, match="negative integer powers"):
@@ -1499,10 +1545,11 @@ def test_integer_negative_power(backend, dtype):
 
 
 @pytest.mark.parametrize("dtype", [U8, I8], ids=lambda d: d.name)
-def test_clip_python_int_bounds(backend, dtype):
+def test_clip_python_int_bounds(numpy_rules_backend, dtype):
     """numpy.clip / cufuse.clip of an integer array with Python int bounds beyond
     its range: a bound beyond it is no bound; a lower bound above the range or an
     upper bound below it raises OverflowError (NumPy 2's numpy.clip)."""
+    backend = numpy_rules_backend
     x = _int_array(dtype)
     xa = backend.asarray(x)
     info = np.iinfo(dtype)
@@ -1610,3 +1657,45 @@ def test_tracing_state_is_per_thread(backend):
         release.set()
         th.join(60)
     assert_close(backend.to_numpy(box["r"]), x.astype(np.float64) * y + 1, F32, FUNC_TOL[F32])
+
+
+def test_torch_tensors_follow_torch_int_rules(torch_backend):
+    """On torch tensors a Python int takes the tensor's type as torch does
+    (uint8 + 300 and uint8 < 300 wrap), torch.clip / torch.where bounds must
+    fit, negative integer powers raise, int / int and float functions of ints
+    give torch's default float; each against torch itself."""
+    torch = torch_backend.torch
+    x = _int_array(U8)
+    xt = torch.from_numpy(x)                           # torch's own results, on the CPU
+    xa = torch_backend.asarray(x)
+    same = [lambda a: a + 300, lambda a: a < 300, lambda a: a == 1000, lambda a: a * -1, lambda a: a > -1,
+            lambda a: a / 2]
+    for fn, tfn in [(f, f) for f in same] + [(cufuse.exp, torch.exp), (cufuse.sqrt, torch.sqrt)]:
+        want = tfn(xt)
+        got = cufuse.fuse(fn)(xa)
+        assert got.dtype == want.dtype, (got.dtype, want.dtype)
+        np.testing.assert_allclose(got.cpu().numpy(), want.numpy(), rtol=1e-5)
+    for fn in (lambda a: torch.clip(a, -1, 300), lambda a: torch.where(a > 10, a, 300)):
+        with pytest.raises(RuntimeError, match="overflow"):
+            fn(xt)
+    for fn in (lambda a: cufuse.clip(a, -1, 300), lambda a: cufuse.where(a > 10, a, 300)):
+        with pytest.raises(OverflowError, match="out of bounds for uint8"):
+            cufuse.fuse(fn)(xa)
+    i = torch_backend.asarray(_int_array(I32))
+    with pytest.raises(RuntimeError, match="negative integer powers"):
+        torch.from_numpy(_int_array(I32)) ** -1
+    with pytest.raises(ValueError, match="negative integer powers"):
+        cufuse.fuse(lambda a: a ** -1)(i)
+    with pytest.raises(cufuse.TraceError, match="mean"):
+        cufuse.fuse(lambda a: a.mean(axis=-1))(i)
+    # torch's default dtype decides, also on the fast path after it changes
+    f = cufuse.fuse(lambda a: a * 2.5)
+    assert f(i).dtype == torch.float32
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert (torch.from_numpy(_int_array(I32)) * 2.5).dtype == torch.float64
+        assert f(i).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(old)
+    assert f(i).dtype == torch.float32

@@ -41,9 +41,11 @@ SEGMENT_PACKS = 4
 class _Signature:
     """One traced signature: its graph, and its kernels per device."""
 
-    def __init__(self, fused, spec):
+    def __init__(self, fused, spec, torch_float=None):
         self.fused = fused
-        self.graph = G.trace(fused.fn, spec)
+        self.graph = G.trace(fused.fn, spec, torch_float)
+        # a recipe of this signature serves a call only under the same torch default dtype
+        self.default_float = torch_float if self.graph.uses_default else None
         self.in_dtypes = [d for _, d, _ in self.graph.inputs]
         self.in_pos = [p for p, _, _ in self.graph.inputs]
         self.out_dtypes = [o[3] for o in self.graph.outputs]
@@ -97,14 +99,19 @@ class _Signature:
             else:
                 lo, hi = _INT_RANGE[dt]
                 if (side != "lo" and v < lo) or (side != "hi" and v > hi):
-                    why = ("; int64 is the widest integer a fused kernel computes with" if dt == _I64 else
-                           ", as in NumPy 2 (a Python int takes the array's type); cast the array first "
-                           "(x.astype(numpy.int64)) for a wider result")
+                    if dt == _I64:
+                        why = "; int64 is the widest integer a fused kernel computes with"
+                    elif self.graph.torch_float is not None:
+                        why = (" (torch.clip and torch.where take a scalar that fits the tensor's type); "
+                               "cast the tensor first for a wider result")
+                    else:
+                        why = (", as in NumPy 2 (a Python int takes the array's type); cast the array first "
+                               "(x.astype(numpy.int64)) for a wider result")
                     raise OverflowError(f"cufuse.{self.fused._name}: Python integer {v} out of bounds for "
                                         f"{dt.name}{why}")
 
 
-_I64 = np.dtype(np.int64)
+_I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 _INT_RANGE = {dt: (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for dt in G.INPUT_DTYPES if dt.kind in "iu"}
 
 
@@ -189,10 +196,19 @@ class Fused:
                 if A.device_of(x, kind) != device:
                     raise ValueError(f"cufuse.{name}: arguments on different GPUs: argument {arrays[0][0] + 1} "
                                      f"on GPU {device}, argument {i + 1} on GPU {A.device_of(x, kind)}")
+        if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+            # torch's rules: a NumPy scalar is a number, as a Python one
+            spec = [("scalar", _I64 if s[1].kind in "iu" else _F64, True)
+                    if s[0] == "scalar" and not s[2] and s[1].kind in "iuf" else s for s in spec]
         return kind, tuple(spec), arrays, device
 
-    def _signature(self, spec, nargs):
-        sig = self._sigs.get(spec)
+    def _signature(self, spec, nargs, kind):
+        """The traced signature of ``spec``: NumPy's type rules, or torch's with
+        torch's default float dtype for torch tensors."""
+        torch_float = (A.torch_to_numpy_dtype(A.torch().get_default_dtype())
+                       if kind in (A.TORCH_CPU, A.TORCH_CUDA) else None)
+        key = (spec, torch_float)
+        sig = self._sigs.get(key)
         if sig is None:
             try:
                 import inspect
@@ -201,17 +217,17 @@ class Fused:
                 raise TypeError(f"cufuse.{self._name}: {e}") from None
             except ValueError:  # builtins without a signature: let the call say
                 pass
-            sig = _Signature(self, spec)
+            sig = _Signature(self, spec, torch_float)
             self.stats["traces"] += 1
             _log.debug("cufuse: traced %s for %s", self._name, spec)
-            self._sigs[spec] = sig
+            self._sigs[key] = sig
         return sig
 
     # -------------------------------------------------------------- calls
     def source(self, *args: Any) -> str:
         """The generated CUDA source for these arguments' signature (no GPU needed)."""
-        _, spec, _, _ = self._classify(args)
-        return self._signature(spec, len(args)).source
+        kind, spec, _, _ = self._classify(args)
+        return self._signature(spec, len(args), kind).source
 
     def __call__(self, *args: Any, out: Any = None) -> Any:
         # Fast path: a signature seen before (arrays' dtypes, shapes, strides,
@@ -227,8 +243,11 @@ class Fused:
         rec = self.fast.lookup(key, ptrs, len(ptrs) - nout, outs)
         if rec is None:
             return self._call(args, out, key)
+        sig = rec.extra
+        if sig.default_float is not None and A.torch_to_numpy_dtype(A.torch().get_default_dtype()) != sig.default_float:
+            return self._call(args, out, None)  # torch.set_default_dtype since: traced again
         try:
-            values = rec.extra.param_values(args)
+            values = sig.param_values(args)
         except (OverflowError, TypeError, ValueError):
             return self._call(args, out, None)
         res = D.execute(rec, outs, ptrs[:len(ptrs) - nout], values, args[0] if args else None)
@@ -280,7 +299,7 @@ class Fused:
                                    "called inside another one")
             return self.fn(*args)
         kind, spec, arrays, device = self._classify(args)
-        sig = self._signature(spec, len(args))
+        sig = self._signature(spec, len(args), kind)
         shape, out_shapes = self._shapes(arrays, sig)
         outs = self._outs(sig, out, kind, out_shapes, device)
         params = sig.param_values(args)
@@ -554,7 +573,7 @@ class Fused:
                 raise TypeError(f"cufuse.{self._name}.{what}: argument {p + 1} is an array; pass arrays as "
                                 "lists, one per item")
         # One signature for every item: arrays taken as 1-d.
-        sig = self._signature(tuple(("array", s[1], 1) if s[0] == "array" else s for s in spec), len(args))
+        sig = self._signature(tuple(("array", s[1], 1) if s[0] == "array" else s for s in spec), len(args), kind)
         if sig.graph.reduction:
             raise ValueError(f"cufuse.{self._name}.{what}: reductions are not supported in foreach; call the "
                              "function on each array")

@@ -65,6 +65,15 @@ class Graph:
     checks: list = field(default_factory=list)
     ndim: int = 0                                # of the broadcast (elementwise) shape
     tuple_out: bool = False
+    # None: NumPy 2's type rules (NumPy and CuPy arrays); else torch's, with this
+    # default float dtype (torch.get_default_dtype()) for Python floats and for
+    # float results of integers; uses_default: some type was that default
+    torch_float: np.dtype | None = None
+    uses_default: bool = False
+
+    def default_float(self):
+        self.uses_default = True
+        return self.torch_float
 
     def add(self, op, args=(), dtype=None, attr=None):
         self.nodes.append(Node(op, tuple(args), dtype, attr))
@@ -253,6 +262,8 @@ def lift(g, v):
         return v
     if isinstance(v, (bool, np.bool_)):
         return param(g, ("const", bool(v)), _BOOL, weak=False)
+    if isinstance(v, (np.integer, np.floating)) and g.torch_float is not None:
+        v = v.item()  # torch: a NumPy scalar is a number like Python's
     if isinstance(v, (np.integer, np.floating)):  # before float: numpy.float64 is a float
         dt = np.dtype(type(v))
         if dt not in INPUT_DTYPES:
@@ -297,8 +308,48 @@ def cast(v, dt, checked=True):
     return Traced(v.graph, v.graph.add("cast", (v.node,), dt, dt), dt, weak=False, ndim=v.ndim)
 
 
+def _torch_pair(a, b):
+    """torch.promote_types on the dtypes fuse takes: a float beats any integer."""
+    if a is None or b is None:
+        return a if b is None else b
+    if is_float(a) != is_float(b):
+        return a if is_float(a) else b
+    return np.promote_types(a, b)
+
+
+def _torch_combine(higher, lower):
+    """torch's combine_categories: a lower priority group (zero-dim tensors,
+    then numbers) counts only where its category (bool < int < float) is higher."""
+    if higher is None or lower is None:
+        return lower if higher is None else higher
+    if is_float(higher):
+        return higher
+    if higher == _BOOL or is_float(lower):
+        return _torch_pair(higher, lower)
+    return higher
+
+
+def _torch_promote(g, vals):
+    dim = zero = number = None
+    for v in vals:
+        if v.weak:  # a number: Python's, or a NumPy scalar (torch reads its value)
+            d = g.default_float() if is_float(v.dtype) else v.dtype
+            number = _torch_pair(number, d)
+        elif v.ndim > 0:
+            dim = _torch_pair(dim, v.dtype)
+        else:
+            zero = _torch_pair(zero, v.dtype)
+    if dim is None and zero is None:  # numbers only: Python's own types
+        return _F64 if is_float(number) else number
+    return _torch_combine(dim, _torch_combine(zero, number))
+
+
 def promote(*vals):
-    """NumPy 2 promotion (weak Python scalars) of traced values: the result dtype."""
+    """The result dtype of traced values: NumPy 2 promotion (weak Python
+    scalars), or torch's (graph.torch_float) for torch tensors."""
+    g = vals[0].graph
+    if g.torch_float is not None:
+        return _torch_promote(g, vals)
     strong = [v.dtype for v in vals if not v.weak]
     weak = [v.dtype for v in vals if v.weak]
     if not strong:  # Python scalars only: Python's own types
@@ -328,22 +379,23 @@ def binary(op, a, b):
     a, b = lift(g, a), lift(g, b)
     all_weak = a.weak and b.weak
     dt = promote(a, b)
+    numpy_rules = g.torch_float is None  # torch wraps an int scalar to the tensor's type
     if op in _BITWISE:
         if is_float(dt):
             raise TraceError(f"cufuse.fuse: `{_SYMBOL[op]}` needs booleans or integers, got {a.dtype} and {b.dtype}")
-        return _result(g, op, [cast(a, dt), cast(b, dt)], dt, weak=all_weak)
+        return _result(g, op, [cast(a, dt, numpy_rules), cast(b, dt, numpy_rules)], dt, weak=all_weak)
     if op in _COMPARE:
-        if dt.kind in "iu" and a.weak != b.weak and (a if a.weak else b).dtype.kind == "i":
+        if numpy_rules and dt.kind in "iu" and a.weak != b.weak and (a if a.weak else b).dtype.kind == "i":
             # a Python int against an integer array compares by value (NumPy 2:
             # uint8_array < 300 is all True): in int64, which holds both
             dt = _I64
-        return _result(g, op, [cast(a, dt), cast(b, dt)], _BOOL)
+        return _result(g, op, [cast(a, dt, numpy_rules), cast(b, dt, numpy_rules)], _BOOL)
     if op == "truediv" and not is_float(dt):
-        dt = _F64
+        dt = _F64 if numpy_rules or all_weak else g.default_float()
     if dt == _BOOL and op in ("sub", "truediv", "floordiv", "mod", "pow"):
         raise TraceError(f"cufuse.fuse: `{_SYMBOL.get(op, op)}` on booleans is not supported (as in NumPy); "
                          "use astype first")
-    args = [cast(a, dt), cast(b, dt)]
+    args = [cast(a, dt, numpy_rules), cast(b, dt, numpy_rules)]
     if op == "pow" and dt.kind in "iu" and _param_index(b) is not None:
         g.checks.append((_param_index(b), None, None))  # NumPy: integers to negative integer powers raise
     return _result(g, op, args, dt, weak=all_weak)
@@ -358,7 +410,12 @@ def unary(op, a):
     g = _graph_of(a)
     a = lift(g, a)
     if op in FLOAT_UNARY:
-        dt = _F64 if a.weak and not is_float(a.dtype) else float_result(a.dtype)
+        if is_float(a.dtype):
+            dt = a.dtype
+        elif a.weak:
+            dt = _F64
+        else:
+            dt = float_result(a.dtype) if g.torch_float is None else g.default_float()
         return _result(g, op, [cast(a, dt)], dt, weak=a.weak)
     if op == "neg" and a.dtype == _BOOL:
         raise TraceError("cufuse.fuse: unary - on booleans is not supported (as in NumPy); use ~ for logical not")
@@ -375,7 +432,8 @@ def where(c, a, b):
     g = _graph_of(c, a, b)
     c, a, b = lift(g, c), lift(g, a), lift(g, b)
     dt = promote(a, b)
-    return _result(g, "where", [cast(c, _BOOL), cast(a, dt, checked=False), cast(b, dt, checked=False)], dt,
+    chk = g.torch_float is not None  # numpy.where converts unchecked; torch.where raises
+    return _result(g, "where", [cast(c, _BOOL), cast(a, dt, chk), cast(b, dt, chk)], dt,
                    weak=a.weak and b.weak and c.weak)
 
 
@@ -385,7 +443,10 @@ def clip(x, lo, hi):
     upper bound below it raises OverflowError at the call, as NumPy does)."""
     g = _graph_of(x, lo, hi)
     x, lo, hi = lift(g, x), lift(g, lo), lift(g, hi)
-    if x.weak or x.dtype.kind not in "iu":
+    if g.torch_float is not None and not x.weak and x.dtype.kind in "iu":
+        # torch.clip: each int bound must fit the tensor's type
+        lo, hi = (cast(v, x.dtype) if v.weak and v.dtype.kind == "i" else v for v in (lo, hi))
+    if x.weak or x.dtype.kind not in "iu" or g.torch_float is not None:
         return binary("minimum", binary("maximum", x, lo), hi)
     dt = x.dtype
     for bound, op, side in ((lo, "maximum", "lo"), (hi, "minimum", "hi")):
@@ -411,9 +472,13 @@ def reduce(kind, v, axis, keepdims, extra):
         raise TraceError(f"cufuse.fuse: only a reduction over the last axis is supported (axis=-1 or "
                          f"axis={v.ndim - 1} here); got axis={axis!r}")
     dt = v.dtype
+    torch_rules = g.torch_float is not None
     if kind == "sum":
-        out = dt if is_float(dt) else (_U64 if dt.kind == "u" else _I64)
+        out = dt if is_float(dt) else (_U64 if dt.kind == "u" and not torch_rules else _I64)
     elif kind == "mean":
+        if torch_rules and not is_float(dt):
+            raise TraceError(f"cufuse.fuse: .mean() of {dt} values: torch's mean takes floats only (torch "
+                             "tensors follow torch's rules); use .astype(a float dtype) first")
         out = dt if is_float(dt) else _F64
     else:
         out = dt
@@ -426,9 +491,10 @@ def input_value(g, k, dtype, ndim):
     return Traced(g, g.add("input", (), dtype, k), dtype, ndim=ndim)
 
 
-def trace(fn, spec):
-    """Trace ``fn``. ``spec``: per argument, ("array", dtype, ndim) or ("scalar", dtype, weak)."""
-    g = Graph()
+def trace(fn, spec, torch_float=None):
+    """Trace ``fn``. ``spec``: per argument, ("array", dtype, ndim) or ("scalar", dtype, weak);
+    ``torch_float``: None for NumPy's type rules, torch's default float dtype for torch's."""
+    g = Graph(torch_float=torch_float)
     args = []
     for pos, s in enumerate(spec):
         if s[0] == "array":

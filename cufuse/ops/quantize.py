@@ -152,7 +152,9 @@ _dequant_ch = _channel_ops("dequantize_int8", "DequantizeCh", lambda i, o: o, _d
                            ppt=lambda w, i, o: 2 if w in (IN_CHANNEL, ACROSS) and o != _F64 else 1)
 
 
-def _scalar_param(name, what, v, positive):
+def _scalar_param(name, what, v, positive, real):
+    """A scalar parameter as a float, checked in ``real`` (the dtype the kernel
+    computes in): 1e-46 is a positive float64 but 0 in float32."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (Real, np.integer, np.floating)):
         raise TypeError(f"cufuse.{name}: {what} must be a real scalar when axis is None, got "
                         f"{type(v).__module__}.{type(v).__name__}; pass axis= for per-channel parameters")
@@ -163,6 +165,11 @@ def _scalar_param(name, what, v, positive):
         raise ValueError(f"cufuse.{name}: {what} must be {need}, got an int of {int(v).bit_length()} bits") from None
     if not math.isfinite(f) or (positive and f <= 0):
         raise ValueError(f"cufuse.{name}: {what} must be {need}, got {v!r}")
+    with np.errstate(over="ignore", under="ignore"):
+        r = real.type(f)
+    if not np.isfinite(r) or (positive and r <= 0):
+        raise ValueError(f"cufuse.{name}: {what} {v!r} is {r} in {real.name}, the type the data is computed in; "
+                         f"it must be {need} there")
     return f
 
 
@@ -170,7 +177,11 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
     """A per-channel parameter as a 1-D array of ``real``: NumPy, or the data's own kind."""
     nch = x.shape[axis]
     if not isinstance(v, (np.ndarray, A.CupyArray, list, tuple)) and not A.is_torch_tensor(v):
-        f = _scalar_param(name, what, v, positive)  # one value for every channel
+        if positive:  # a scale: one per channel (a zero point may be one for every channel)
+            raise TypeError(f"cufuse.{name}: {what} is a scalar ({type(v).__name__}) but axis={axis} asks for "
+                            f"one {what} per channel: pass {nch} values (shape ({nch},)), or axis=None for one "
+                            f"{what} for the whole tensor")
+        f = _scalar_param(name, what, v, positive, real)  # one value for every channel
         return np.full(nch, f, dtype=real)
     vk = A.kind_of(v) if not isinstance(v, (list, tuple)) else A.NUMPY
     arr = np.asarray(v, dtype=np.float64) if isinstance(v, (list, tuple)) else v  # a list of numbers
@@ -178,6 +189,8 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
         raise TypeError(f"cufuse.{name}: {what} is {A.describe(arr, vk)}; pass a NumPy array or the same "
                         f"array kind as the data ({kind})")
     dt = A.dtype_of(arr, vk)
+    if vk in (A.TORCH_CPU, A.TORCH_CUDA):
+        A.check_grad(arr, name)
     if dt not in _FLOATS:
         raise TypeError(f"cufuse.{name}: {what} has dtype {dt}; accepted dtypes are float16, float32, float64")
     if tuple(arr.shape) != (nch,):
@@ -258,8 +271,8 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     in_dt = A.dtype_of(x, kind)
     real = _real(out_dtype if in_dt == _I8 else in_dt)
     if axis is None:
-        s = _scalar_param(name, "scale", scale, True)
-        z = _scalar_param(name, "zero_point", zero_point, False)
+        s = _scalar_param(name, "scale", scale, True, real)
+        z = _scalar_param(name, "zero_point", zero_point, False, real)
         rt = real.type
         op = per_tensor(in_dt, s, z)
         if len(_CHOICE) >= 4096:
@@ -295,7 +308,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     else:  # the fallback broadcasts the parameters along ``axis``
         bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
         for key, v in (("scale", sc), ("zero_point", zp)):
-            np_params[key] = (v.numpy() if A.is_torch_tensor(v) else np.asarray(v)).astype(real).reshape(bshape)
+            np_params[key] = (v.detach().numpy() if A.is_torch_tensor(v) else np.asarray(v)).astype(real).reshape(bshape)
         if in_dt == _I8:
             np_params["real"] = real
     res = per_channel[walk].call((x,), out, out_dtype=out_dtype, params=params, np_params=np_params,
