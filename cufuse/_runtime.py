@@ -13,12 +13,15 @@ and queues the kernel on CuPy's current stream (or the stream it is given).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
+import tempfile
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -204,13 +207,71 @@ def generated_cache_dir() -> str:
     return os.environ.get("CUFUSE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "cufuse")
 
 
+# A cache entry: this header, the SHA-256 of the cubin and its length, then the
+# cubin. A truncated or damaged entry (a crash mid-write on a file system
+# without atomic rename, a disk error) fails the check and is compiled again.
+_CACHE_MAGIC = b"cufuse generated cubin 1\n"
+_CACHE_HEAD = len(_CACHE_MAGIC) + 32 + 8
+_unwritable: set = set()  # cache folders that could not be written (warned once each)
+
+
+def read_cached(path: str) -> bytes | None:
+    """The cubin stored at ``path``; None when there is none, or when the entry
+    is damaged (wrong header, length or hash: logged, to be compiled again)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _log.warning("cufuse: cannot read the cache entry %s (%s); compiling again", path, e)
+        return None
+    if len(data) >= _CACHE_HEAD and data.startswith(_CACHE_MAGIC):
+        digest = data[len(_CACHE_MAGIC):len(_CACHE_MAGIC) + 32]
+        n = int.from_bytes(data[len(_CACHE_MAGIC) + 32:_CACHE_HEAD], "little")
+        body = data[_CACHE_HEAD:]
+        if len(body) == n and hashlib.sha256(body).digest() == digest:
+            return body
+    _log.warning("cufuse: damaged cache entry %s (%d bytes); compiling again and rewriting it", path, len(data))
+    return None
+
+
+def write_cached(path: str, binary: bytes) -> bool:
+    """Store ``binary`` at ``path`` atomically (a temporary file of a unique
+    random name in the same folder, then a rename). False, with one warning
+    per folder, when the folder cannot be written: the caller keeps the
+    module in memory for this process."""
+    folder = os.path.dirname(path)
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(_CACHE_MAGIC + hashlib.sha256(binary).digest() + len(binary).to_bytes(8, "little") + binary)
+            os.replace(tmp, path)  # atomic: a concurrent process sees all of it or nothing
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return True
+    except OSError as e:
+        if folder not in _unwritable:
+            _unwritable.add(folder)
+            warnings.warn(f"cufuse: cannot write the generated-kernel cache folder {folder} ({e}); compiled "
+                          "kernels are kept in memory for this process only (set CUFUSE_CACHE_DIR to a "
+                          "writable folder)", RuntimeWarning, stacklevel=4)
+        return False
+
+
 def generated_module(source: str, device: int, what: str = "generated kernel"):
     """(module, how) for generated CUDA ``source`` on ``device``; how is
     "memory", "disk" or "compiled". A compile writes the cubin to
-    ``generated_cache_dir()``, keyed by the source with its headers inlined,
-    the options, the architecture and the NVRTC and CuPy versions, so a new
-    process loads it instead of compiling (CuPy's own disk cache is not used:
-    a hit there cannot be told from a compile)."""
+    ``generated_cache_dir()`` (``write_cached``), keyed by the source with its
+    headers inlined, the options, the architecture and the NVRTC and CuPy
+    versions, so a new process loads it instead of compiling (CuPy's own disk
+    cache is not used: a hit there cannot be told from a compile). An entry
+    is checked when loaded (``read_cached``). ``module.get_function(name)``
+    gives the launchable function."""
     key = (source, device)
     mod = _generated.get(key)
     if mod is not None:
@@ -225,21 +286,20 @@ def generated_module(source: str, device: int, what: str = "generated kernel"):
         arch = compute_capability(device)
         options = compile_options() + ("-ftz=true",)  # as CuPy compiles the kernels/ families
         digest = hashlib.sha256("\0".join(
-            [full, repr(options), str(arch), nvrtc_version(), _cp.__version__]).encode()).hexdigest()[:32]
+            [full, repr(options), str(arch), nvrtc_version(), _cp.__version__,
+             _CACHE_MAGIC.decode()]).encode()).hexdigest()[:32]
         path = os.path.join(generated_cache_dir(), f"{digest}.cubin")
         how = "disk"
         with _cp.cuda.Device(device):
-            if not os.path.isfile(path):
+            binary = read_cached(path)
+            if binary is None:
                 from cupy.cuda import compiler
                 binary, _ = compiler.compile_using_nvrtc(full, options=options, arch=str(arch), cache_in_memory=True)
-                os.makedirs(os.path.dirname(path), exist_ok=True)
-                tmp = f"{path}.{os.getpid()}.tmp"
-                with open(tmp, "wb") as f:
-                    f.write(binary)
-                os.replace(tmp, path)  # atomic: a concurrent process sees all of it or nothing
+                write_cached(path, binary)
                 how = "compiled"
-            mod = _cp.RawModule(path=path)
-            mod.get_function  # noqa: B018 - loaded lazily by CuPy; the first get_function loads it
+            from cupy.cuda import function
+            mod = function.Module()
+            mod.load(binary)
         _generated[key] = mod
         _log.info("cufuse: %s %s in %.1f ms (%s)", what, "compiled" if how == "compiled" else "loaded from disk",
                   (time.perf_counter() - t0) * 1e3, path)

@@ -418,3 +418,109 @@ def test_launch_grid_dynamic_shared_memory(dynamic):
     out = cp.full(n, cp.nan, dtype=cp.float32)
     R.launch_grid(fn, (1,), (256,), (out, np.int32(n)), None, dynamic)
     np.testing.assert_array_equal(cp.asnumpy(out), np.arange(n, dtype=np.float32)[::-1] + 1)
+
+
+# ------------------------------------------------- the generated-kernel cache
+def test_cache_entry_round_trip_and_damage(tmp_path, caplog):
+    """write_cached / read_cached: a stored cubin comes back; a truncated entry,
+    a flipped byte, an old plain cubin and an empty file are refused (logged),
+    so the caller compiles again and rewrites the entry."""
+    path = str(tmp_path / "deadbeef.cubin")
+    blob = bytes(range(256)) * 40
+    assert R.read_cached(path) is None                         # nothing there yet
+    assert R.write_cached(path, blob)
+    assert R.read_cached(path) == blob
+    assert os.listdir(tmp_path) == ["deadbeef.cubin"]          # no temporary file left
+    whole = Path(path).read_bytes()
+    for name, damaged in [("truncated", whole[:len(whole) // 2]), ("flipped", whole[:-1] + bytes([whole[-1] ^ 1])),
+                          ("plain cubin", blob), ("empty", b"")]:
+        Path(path).write_bytes(damaged)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="cufuse"):
+            assert R.read_cached(path) is None, name
+        assert "damaged cache entry" in caplog.text, name
+    assert R.write_cached(path, blob) and R.read_cached(path) == blob   # rewritten
+
+
+def test_cache_temporary_names_are_unique(tmp_path, monkeypatch):
+    """Two writers (two containers may share a pid) never share a temporary file."""
+    names = []
+    real = R.tempfile.mkstemp
+
+    def spy(*a, **k):
+        fd, name = real(*a, **k)
+        names.append(name)
+        return fd, name
+
+    monkeypatch.setattr(R.tempfile, "mkstemp", spy)
+    for _ in range(2):
+        assert R.write_cached(str(tmp_path / "a.cubin"), b"x" * 10)
+    assert len(set(names)) == 2 and all(n.endswith(".tmp") and "a.cubin." in n for n in names)
+    assert os.listdir(tmp_path) == ["a.cubin"]
+
+
+def _unwritable_folder(tmp_path):
+    """A cache folder no one can create, root included: a path under a plain file."""
+    (tmp_path / "file").write_bytes(b"not a folder")
+    return tmp_path / "file" / "cache"
+
+
+def test_cache_unwritable_folder_warns_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(R, "_unwritable", set())
+    folder = _unwritable_folder(tmp_path)
+    with pytest.warns(RuntimeWarning, match="cannot write the generated-kernel cache folder .* in memory"):
+        assert not R.write_cached(str(folder / "a.cubin"), b"x")
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not R.write_cached(str(folder / "b.cubin"), b"x")   # once per folder
+
+
+def _fresh_fused(tag):
+    """A new fused function x * 2 + tag.5 (literals are kernel arguments: the
+    same source for every tag; the tests empty the in-memory module cache)."""
+    return cufuse.fuse(lambda x: x * 2.0 + (tag + 0.5))
+
+
+@pytest.mark.cuda
+def test_damaged_disk_entry_is_compiled_again(tmp_path, monkeypatch):
+    """A truncated .cubin in CUFUSE_CACHE_DIR (a crash before write-back) is
+    detected on load, compiled again and rewritten; the result is right."""
+    import cupy as cp
+    monkeypatch.setenv("CUFUSE_CACHE_DIR", str(tmp_path))
+    x = cp.asarray(np.linspace(-3, 3, 1001, dtype=np.float32))
+    monkeypatch.setattr(R, "_generated", {})                  # as a new process
+    tag = 41
+    f = _fresh_fused(tag)
+    f(x)
+    assert f.stats["compiles"] == 1
+    (entry,) = tmp_path.glob("*.cubin")
+    entry.write_bytes(entry.read_bytes()[:100])               # truncated
+    monkeypatch.setattr(R, "_generated", {})                  # as a new process
+    g = _fresh_fused(tag)
+    np.testing.assert_allclose(cp.asnumpy(g(x)), cp.asnumpy(x).astype(np.float64) * 2 + tag + 0.5, rtol=1e-6)
+    assert g.stats["compiles"] == 1 and g.stats["disk_loads"] == 0
+    assert R.read_cached(str(entry)) is not None              # rewritten whole
+    monkeypatch.setattr(R, "_generated", {})
+    h = _fresh_fused(tag)
+    h(x)
+    assert h.stats["disk_loads"] == 1 and h.stats["compiles"] == 0
+
+
+@pytest.mark.cuda
+def test_unwritable_cache_folder_runs_from_memory(tmp_path, monkeypatch):
+    """CUFUSE_CACHE_DIR that cannot be written: one warning, and the kernel runs
+    from memory (before, every new fused signature failed)."""
+    import cupy as cp
+    monkeypatch.setenv("CUFUSE_CACHE_DIR", str(_unwritable_folder(tmp_path)))
+    monkeypatch.setattr(R, "_unwritable", set())
+    monkeypatch.setattr(R, "_generated", {})                  # as a new process
+    x = cp.asarray(np.linspace(-3, 3, 101, dtype=np.float32))
+    with pytest.warns(RuntimeWarning, match="kept in memory"):
+        got = _fresh_fused(7)(x)
+    np.testing.assert_allclose(cp.asnumpy(got), cp.asnumpy(x).astype(np.float64) * 2 + 7.5, rtol=1e-6)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                         # another kernel: no second warning
+        again = cufuse.fuse(lambda v: v * v - 1.0)(x)
+    np.testing.assert_allclose(cp.asnumpy(again), cp.asnumpy(x).astype(np.float64) ** 2 - 1, rtol=1e-6)

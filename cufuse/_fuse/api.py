@@ -80,7 +80,7 @@ class _Signature:
             st = self.fused.stats
             st[{"compiled": "compiles", "disk": "disk_loads", "memory": "shared"}[how]] += 1
             with R._cp.cuda.Device(device):
-                fn = self._fns[(name, device)] = mod.get_function(name).kernel
+                fn = self._fns[(name, device)] = mod.get_function(name)
         return fn
 
     def param_values(self, args):
