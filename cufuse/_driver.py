@@ -145,6 +145,60 @@ def moveaxis(x, kind, src, dst):
     return (np if kind == A.NUMPY else _cp).moveaxis(x, src, dst)
 
 
+def current_stream(kind, dev):
+    """The CuPy stream object a call on ``kind`` runs on (torch's current stream
+    for torch tensors, CuPy's current stream otherwise)."""
+    return stream_for(kind, dev) or _cp.cuda.get_current_stream()
+
+
+def capturing(kind, dev):
+    """True while the stream a call on ``kind`` runs on is being captured into a CUDA graph."""
+    return current_stream(kind, dev).is_capturing()
+
+
+# Host data (launch tables, per-channel parameters given as NumPy arrays) on
+# the GPU, kept by content: (device, dtype, shape, bytes) -> (CuPy array,
+# event recorded after its copy). A call inside a CUDA graph capture cannot
+# copy from host memory: it is served only by a copy made before (on any
+# stream, finished by then), which the graph then keeps for good.
+_UPLOADS: dict = {}
+_UPLOADS_MAX = 128
+
+
+def uploaded(host, kind, dev, what):
+    """NumPy array ``host`` copied to GPU ``dev`` (a CuPy array; hold it while
+    it is used), ordered before the call's launches on its stream. Inside a capture with no earlier
+    copy of the same content: RuntimeError naming ``what``, before anything
+    is queued."""
+    key = (dev, host.dtype.str, host.shape, host.tobytes())
+    s = current_stream(kind, dev)
+    ent = _UPLOADS.get(key)
+    if ent is not None:
+        arr, ev, sptr = ent
+        if s.is_capturing():
+            if not ev.done:
+                ent = None
+            else:
+                _CAPTURED_TEMPS.append(arr)  # the graph keeps its address: never freed
+                return arr
+        elif sptr != s.ptr:
+            s.wait_event(ev)  # copied on another stream: ordered after the copy
+        if ent is not None:
+            return arr
+    if s.is_capturing():
+        raise RuntimeError(f"cufuse: {what} must be copied to the GPU, which cannot happen while a CUDA graph "
+                           "is being captured; make the same call once before capturing (a warm-up, on any "
+                           "stream), or pass device arrays")
+    if len(_UPLOADS) >= _UPLOADS_MAX:
+        _UPLOADS.clear()
+    with _cp.cuda.Device(dev), s:
+        arr = _cp.asarray(host)
+        ev = _cp.cuda.Event(disable_timing=True)
+        ev.record(s)
+    _UPLOADS[key] = (arr, ev, s.ptr)
+    return arr
+
+
 _stream_buffers: dict = {}  # (device, stream handle) -> zeroed CuPy uint8 array
 
 
@@ -580,7 +634,18 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
                 # must not return to the pool, where another array would take it
                 _CAPTURED_TEMPS.extend(temps)
     if rec.sbufs:
-        tptrs = [*tptrs, *[stream_buffer(dev, _stream_object(kind, dev, sptr), n) for n in rec.sbufs]]
+        sobj = _stream_object(kind, dev, sptr)
+        if (sobj or _cp.cuda.get_current_stream()).is_capturing():
+            # A graph gets buffers of its own, zeroed by a memset it captures (a
+            # graph may replay on any stream, beside eager calls on this one)
+            bufs = [empty((max(n, 16),), _U8, kind, dev) for n in rec.sbufs]
+            _CAPTURED_TEMPS.extend(bufs)
+            bptrs = [A.pointer_of(b, kind) for b in bufs]
+            for p, n in zip(bptrs, rec.sbufs):
+                _cp.cuda.runtime.memsetAsync(p, 0, n, sptr)
+            tptrs = [*tptrs, *bptrs]
+        else:
+            tptrs = [*tptrs, *[stream_buffer(dev, sobj, n) for n in rec.sbufs]]
     vals = (*optrs, *in_ptrs, *tptrs, *values)
     for st in rec.steps:
         if type(st) is not Launch:
@@ -608,6 +673,11 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
 
 _U8 = np.dtype(np.uint8)
 _CAPTURED_TEMPS: list = []  # CuPy temporaries of launches captured into CUDA graphs (kept for good)
+
+
+def keep_captured(*arrays):
+    """Keep arrays whose addresses a CUDA graph being captured holds, for good."""
+    _CAPTURED_TEMPS.extend(arrays)
 
 
 def run_general(rec, targets, outs, in_ptrs, values=(), like=None, fast=None, key=None):

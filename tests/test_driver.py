@@ -336,6 +336,94 @@ def test_torch_graph_capture_on_side_stream(family):
     np.testing.assert_array_equal(out.cpu().numpy(), call(*b).cpu().numpy())
 
 
+# Calls whose capture needs host data on the device or per-stream buffers:
+# per-channel parameters given as NumPy arrays, column tickets, foreach tables.
+_NP_SCALE = np.linspace(0.02, 0.09, SHAPE[-1]).astype(np.float32)
+_FOREACH = {}
+CAPTURE_EXTRA = {
+    "quantize_np_scale": ("x", lambda x, out=None: cufuse.quantize_int8(x, _NP_SCALE, 1.0, axis=-1, out=out)),
+    "sum_squared_axis0": ("x", lambda x, out=None: cufuse.sum_squared(x, axis=0, out=out)),
+    "foreach": ("xx", lambda a, b, out=None: _foreach_call(a, b, out)),
+}
+
+
+def _foreach_call(a, b, out):
+    f = _FOREACH.setdefault("f", cufuse.fuse(lambda p, q, s: p * s + q))
+    halves = [a[: SHAPE[0] // 2], a[SHAPE[0] // 2:]], [b[: SHAPE[0] // 2], b[SHAPE[0] // 2:]]
+    if out is None:
+        return _cat(f.foreach(*halves, 0.75))
+    f.foreach(*halves, 0.75, out=[out[: SHAPE[0] // 2], out[SHAPE[0] // 2:]])
+    return out
+
+
+def _cat(parts):
+    import sys
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    import cupy as cp
+    return cp.concatenate(parts)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", list(FAMILIES) + list(CAPTURE_EXTRA))
+def test_torch_graph_warm_up_elsewhere_then_capture(family):
+    """As torch's documentation does it: warm up on a side stream, then
+    capture with torch.cuda.graph on its own capture stream (never used
+    before). cufuse's caches are emptied between capture and replay; every
+    replay on fresh inputs gives what an eager call gives, and eager calls on
+    the capture stream afterwards are right too."""
+    torch = pytest.importorskip("torch")
+    spec, call = {**FAMILIES, **CAPTURE_EXTRA}[family]
+    _FOREACH.clear()
+    a = [torch.from_numpy(v).cuda() for v in _np_inputs(spec, np.dtype(np.float32), 1)]
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        out = call(*a) * 0
+        for _ in range(2):
+            call(*a, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    ctx = torch.cuda.graph(g)                             # its own capture stream
+    with ctx:
+        call(*a, out=out)
+    D.clear_fast_paths()
+    D._UPLOADS.clear()
+    D._stream_buffers.clear()
+    for seed in range(31, 36):
+        b = _np_inputs(spec, np.dtype(np.float32), seed)
+        for dst, src in zip(a, b):
+            dst.copy_(torch.from_numpy(src))
+        out.fill_(7)
+        g.replay()
+        torch.cuda.synchronize()
+        want = call(*[torch.from_numpy(v).cuda() for v in b]).cpu().numpy()
+        np.testing.assert_array_equal(out.cpu().numpy(), want, err_msg=f"replay {seed}")
+    with torch.cuda.stream(ctx.capture_stream):
+        again = call(*a).cpu().numpy()                   # eager on the capture stream, after the capture
+    np.testing.assert_array_equal(again, out.cpu().numpy())
+
+
+@pytest.mark.cuda
+def test_capture_without_warm_up_says_so():
+    """A call that needs host data copied to the GPU, made for the first time
+    inside a capture, raises a clear RuntimeError (before it queues anything)."""
+    torch = pytest.importorskip("torch")
+    x = torch.from_numpy(rand(SHAPE, np.float32, 3)).cuda()
+    out = torch.empty(SHAPE, dtype=torch.int8, device="cuda")
+    fresh = np.linspace(0.03, 0.05, SHAPE[-1]).astype(np.float32) + np.float32(np.random.default_rng().random())
+    g = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot happen while a CUDA graph is being captured.*warm-up"):
+        with torch.cuda.graph(g):
+            cufuse.quantize_int8(x, fresh, axis=-1, out=out)
+    torch.cuda.synchronize()
+    q = cufuse.quantize_int8(x, fresh, axis=-1)           # and eager afterwards works
+    ref = cufuse.quantize_int8(x.cpu(), fresh, axis=-1)    # the NumPy path: the same codes, bit for bit
+    np.testing.assert_array_equal(q.cpu().numpy(), ref.numpy())
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_arrays_on_another_gpu_than_the_current(family):

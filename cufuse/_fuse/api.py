@@ -23,8 +23,6 @@ from . import codegen, graph as G
 from .numpy_eval import evaluate
 
 _log = logging.getLogger("cufuse")
-_TABLES: dict = {}       # horizontal launch tables on the device, by content
-_TABLES_MAX = 64
 _PLANS_MAX = 8           # foreach launch plans kept per Fused
 # An object's address (rotated; distinct for live objects), for the keys of
 # foreach's plans. Not id(): id() raises an audit event, and once a Python
@@ -678,17 +676,9 @@ class Fused:
             packs = -(-r[-1] // V)
             r.append(first)
             first += -(-packs // B)
-        cp = R._cp
-        with cp.cuda.Device(dev):
-            stream = _stream(kind, dev)
-            flat = tuple(v for r in rows for v in r)
-            key = (flat, dev, stream.ptr)
-            table = _TABLES.get(key)
-            if table is None:
-                if len(_TABLES) >= _TABLES_MAX:
-                    _TABLES.clear()
-                with stream:  # the copy is ordered before the kernel on the same stream
-                    table = _TABLES[key] = cp.asarray(np.array(flat, dtype=np.int64))
+        flat = np.array([v for r in rows for v in r], dtype=np.int64)
+        table = D.uploaded(flat, kind, dev, f"the launch table of {self._name}.foreach (the first call "
+                                            "with these arrays)")
         plan = (table, first, np.int32(len(rows)), sig.function("fused_segments", dev), np.int32(SEGMENT_PACKS))
         if params is not None:
             self._launch_table(kind, dev, plan, params)

@@ -212,32 +212,19 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
     return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: the data's device (checked above)
 
 
-_CONSTANTS: dict = {}  # (kind, device, dtype, length, value) -> a device array of that value
-_CONSTANTS_MAX = 64
-
-
 def _on_device(v, given, kind, dev):
-    """A per-channel parameter (``_channel_param``'s result) on the data's
-    device. One scalar for every channel becomes a device array kept for
-    later calls (no host-to-device copy per call, so such calls can be
-    captured in a CUDA graph once warmed up); a NumPy array is copied."""
-    if not isinstance(v, np.ndarray):
-        return v  # already the data's kind, on its device
-    key = None
-    if not isinstance(given, (np.ndarray, list, tuple)):
-        key = (kind, dev, v.dtype, v.shape[0], float(v[0]) if v.shape[0] else 0.0)
-        c = _CONSTANTS.get(key)
-        if c is not None:
-            return c
-    if kind == A.CUPY:
-        c = R._cp.asarray(v)  # dense already (_channel_param)
-    else:
-        c = A.torch().from_numpy(v).to(D.torch_device(dev))
-    if key is not None:
-        if len(_CONSTANTS) >= _CONSTANTS_MAX:
-            _CONSTANTS.clear()
-        _CONSTANTS[key] = c
-    return c
+    """(array, address) of a per-channel parameter (``_channel_param``'s
+    result) on the data's device. A NumPy array (one scalar for every channel
+    too) is copied once per content and kept (``_driver.uploaded``), so a
+    repeated call copies nothing and can be captured in a CUDA graph; a device
+    array made here (a cast or contiguous copy) is kept by a graph being captured."""
+    if isinstance(v, np.ndarray):
+        what = "a per-channel scale or zero point given as a NumPy array (or one scalar zero point)"
+        c = D.uploaded(v, kind, dev, what)
+        return c, c.data.ptr
+    if v is not given and D.capturing(kind, dev):
+        D.keep_captured(v)
+    return v, A.pointer_of(v, kind)
 
 
 _CHOICE: dict = {}  # (scale, zero point) of a valid per-tensor call -> reciprocal_ok of them
@@ -293,10 +280,10 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     if kind in A.GPU_KINDS:
         dev = A.device_of(x, kind)
         with R._cp.cuda.Device(dev):
-            sc, zp = (_on_device(v, given, kind, dev) for v, given in ((sc, scale), (zp, zero_point)))
+            (sc, psc), (zp, pzp) = (_on_device(v, given, kind, dev) for v, given in ((sc, scale), (zp, zero_point)))
         inner = A.count(x.shape[axis + 1:])
         nch = x.shape[axis]
-        ptrs = (A.pointer_of(sc, kind), A.pointer_of(zp, kind))
+        ptrs = (psc, pzp)
         params = (np.uint64(ptrs[0]), np.uint64(ptrs[1]),
                   inner, np.uint64(A.fast_div_magic(inner)), nch, np.uint64(A.fast_div_magic(nch)))
         def width(w):
