@@ -954,6 +954,36 @@ def test_foreach_in_place(backend):
                      FUNC_TOL[F32], err_msg=f"item {i}")
 
 
+def test_foreach_items_that_alias_each_other(backend):
+    """An item's output that is another item's input (or overlaps it, or
+    another item's output): the items run in order, as the NumPy path does,
+    on every backend alike; foreach_plan refuses such lists."""
+    f = cufuse.fuse(lambda a, s: a * s + 1.0)
+    n = 4096
+    base = rand((4 * n,), F32, 195)
+    buf = backend.asarray(base)
+    # item k reads [k*n, (k+1)*n) and writes [(k+1)*n - n//2, ...): half over the next item's input
+    ins = [buf[k * n:(k + 1) * n] for k in range(3)]
+    outs = [buf[(k + 1) * n - n // 2:(k + 2) * n - n // 2] for k in range(3)]
+    res = f.foreach(ins, 0.5, out=outs)
+    ref = base.astype(np.float64)
+    for k in range(3):                                    # one item after another
+        ref[(k + 1) * n - n // 2:(k + 2) * n - n // 2] = ref[k * n:(k + 1) * n] * 0.5 + 1.0
+    assert_close(backend.to_numpy(buf), ref, F32, FUNC_TOL[F32])
+    assert all(r is o for r, o in zip(res, outs))
+    # a chain: item k writes exactly item k+1's input
+    xs = [backend.asarray(rand((n,), F32, 196 + k)) for k in range(4)]
+    want = [backend.to_numpy(x).astype(np.float64) for x in xs]
+    f.foreach(xs[:3], 2.0, out=xs[1:])
+    for k in range(1, 4):
+        want[k] = want[k - 1] * 2.0 + 1.0
+    for k in range(4):
+        assert_close(backend.to_numpy(xs[k]), want[k], F32, FUNC_TOL[F32], err_msg=f"chain item {k}")
+    if backend.gpu:  # (a NumPy plan runs foreach, item by item)
+        with pytest.raises(ValueError, match="another item's input or output"):
+            f.foreach_plan(xs[:3], 2.0, out=xs[1:])
+
+
 def _adam():
     """The spec's Adam example as a fused function."""
     @cufuse.fuse

@@ -490,7 +490,12 @@ class Fused:
             return [self._call(_item(args, list_pos, i), item_out(i)) for i in range(count)]
         lists = [args[p] for p in list_pos]
         params = sig.param_values(_item(args, list_pos, 0))
-        fast, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, params)
+        try:
+            fast, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, params)
+        except _InOrder:
+            # an item writes what another item reads or writes: item by item, in
+            # order, as the NumPy path does (one launch would race between them)
+            return [self._call(_item(args, list_pos, i), item_out(i)) for i in range(count)]
         results = [None] * count
         for i, outs in fast:
             results[i] = tuple(outs) if sig.graph.tuple_out else outs[0]
@@ -538,7 +543,12 @@ class Fused:
         if kind not in A.GPU_KINDS:  # NumPy: each call is a foreach call
             return ForeachPlan(self, args, out, list_pos, None)
         lists = [args[p] for p in list_pos]
-        _, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, None)
+        try:
+            _, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, None)
+        except _InOrder:
+            raise ValueError(f"cufuse.{self._name}.foreach_plan: an item's output is another item's input or "
+                             "output; in one launch they would race: use foreach, which runs such lists "
+                             "item by item, in order") from None
         if slow:
             raise ValueError(f"cufuse.{self._name}.foreach_plan: item(s) {slow[:8]}{' ...' if len(slow) > 8 else ''} "
                              "cannot join the one launch (every array C-contiguous, 16-byte aligned, of its "
@@ -619,12 +629,15 @@ class Fused:
             return p if ok and p % al == 0 else None
 
         fast, slow, rows, pending = [], [], [], []
+        spans = []  # with out=: (lo, hi, item, written) of every array, for the check across items
         for i in range(count):
             arrs = [lst[i] for lst in lists]
             shape = arrs[0].shape if hasattr(arrs[0], "shape") else None
             ptrs = [ptr_of(a, dt, al, shape) for a, dt, al in zip(arrs, dts_k, al_in)]
             if shape is None or None in ptrs:
                 slow.append(i)
+                if out_lists is not None:
+                    _item_spans(spans, i, kind, [ol[i] for ol in out_lists], arrs)
                 continue
             n = arrs[0].size if is_cupy else arrs[0].numel()
             if out_lists is not None:
@@ -632,12 +645,17 @@ class Fused:
                 optrs = [ptr_of(o, dt, al, shape) for o, dt, al in zip(outs, odts_k, al_out)]
                 if None in optrs or not _apart(optrs, odts, ptrs, dts, n):
                     slow.append(i)
+                    _item_spans(spans, i, kind, outs, arrs)
                     continue
                 fast.append((i, outs))
                 if n:
                     rows.append(optrs + ptrs + [n])
+                    spans.extend((p, p + n * d.itemsize, i, True) for p, d in zip(optrs, odts))
+                    spans.extend((p, p + n * d.itemsize, i, False) for p, d in zip(ptrs, dts))
             else:
                 pending.append((i, tuple(shape), n, ptrs))
+        if spans and _across_items(spans):
+            raise _InOrder()
         if pending:  # new outputs: one buffer per output, a view per item
             for i, shape, n, ptrs in pending:
                 fast.append((i, []))
@@ -759,6 +777,35 @@ def _stream(kind, dev):
     if kind == A.TORCH_CUDA:
         return D.stream_for(kind, dev)
     return R._cp.cuda.get_current_stream()
+
+
+class _InOrder(Exception):
+    """A foreach whose items must run one after another (see _across_items)."""
+
+
+def _item_spans(spans, i, kind, outs, ins):
+    """Append (lo, hi, i, written) of item i's arrays (any views) to ``spans``."""
+    for arrs, written in ((outs, True), (ins, False)):
+        for a in arrs:
+            try:
+                lo, hi = D.span(a, A.kind_of(a))
+            except (TypeError, AttributeError, ValueError):
+                continue  # not an array: its own call will say so
+            if hi > lo:
+                spans.append((lo, hi, i, written))
+
+
+def _across_items(spans):
+    """True when memory one item writes is read or written by another item."""
+    spans.sort()
+    active = []  # (hi, item, written) of spans that may still overlap what follows
+    for lo, hi, i, written in spans:
+        active = [a for a in active if a[0] > lo]
+        for _, j, w in active:
+            if j != i and (written or w):
+                return True
+        active.append((hi, i, written))
+    return False
 
 
 def _apart(optrs, odts, iptrs, idts, n):
