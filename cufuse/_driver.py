@@ -157,45 +157,40 @@ def capturing(kind, dev):
 
 
 # Host data (launch tables, per-channel parameters given as NumPy arrays) on
-# the GPU, kept by content: (device, dtype, shape, bytes) -> (CuPy array,
-# event recorded after its copy). A call inside a CUDA graph capture cannot
-# copy from host memory: it is served only by a copy made before (on any
-# stream, finished by then), which the graph then keeps for good.
+# the GPU, kept by content: (device, dtype, shape, bytes) -> CuPy array. Each
+# is copied on a stream of its own and waited for (microseconds: that stream
+# holds nothing else), so it is ready for every stream at once and a call
+# inside a CUDA graph capture, which cannot copy from host memory or query an
+# event, can use a copy made before (the graph then keeps it for good).
 _UPLOADS: dict = {}
 _UPLOADS_MAX = 128
+_upload_streams: dict = {}  # device -> the CuPy stream uploads are copied on
 
 
 def uploaded(host, kind, dev, what):
-    """NumPy array ``host`` copied to GPU ``dev`` (a CuPy array; hold it while
-    it is used), ordered before the call's launches on its stream. Inside a capture with no earlier
-    copy of the same content: RuntimeError naming ``what``, before anything
-    is queued."""
+    """NumPy array ``host`` on GPU ``dev`` (a CuPy array; hold it while it is
+    used), its copy complete. Inside a capture with no earlier copy of the
+    same content: RuntimeError naming ``what``, before anything is queued."""
     key = (dev, host.dtype.str, host.shape, host.tobytes())
-    s = current_stream(kind, dev)
-    ent = _UPLOADS.get(key)
-    if ent is not None:
-        arr, ev, sptr = ent
-        if s.is_capturing():
-            if not ev.done:
-                ent = None
-            else:
-                _CAPTURED_TEMPS.append(arr)  # the graph keeps its address: never freed
-                return arr
-        elif sptr != s.ptr:
-            s.wait_event(ev)  # copied on another stream: ordered after the copy
-        if ent is not None:
-            return arr
-    if s.is_capturing():
-        raise RuntimeError(f"cufuse: {what} must be copied to the GPU, which cannot happen while a CUDA graph "
-                           "is being captured; make the same call once before capturing (a warm-up, on any "
-                           "stream), or pass device arrays")
-    if len(_UPLOADS) >= _UPLOADS_MAX:
-        _UPLOADS.clear()
-    with _cp.cuda.Device(dev), s:
-        arr = _cp.asarray(host)
-        ev = _cp.cuda.Event(disable_timing=True)
-        ev.record(s)
-    _UPLOADS[key] = (arr, ev, s.ptr)
+    arr = _UPLOADS.get(key)
+    if capturing(kind, dev):
+        if arr is None:
+            raise RuntimeError(f"cufuse: {what} must be copied to the GPU, which cannot happen while a CUDA "
+                               "graph is being captured; make the same call once before capturing (a warm-up, "
+                               "on any stream), or pass device arrays")
+        _CAPTURED_TEMPS.append(arr)  # the graph keeps its address: never freed
+        return arr
+    if arr is None:
+        if len(_UPLOADS) >= _UPLOADS_MAX:
+            _UPLOADS.clear()
+        with _cp.cuda.Device(dev):
+            s = _upload_streams.get(dev)
+            if s is None:
+                s = _upload_streams[dev] = _cp.cuda.Stream(non_blocking=True)
+            with s:
+                arr = _cp.asarray(host)
+            s.synchronize()
+        _UPLOADS[key] = arr
     return arr
 
 

@@ -432,7 +432,9 @@ def where(c, a, b):
     g = _graph_of(c, a, b)
     c, a, b = lift(g, c), lift(g, a), lift(g, b)
     dt = promote(a, b)
-    chk = g.torch_float is not None  # numpy.where converts unchecked; torch.where raises
+    # torch.where raises for an int that does not fit; numpy.where converts unchecked
+    # up to NumPy 2.4 and raises from 2.5: as the installed NumPy does
+    chk = g.torch_float is not None or _numpy_where_checks()
     return _result(g, "where", [cast(c, _BOOL), cast(a, dt, chk), cast(b, dt, chk)], dt,
                    weak=a.weak and b.weak and c.weak)
 
@@ -458,6 +460,20 @@ def clip(x, lo, hi):
         else:
             x = binary(op, x, bound)
     return x
+
+
+_WHERE_CHECKS: list = []
+
+
+def _numpy_where_checks():
+    """Whether the installed NumPy's where raises for a Python int beyond the array's type."""
+    if not _WHERE_CHECKS:
+        try:
+            np.where(np.array([True]), np.zeros(1, np.uint8), 300)
+            _WHERE_CHECKS.append(False)
+        except OverflowError:
+            _WHERE_CHECKS.append(True)
+    return _WHERE_CHECKS[0]
 
 
 def reduce(kind, v, axis, keepdims, extra):
