@@ -484,3 +484,13 @@ def test_more_than_2_31_elements_strided(launches):
     finally:
         res = None
         cp.get_default_memory_pool().free_all_blocks()
+
+
+@pytest.mark.parametrize("shapes", [((3,), (3,), (2, 3)), ((0,), (0,), (0, 0)), ((1,), (4, 1), (2, 4, 5))],
+                         ids=["2x3", "zero", "3d"])
+def test_later_operand_broadcasts_the_result_larger(backend, shapes, launches):
+    """fma(q, k, v) where v broadcasts q * k to a larger shape (found by the
+    fuzz suite: the NumPy path wrote q * k + v into q * k's own array)."""
+    np_in = [rand(s, F32, 90 + k) for k, s in enumerate(shapes)]
+    args = [backend.asarray(a) for a in np_in]
+    run_checked(backend, "fma", args, np_in, launches, F32)

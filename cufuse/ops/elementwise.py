@@ -294,8 +294,12 @@ class ElementwiseOp:
 # The fallbacks work in place on the first step's new array: one allocation
 # per call, as many passes as the NumPy chain, so never slower than it.
 def _into(ufunc, t, *more):
-    """ufunc(t, *more) into ``t`` when it is an array (a step's own result)."""
-    return ufunc(t, *more, out=t) if type(t) is np.ndarray else ufunc(t, *more)
+    """ufunc(t, *more) into ``t`` when it is an array (a step's own result)
+    of the whole result's shape (a later operand may broadcast it larger)."""
+    if type(t) is np.ndarray and all(np.ndim(m) <= t.ndim for m in more) and \
+            np.broadcast_shapes(t.shape, *[np.shape(m) for m in more]) == t.shape:
+        return ufunc(t, *more, out=t)
+    return ufunc(t, *more)
 
 
 def _relu(v):

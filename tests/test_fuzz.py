@@ -1,0 +1,279 @@
+"""Differential fuzzing (hypothesis): random shapes, layouts, dtypes, scalars
+and aliasing for every op family and random fused programs, each result
+against an independent float64 reference (tests/_reference*.py), and on the
+GPU also against cufuse's own NumPy path.
+
+Two profiles: ``ci`` (the default: a few dozen cases per test, derandomized,
+so a CI run is reproducible) and ``device`` (``CUFUSE_FUZZ=device``; cases
+per test from ``CUFUSE_FUZZ_EXAMPLES``, default 2000): the long run on a GPU
+machine. A failure prints the drawn case; hypothesis shrinks it first.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+import cufuse  # noqa: E402
+
+from _reference import TOL, reference, scale_for  # noqa: E402
+from _reference import assert_close as ew_close  # noqa: E402
+from _reference_fuse import FLOATS, TREE_TOL, TreeCase  # noqa: E402
+from _reference_fuse import assert_close as fuse_close  # noqa: E402
+from _reference_norm import NORM_REF, REDUCE_REF, SOFTMAX_REF, check, reduce_shape, reduced_length  # noqa: E402
+
+settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
+                          suppress_health_check=list(HealthCheck))
+settings.register_profile("device", max_examples=int(os.environ.get("CUFUSE_FUZZ_EXAMPLES", "2000")),
+                          deadline=None, suppress_health_check=list(HealthCheck))
+PROFILE = os.environ.get("CUFUSE_FUZZ", "ci")
+fuzz = settings.get_profile(PROFILE)
+
+KINDS = ["numpy"] + (["cupy", "torch_cuda"] if cufuse.CUDA_AVAILABLE else [])
+DIMS = [0, 1, 2, 3, 5, 7, 8, 9, 16, 17, 33]
+LAYOUTS = ["C", "T", "step", "offset", "broadcast"]
+
+
+# --------------------------------------------------------------- array kinds
+def to_kind(a, kind):
+    """A copy of NumPy array ``a`` in ``kind`` (the drawn values stay intact for the reference)."""
+    if kind == "numpy":
+        return np.array(a)
+    if kind == "cupy":
+        import cupy as cp
+        return cp.asarray(a)
+    import torch
+    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+
+
+def to_numpy(a):
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "get"):
+        return a.get()
+    return a.cpu().numpy()
+
+
+def view(values, kind, layout):
+    """``values`` (NumPy) as an array of ``kind`` laid out as ``layout``, the
+    same logical values: C-contiguous, transposed memory, a stepped slice, one
+    element off the allocation's alignment, or a stride-0 broadcast."""
+    shape = values.shape
+    if layout == "T" and values.ndim >= 2:
+        return to_kind(np.ascontiguousarray(values.T), kind).T
+    if layout == "step" and values.ndim >= 1:
+        big = np.repeat(values, 2, axis=-1)
+        return to_kind(big, kind)[..., ::2]
+    if layout == "offset":
+        flat = np.concatenate([np.ones(1, values.dtype), values.reshape(-1)])
+        return to_kind(flat, kind)[1:].reshape(shape)
+    if layout == "broadcast" and values.ndim >= 1 and shape[0] > 1 and np.all(values == values[:1]):
+        one = to_kind(np.ascontiguousarray(values[:1]), kind)
+        if kind == "torch_cuda":
+            return one.expand(*shape)
+        import cupy as cp
+        return cp.broadcast_to(one, shape) if kind == "cupy" else np.broadcast_to(one, shape)
+    return to_kind(values, kind)
+
+
+@st.composite
+def arrays(draw, dtype, ndim=None, min_dims=0, shape=None, scale=1.0):
+    """(values, layout): random normal values (never zero) of a drawn shape."""
+    if shape is None:
+        nd = draw(st.integers(min_dims, 3)) if ndim is None else ndim
+        shape = tuple(draw(st.sampled_from(DIMS)) for _ in range(nd))
+    seed = draw(st.integers(0, 2**31))
+    rng = np.random.default_rng(seed)
+    v = np.asarray(rng.standard_normal(shape) * scale).astype(dtype)
+    v[v == 0] = 0.5
+    layout = draw(st.sampled_from(LAYOUTS))
+    if layout == "broadcast" and len(shape) >= 1:
+        v = np.broadcast_to(v[:1], shape).copy()
+    return v, layout
+
+
+def _poison(shape, dtype, kind):
+    return to_kind(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 77, dtype), kind)
+
+
+# ----------------------------------------------------------- elementwise ops
+EW = {"add_relu": 2, "mul_tanh": 2, "add_mul_exp": 2, "fma": 3}
+
+
+@fuzz
+@given(data=st.data())
+def test_fuzz_elementwise(data):
+    """The four core ops: operands of mixed dtypes, broadcast shapes,
+    layouts, Python scalars; out= none, fresh, the first operand itself, or
+    (1-D) a view shifted by one element over it."""
+    op = data.draw(st.sampled_from(sorted(EW)), "op")
+    kind = data.draw(st.sampled_from(KINDS), "kind")
+    full = tuple(data.draw(st.sampled_from(DIMS)) for _ in range(data.draw(st.integers(0, 3))))
+    vals, args = [], []
+    for k in range(EW[op]):
+        if k > 0 and data.draw(st.booleans(), f"scalar {k}"):
+            s = data.draw(st.floats(-2.0, 2.0, allow_nan=False).filter(lambda f: f != 0), f"value {k}")
+            vals.append(s)
+            args.append(s)
+            continue
+        dt = data.draw(st.sampled_from(FLOATS), f"dtype {k}")
+        sub = full[data.draw(st.integers(0, len(full)), f"trailing {k}"):]   # broadcasts against full
+        v, lay = data.draw(arrays(dt, shape=sub, scale=scale_for(op)), f"array {k}")
+        vals.append(v)
+        args.append(view(v, kind, lay))
+    if not any(isinstance(v, np.ndarray) for v in vals):
+        v = np.random.default_rng(1).standard_normal(full).astype(np.float32)
+        vals[0], args[0] = v, to_kind(v, kind)
+    shape = np.broadcast_shapes(*[v.shape for v in vals if isinstance(v, np.ndarray)])
+    dtype = np.result_type(*[v.dtype for v in vals if isinstance(v, np.ndarray)])
+    ref = reference(op, vals, dtype)
+    ref = np.broadcast_to(ref, shape)
+    how = data.draw(st.sampled_from(["none", "fresh", "inplace", "shifted"]), "out")
+    out = None
+    if how == "fresh":
+        out = _poison(shape, dtype, kind)
+    elif how == "inplace" and isinstance(vals[0], np.ndarray) and vals[0].shape == shape and vals[0].dtype == dtype:
+        out = args[0] = to_kind(vals[0], kind)
+    elif how == "shifted" and len(shape) == 1 and shape[0] > 0 and isinstance(vals[0], np.ndarray) \
+            and vals[0].shape == shape and vals[0].dtype == dtype:
+        buf = to_kind(np.concatenate([vals[0], vals[0][-1:]]), kind)
+        args[0], out = buf[1:], buf[:-1]
+        vals[0] = np.concatenate([vals[0], vals[0][-1:]])[1:]
+        ref = np.broadcast_to(reference(op, vals, dtype), shape)
+    got = getattr(cufuse, op)(*args, out=out)
+    if out is not None:
+        assert got is out
+    ew_close(to_numpy(got), np.asarray(ref), dtype)
+    if kind != "numpy":  # the GPU agrees with cufuse's own NumPy path
+        np_args = [to_numpy(a) if not isinstance(a, float) else a for a in args] if out is None else None
+        if np_args is not None:
+            ew_close(to_numpy(got), np.asarray(getattr(cufuse, op)(*np_args), np.float64), dtype)
+
+
+# ------------------------------------------------------------------- norms
+@fuzz
+@given(data=st.data())
+def test_fuzz_norms(data):
+    """layer_norm / layer_norm_relu / rms_norm over 1 or 2 trailing dims,
+    weight and bias optional (any layout), out= none, fresh, x itself, or
+    overlapping the weight."""
+    op = data.draw(st.sampled_from(sorted(NORM_REF)), "op")
+    kind = data.draw(st.sampled_from(KINDS), "kind")
+    dt = data.draw(st.sampled_from(FLOATS), "dtype")
+    lead = tuple(data.draw(st.sampled_from([0, 1, 2, 3, 7])) for _ in range(data.draw(st.integers(0, 2))))
+    norm = tuple(data.draw(st.sampled_from([1, 2, 3, 8, 17, 33, 64, 255])) for _ in range(data.draw(st.integers(1, 2))))
+    x, xl = data.draw(arrays(dt, shape=lead + norm), "x")
+    w = b = None
+    wv = bv = None
+    if data.draw(st.booleans(), "weight"):
+        wv, wl = data.draw(arrays(dt, shape=norm), "w")
+        w = view(wv, kind, wl)
+    if op != "rms_norm" and data.draw(st.booleans(), "bias"):
+        bv, bl = data.draw(arrays(dt, shape=norm), "b")
+        b = view(bv, kind, bl)
+    eps = data.draw(st.sampled_from([1e-5, 1e-6, 0.1]), "eps")
+    xa = view(x, kind, xl)
+    how = data.draw(st.sampled_from(["none", "fresh", "x", "weight"]), "out")
+    out = None
+    if how == "fresh":
+        out = _poison(x.shape, dt, kind)
+    elif how == "x" and xl in ("C", "offset"):
+        out = xa
+    elif how == "weight" and w is not None and lead == () and wl == "C":
+        out = w  # the result written over the weight: computed into a temporary first
+    args = (xa, norm, w) + ((b,) if op != "rms_norm" else ())
+    got = getattr(cufuse, op)(*args, eps=eps, out=out)
+    ref_args = (x, norm, wv) + ((bv,) if op != "rms_norm" else ())
+    ref = NORM_REF[op](*ref_args, eps=eps)
+    check(op, to_numpy(got), ref, dt, int(np.prod(norm)))
+
+
+# ----------------------------------------------------------- softmax / reductions
+@fuzz
+@given(data=st.data())
+def test_fuzz_softmax_and_reductions(data):
+    """softmax / log_softmax along any axis; sum_squared / mean_abs over an
+    axis, a tuple of axes or all, keepdims; out= none or fresh."""
+    kind = data.draw(st.sampled_from(KINDS), "kind")
+    dt = data.draw(st.sampled_from(FLOATS), "dtype")
+    x, xl = data.draw(arrays(dt, min_dims=1), "x")
+    xa = view(x, kind, xl)
+    nd = x.ndim
+    op = data.draw(st.sampled_from(sorted(SOFTMAX_REF) + sorted(REDUCE_REF)), "op")
+    fresh = data.draw(st.booleans(), "out")
+    if op in SOFTMAX_REF:
+        axis = data.draw(st.integers(-nd, nd - 1), "axis")
+        out = _poison(x.shape, dt, kind) if fresh else None
+        got = getattr(cufuse, op)(xa, axis=axis, out=out)
+        check(op, to_numpy(got), SOFTMAX_REF[op](x, axis=axis), dt, x.shape[axis])
+        return
+    axis = data.draw(st.one_of(st.none(), st.integers(-nd, nd - 1),
+                               st.lists(st.integers(0, nd - 1), min_size=1, max_size=nd, unique=True).map(tuple)),
+                     "axis")
+    keep = data.draw(st.booleans(), "keepdims")
+    rshape = reduce_shape(x.shape, axis, keep)
+    out = _poison(rshape, dt, kind) if fresh else None
+    got = getattr(cufuse, op)(xa, axis=axis, keepdims=keep, out=out)
+    ref = REDUCE_REF[op](x, axis=axis, keepdims=keep)
+    check(op, to_numpy(got), np.asarray(ref), dt, reduced_length(x.shape, axis))
+
+
+# ---------------------------------------------------------------- quantize
+@fuzz
+@given(data=st.data())
+def test_fuzz_quantize_round_trip(data):
+    """quantize_int8 then dequantize_int8, per tensor or per channel (NumPy or
+    device parameters), any layout: codes equal NumPy's formula in the data's
+    compute precision, values within half a step."""
+    kind = data.draw(st.sampled_from(KINDS), "kind")
+    dt = data.draw(st.sampled_from(FLOATS), "dtype")
+    x, xl = data.draw(arrays(dt, min_dims=1, scale=3.0), "x")
+    xa = view(x, kind, xl)
+    real = np.float64 if dt == np.float64 else np.float32
+    axis = data.draw(st.one_of(st.none(), st.integers(0, x.ndim - 1)), "axis")
+    if axis is None:
+        s = data.draw(st.floats(0.01, 0.2), "scale")
+        z = data.draw(st.sampled_from([0.0, 3.0, -2.5]), "zero point")
+        sc, zc = real(s), real(z)
+        args_s, args_z = s, z
+    else:
+        n = x.shape[axis]
+        rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+        sc = rng.uniform(0.01, 0.2, n).astype(real)
+        zc = np.round(rng.uniform(-4, 4, n)).astype(real)
+        on_device = data.draw(st.booleans(), "device parameters")
+        args_s = to_kind(sc, kind) if on_device else sc
+        args_z = to_kind(zc, kind) if on_device else zc
+        bshape = (n,) + (1,) * (x.ndim - axis - 1)
+        sc, zc = sc.reshape(bshape), zc.reshape(bshape)
+    q = cufuse.quantize_int8(xa, args_s, args_z, axis=axis)
+    with np.errstate(all="ignore"):
+        want = np.clip(np.rint(x.astype(real) / sc + zc), -128, 127).astype(np.int8)
+    np.testing.assert_array_equal(to_numpy(q), want)
+    back = cufuse.dequantize_int8(q, args_s, args_z, axis=axis, dtype=dt)
+    ref = (want.astype(np.float64) - zc) * sc
+    ew_close(to_numpy(back), ref, dt, TOL[np.dtype(dt)])
+
+
+# ----------------------------------------------------------- fused programs
+@fuzz
+@given(seed=st.integers(0, 2**31), dtype=st.sampled_from(FLOATS), kind=st.sampled_from(KINDS))
+def test_fuzz_fused_programs(seed, dtype, kind):
+    """Random expression trees (tests/_reference_fuse.TreeCase: broadcasting,
+    layouts, scalars, several outputs) through cufuse.fuse."""
+    from _reference import Backend
+    case = TreeCase(seed=seed, dtype=dtype)
+    vals, layouts = case.np_args()
+    from _reference_fuse import backend_view
+    backend = Backend({"numpy": "numpy", "cupy": "cupy", "torch_cuda": "torch_cuda"}[kind])
+    args = [v if lay is None else backend_view(backend, v, lay) for v, lay in zip(vals, layouts)]
+    refs = case.reference(vals)
+    res = cufuse.fuse(case.traced())(*args)
+    res = res if isinstance(res, tuple) else (res,)
+    for r, got in zip(refs, res):
+        fuse_close(to_numpy(got), r, dtype, TREE_TOL[np.dtype(dtype)], err_msg=case.text)
