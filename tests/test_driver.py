@@ -361,6 +361,8 @@ def _cat(parts):
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(parts[0], torch.Tensor):
         return torch.cat(parts)
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts)
     import cupy as cp
     return cp.concatenate(parts)
 
@@ -547,3 +549,49 @@ def test_fallback_relu_speed_path_keeps_nan():
     x = np.array([np.nan, -1.0, 2.0], np.float32)
     got = cufuse.add_relu(x, np.float32(0))
     assert np.isnan(got[0]) and got[1] == 0 and got[2] == 2
+
+
+@pytest.mark.parametrize("lib", ["numpy", pytest.param("cupy", marks=pytest.mark.cuda),
+                                 pytest.param("torch", marks=pytest.mark.cuda)])
+def test_eight_threads_every_family(lib):
+    """8 threads at once call every family (fast and general paths, out=
+    included) and each traces fused functions of its own: every result equals
+    the one-thread result, and no call fails."""
+    import threading
+    if lib == "numpy":
+        conv, back = np.asarray, np.asarray
+    elif lib == "cupy":
+        import cupy as cp
+        conv, back = cp.asarray, cp.asnumpy
+    else:
+        torch = pytest.importorskip("torch")
+        conv, back = (lambda a: torch.from_numpy(np.ascontiguousarray(a)).cuda()), (lambda t: t.cpu().numpy())
+    names = list(FAMILIES) + list(CAPTURE_EXTRA)
+    calls = {**FAMILIES, **CAPTURE_EXTRA}
+    inputs = {n: [conv(v) for v in _np_inputs(calls[n][0], np.dtype(np.float32), 3)] for n in names}
+    want = {n: back(calls[n][1](*inputs[n])) for n in names}
+    errors, barrier = [], threading.Barrier(8)
+
+    def work(t):
+        try:
+            barrier.wait()
+            own = cufuse.fuse(lambda a, b: a * b + float(t))      # traced in this thread
+            x = inputs["add_relu"][0]
+            for rep in range(4):
+                for n in names:
+                    got = calls[n][1](*inputs[n])
+                    np.testing.assert_array_equal(back(got), want[n], err_msg=f"thread {t}, {n}, round {rep}")
+                    out = got * 0 if lib != "numpy" else np.zeros_like(got)
+                    calls[n][1](*inputs[n], out=out)
+                    np.testing.assert_array_equal(back(out), want[n], err_msg=f"thread {t}, {n} out=, round {rep}")
+                r = back(own(x, x))
+                np.testing.assert_allclose(r, back(x).astype(np.float64) ** 2 + t, rtol=1e-6)
+        except Exception as e:  # noqa: BLE001 - reported below with its thread
+            errors.append(f"{type(e).__name__}: {str(e)[:400]}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    assert not errors, "\n".join(errors[:5])
