@@ -178,6 +178,10 @@ def test_promotion(backend, xdt, bias, approximate, launches):
     else:
         nb = b = bias
     expected = np.result_type(x, nb)
+    if backend.is_torch and not isinstance(bias, np.dtype):
+        expected = xdt  # torch's rule: a number keeps the tensor's type
+        torch = backend.torch
+        assert (torch.from_numpy(x) + bias).dtype == torch.from_numpy(x).dtype   # torch itself
     call(backend, backend.asarray(x), b, approximate, launches, x, nb, expected)
 
 
