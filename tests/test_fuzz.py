@@ -48,7 +48,7 @@ def to_kind(a, kind):
         import cupy as cp
         return cp.asarray(a)
     import torch
-    return torch.from_numpy(np.ascontiguousarray(a)).cuda()
+    return torch.from_numpy(np.array(a, order="C")).cuda()  # (np.ascontiguousarray makes 0-d arrays 1-d)
 
 
 def to_numpy(a):
@@ -130,7 +130,10 @@ def test_fuzz_elementwise(data):
         v = np.random.default_rng(1).standard_normal(full).astype(np.float32)
         vals[0], args[0] = v, to_kind(v, kind)
     shape = np.broadcast_shapes(*[v.shape for v in vals if isinstance(v, np.ndarray)])
-    dtype = np.result_type(*[v.dtype for v in vals if isinstance(v, np.ndarray)])
+    arrs = [v for v in vals if isinstance(v, np.ndarray)]
+    if kind == "torch_cuda":  # torch's rule: zero-dim tensors do not widen tensors with dimensions
+        arrs = [v for v in arrs if v.ndim] or arrs
+    dtype = np.result_type(*[v.dtype for v in arrs])
     ref = reference(op, vals, dtype)
     ref = np.broadcast_to(ref, shape)
     how = data.draw(st.sampled_from(["none", "fresh", "inplace", "shifted"]), "out")

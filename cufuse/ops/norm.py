@@ -271,8 +271,12 @@ def _affine(name, what, a, ns, kind, dt, dev):
 # ---------------------------------------------------------- NumPy fallbacks
 def _np_layer_norm(x, ns, w, b, eps, relu):
     axes = tuple(range(x.ndim - len(ns), x.ndim))
-    mean = x.mean(axis=axes, keepdims=True)
-    d = x - mean
+    # Shifted by each row's first element: a constant row gives exactly 0 (its
+    # mean rounded in float32 is not its value, and / sqrt(eps) magnified the
+    # difference to 2e-5, found by the fuzz suite), and large offsets do not cancel.
+    first = x[(Ellipsis,) + (slice(0, 1),) * len(ns)]
+    xs = x - first
+    d = xs - xs.mean(axis=axes, keepdims=True)
     var = (d * d).mean(axis=axes, keepdims=True)
     y = d / np.sqrt(var + x.dtype.type(eps))
     if w is not None:
