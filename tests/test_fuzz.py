@@ -25,7 +25,8 @@ from _reference import TOL, reference, scale_for  # noqa: E402
 from _reference import assert_close as ew_close  # noqa: E402
 from _reference_fuse import FLOATS, TREE_TOL, TreeCase  # noqa: E402
 from _reference_fuse import assert_close as fuse_close  # noqa: E402
-from _reference_norm import NORM_REF, REDUCE_REF, SOFTMAX_REF, check, reduce_shape, reduced_length  # noqa: E402
+from _reference_norm import (NORM_REF, REDUCE_REF, SOFTMAX_REF, check, reduce_shape, reduced_length,  # noqa: E402
+                             tol)
 
 settings.register_profile("ci", max_examples=25, deadline=None, derandomize=True,
                           suppress_health_check=list(HealthCheck))
@@ -134,6 +135,8 @@ def test_fuzz_elementwise(data):
     if kind == "torch_cuda":  # torch's rule: zero-dim tensors do not widen tensors with dimensions
         arrs = [v for v in arrs if v.ndim] or arrs
     dtype = np.result_type(*[v.dtype for v in arrs])
+    if kind == "torch_cuda":  # as torch: a wider zero-dim operand is rounded to the result type first
+        vals = [v.astype(dtype) if isinstance(v, np.ndarray) and v.ndim == 0 else v for v in vals]
     ref = reference(op, vals, dtype)
     ref = np.broadcast_to(ref, shape)
     how = data.draw(st.sampled_from(["none", "fresh", "inplace", "shifted"]), "out")
@@ -193,7 +196,18 @@ def test_fuzz_norms(data):
     got = getattr(cufuse, op)(*args, eps=eps, out=out)
     ref_args = (x, norm, wv) + ((bv,) if op != "rms_norm" else ())
     ref = NORM_REF[op](*ref_args, eps=eps)
-    check(op, to_numpy(got), ref, dt, int(np.prod(norm)))
+    rtol, atol = tol(op, dt, int(np.prod(norm)))
+    if op != "rms_norm" and x.size:
+        # The kernels' mean is rounded in the compute type (u = 2**-24 in float32)
+        # and (x - mean) / sqrt(var + eps) magnifies that: a constant row gives
+        # about u * |mean| / sqrt(eps) (2e-5 at eps=1e-5), not exactly 0 (known,
+        # docs/ops.md). The bound, times the weight, joins the tolerance.
+        u = 2.0 ** -24 if dt != np.float64 else 2.0 ** -53
+        axes = tuple(range(x.ndim - len(norm), x.ndim))
+        x64 = x.astype(np.float64)
+        bound = 8 * u * np.abs(x64.mean(axis=axes, keepdims=True)) / np.sqrt(x64.var(axis=axes, keepdims=True) + eps)
+        atol = atol + float(np.max(bound * (1.0 if wv is None else np.max(np.abs(wv)))))
+    check(op, to_numpy(got), ref, dt, int(np.prod(norm)), (rtol, atol))
 
 
 # ----------------------------------------------------------- softmax / reductions
