@@ -155,10 +155,9 @@ def test_fuzz_elementwise(data):
     if out is not None:
         assert got is out
     ew_close(to_numpy(got), np.asarray(ref), dtype)
-    if kind != "numpy":  # the GPU agrees with cufuse's own NumPy path
-        np_args = [to_numpy(a) if not isinstance(a, float) else a for a in args] if out is None else None
-        if np_args is not None:
-            ew_close(to_numpy(got), np.asarray(getattr(cufuse, op)(*np_args), np.float64), dtype)
+    if kind != "numpy" and out is None:  # the GPU agrees with cufuse's own NumPy path (torch CPU: torch's rules)
+        cpu = [a if isinstance(a, float) else (a.cpu() if kind == "torch_cuda" else to_numpy(a)) for a in args]
+        ew_close(to_numpy(got), to_numpy(getattr(cufuse, op)(*cpu)).astype(np.float64), dtype)
 
 
 # ------------------------------------------------------------------- norms
