@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import _arrays as A
+from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
 from . import codegen, graph as G
@@ -296,6 +297,8 @@ class Fused:
                 raise G.TraceError(f"cufuse.{self._name}: out= is not supported when a fused function is "
                                    "called inside another one")
             return self.fn(*args)
+        if DK.any_dask(args):
+            return self._dask(args, out)
         kind, spec, arrays, device = self._classify(args)
         sig = self._signature(spec, len(args), kind)
         shape, out_shapes = self._shapes(arrays, sig)
@@ -306,6 +309,53 @@ class Fused:
         else:
             res = self._run_numpy(sig, kind, arrays, params, shape, outs)
         return tuple(res) if sig.graph.tuple_out else res[0]
+
+    # ------------------------------------------------------------ Dask
+    def _dask(self, args, out):
+        """Dask arrays: chunk by chunk (a trailing reduction: on whole rows)."""
+        if out is not None:
+            DK._reject(self._name, "out=")
+        arrays = [a for a in args if A.is_torch_tensor(a) or isinstance(a, (np.ndarray, A.CupyArray))]
+        if arrays:
+            raise TypeError(f"cufuse.{self._name}: Dask arrays mixed with other arrays "
+                            f"({type(arrays[0]).__module__}.{type(arrays[0]).__name__}); wrap them in Dask arrays too")
+        metas = [a._meta if DK.is_dask(a) else a for a in args]
+        kind, spec, _, _ = self._classify(metas)
+        sig = self._signature(spec, len(args), kind)
+        g = sig.graph
+        outs = range(len(g.outputs))
+
+        def pick(k):
+            def f(*a):
+                r = self(*a)
+                return r[k] if g.tuple_out else r
+            return f
+
+        if not g.reduction:
+            res = [DK.elementwise(self._name, pick(k), args, None, sig.out_dtypes[k]) for k in outs]
+        else:
+            import dask.array as da
+            darr = [a for a in args if DK.is_dask(a)]
+            shape = np.broadcast_shapes(*[a.shape for a in darr])
+            bargs = [da.broadcast_to(a, shape) if DK.is_dask(a) else a for a in args]
+            DK._whole(self._name, bargs[next(i for i, a in enumerate(args) if DK.is_dask(a))], [len(shape) - 1],
+                      "the reduced (last)")
+            res = []
+            for k in outs:
+                keep = g.outputs[k][2]
+                dask_pos = [i for i, a in enumerate(bargs) if DK.is_dask(a)]
+                fixed = {i: a for i, a in enumerate(bargs) if not DK.is_dask(a)}
+
+                def blockfn(*blocks, k=k, dask_pos=dask_pos, fixed=fixed):
+                    full = dict(fixed)
+                    full.update(zip(dask_pos, blocks))
+                    return pick(k)(*[full[i] for i in range(len(bargs))])
+
+                res.append(da.map_blocks(blockfn, *[bargs[i] for i in dask_pos], dtype=sig.out_dtypes[k],
+                                         drop_axis=None if keep else len(shape) - 1,
+                                         chunks=None if not keep else tuple(
+                                             bargs[dask_pos[0]].chunks[:-1]) + ((1,),)))
+        return tuple(res) if g.tuple_out else res[0]
 
     # ------------------------------------------------------------ fallback
     def _run_numpy(self, sig, kind, arrays, params, shape, outs):

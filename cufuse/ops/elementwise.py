@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._arrays import Array, Operand
+from .. import _dask as DK
 from .. import _driver as D
 from .. import _random
 from .. import _runtime as R
@@ -173,6 +174,12 @@ class ElementwiseOp:
         ``np_params`` to ``numpy_impl``."""
         if len(args) != self.arity:
             raise TypeError(f"cufuse.{self.name} takes {self.arity} operands, got {len(args)} positional arguments")
+        if DK.any_dask(args):
+            if self.indexed:  # each element's position in the whole array (dropout's mask)
+                raise TypeError(f"cufuse.{self.name} is not supported for Dask arrays (its result depends on "
+                                "each element's position in the whole array)")
+            return DK.elementwise(self.name, lambda *a: self._general(a, None, out_dtype, params, np_params), args,
+                                  out, out_dtype)
         plan = A.plan_elementwise(self.name, args, out, accepted=self.in_dtypes, out_dtype=out_dtype)
         if plan.kind in A.GPU_KINDS:
             return self._run_gpu(plan, params, key)

@@ -22,6 +22,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._arrays import Array
+from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
 from . import _rows
@@ -375,6 +376,11 @@ def _shape_key(ns):
     return None
 
 
+def _ns_len(normalized_shape):
+    """How many trailing dims ``normalized_shape`` names (its errors come from the chunks' calls)."""
+    return 1 if isinstance(normalized_shape, (int, np.integer)) else len(tuple(normalized_shape))
+
+
 def layer_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None,
                bias: Array | None = None, eps: float = 1e-5, *, out: Array | None = None) -> Array:
     """Layer normalization over the trailing ``normalized_shape`` dims, with
@@ -400,6 +406,10 @@ def _layer_norm(name, x, normalized_shape, weight, bias, eps, out, relu):
         res, key = _fast(op, x, weight, bias, eps, out, sk)
         if res is not None:
             return res
+    if DK.is_dask(x):
+        w, b = (DK._concrete(name, what, v) for what, v in (("weight", weight), ("bias", bias)))
+        return DK.rows(name, lambda blk: _layer_norm(name, blk, normalized_shape, w, b, eps, None, relu), x,
+                       range(-_ns_len(normalized_shape), 0), x.dtype, out)
     kind, dt, dev = _rows.data_arg(name, x)
     ns = _normalized_shape(name, x, normalized_shape)
     w = _affine(name, "weight", weight, ns, kind, dt, dev)
@@ -421,6 +431,10 @@ def rms_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | 
         res, key = _fast(op, x, weight, None, eps, out, sk)
         if res is not None:
             return res
+    if DK.is_dask(x):
+        w = DK._concrete("rms_norm", "weight", weight)
+        return DK.rows("rms_norm", lambda blk: rms_norm(blk, normalized_shape, w, eps), x,
+                       range(-_ns_len(normalized_shape), 0), x.dtype, out)
     kind, dt, dev = _rows.data_arg("rms_norm", x)
     ns = _normalized_shape("rms_norm", x, normalized_shape)
     w = _affine("rms_norm", "weight", weight, ns, kind, dt, dev)
@@ -448,6 +462,9 @@ def _softmax(name, x, axis, out):
         res, key = _fast(op, x, None, None, 0.0, out, axis)
         if res is not None:
             return res
+    if DK.is_dask(x) and isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)) \
+            and -max(x.ndim, 1) <= axis < max(x.ndim, 1):
+        return DK.rows(name, lambda blk: _softmax(name, blk, axis, None), x, [axis] if x.ndim else [], x.dtype, out)
     kind, dt, dev = _rows.data_arg(name, x)
     ndim = len(x.shape)
     if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):

@@ -15,6 +15,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._arrays import Array, DType, Operand
+from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
 from .elementwise import ElementwiseOp, pack_width
@@ -254,6 +255,17 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     the per-tensor op (``ops[0](in_dtype, scale, zero_point)``) or the
     per-channel one (``ops[1]``) and launches it (or the fallback)."""
     per_tensor, per_channel = ops
+    if DK.is_dask(x):
+        if axis is None:
+            return DK.elementwise(name, lambda b: _run(name, ops, b, scale, zero_point, None, None, out_dtype), [x],
+                                  out, out_dtype)
+        if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"cufuse.{name}: axis must be an int or None, got {type(axis).__name__}")
+        if not -max(x.ndim, 1) <= axis < max(x.ndim, 1):
+            raise ValueError(f"cufuse.{name}: axis {axis} is out of range for data with {x.ndim} dimensions")
+        params = [np.asarray(p) if isinstance(p, (list, tuple)) else p for p in (scale, zero_point)]
+        return DK.per_channel(name, lambda b, s, z: _run(name, ops, b, s, z, axis, None, out_dtype), x,
+                              int(axis) % x.ndim, params, out_dtype, out)
     kind = A.array_kind(name, x, "the data")
     in_dt = A.dtype_of(x, kind)
     real = _real(out_dtype if in_dt == _I8 else in_dt)

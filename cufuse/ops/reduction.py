@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._arrays import Array, DType
+from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
 from . import _rows
@@ -80,6 +81,11 @@ class _Reduction:
                     res = key = None
                 if res is not None:
                     return res[0]
+        if DK.is_dask(x):
+            odt = np.dtype(x.dtype) if dtype is None else A.float_dtype_arg(name, dtype)
+            _axes(name, axis, x.ndim)  # the same errors
+            return DK.reduction(name, x, axis, bool(keepdims), odt, self.mean,
+                                lambda b, ax, kd, acc: self(b, ax, kd, acc, None), out)
         kind, dt, dev = _rows.data_arg(name, x)
         odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
         shape = tuple(x.shape)

@@ -1,0 +1,128 @@
+"""Dask arrays (cufuse/_dask.py): each op family on Dask arrays of NumPy
+chunks (and CuPy chunks on a GPU; chunks on two GPUs where there are two)
+gives what the same call on the whole array gives; rows split over chunks,
+out=, dropout and mixed kinds are clear errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+da = pytest.importorskip("dask.array")
+
+import cufuse  # noqa: E402
+
+from _reference import gpu_count, rand  # noqa: E402
+
+F16, F32, F64 = (np.dtype(t) for t in (np.float16, np.float32, np.float64))
+LIBS = ["numpy", pytest.param("cupy", marks=pytest.mark.cuda)]
+TOL = {F16: (2e-3, 2e-3), F32: (1e-5, 1e-6), F64: (1e-12, 1e-14)}
+
+
+def _lib(name):
+    if name == "numpy":
+        return np.asarray, np.asarray
+    import cupy as cp
+    return cp.asarray, cp.asnumpy
+
+
+def _same(got, want, dt):
+    """A Dask result against the whole-array result."""
+    assert isinstance(got, da.Array), type(got)
+    g = got.compute()
+    assert g.dtype == want.dtype and g.shape == want.shape, (g.dtype, g.shape, want.dtype, want.shape)
+    rtol, atol = TOL[np.dtype(dt)]
+    np.testing.assert_allclose(np.asarray(_host(g), np.float64), np.asarray(_host(want), np.float64), rtol=rtol,
+                               atol=atol)
+
+
+def _host(a):
+    return a.get() if hasattr(a, "get") and not isinstance(a, np.ndarray) else np.asarray(a)
+
+
+@pytest.mark.parametrize("lib", LIBS)
+@pytest.mark.parametrize("dt", [F16, F32, F64], ids=lambda d: d.name)
+def test_every_family_chunk_by_chunk(lib, dt):
+    conv, _ = _lib(lib)
+    x = conv(rand((10, 12), dt, 1))
+    y = conv(rand((12,), dt, 2))
+    dx = da.from_array(x, chunks=(3, 12), asarray=False)          # uneven chunks: 3, 3, 3, 1
+    dy = da.from_array(y, chunks=(5,), asarray=False)
+    dcols = da.from_array(x, chunks=(4, 5), asarray=False)
+    cases = [
+        (lambda v, w: cufuse.add_relu(v, w), (dx, dy), (x, y)),
+        (lambda v, w: cufuse.fma(v, 0.5, w), (dx, dy), (x, y)),
+        (lambda v, w: cufuse.bias_gelu(v, w), (dx, dy), (x, y)),
+        (lambda v: cufuse.mul_tanh(v, 2.0), (dcols,), (x,)),
+        (lambda v: cufuse.layer_norm(v, 12, y, y), (dx,), (x,)),
+        (lambda v: cufuse.rms_norm(v, (12,)), (dx,), (x,)),
+        (lambda v: cufuse.softmax(v, axis=0), (da.from_array(x, chunks=(10, 5), asarray=False),), (x,)),
+        (lambda v: cufuse.log_softmax(v), (dx,), (x,)),
+        (lambda v: cufuse.sum_squared(v, axis=None), (dcols,), (x,)),
+        (lambda v: cufuse.sum_squared(v, axis=0, keepdims=True), (dcols,), (x,)),
+        (lambda v: cufuse.mean_abs(v, axis=(0, 1)), (dcols,), (x,)),
+        (lambda v: cufuse.mean_abs(v, axis=-1, dtype=np.float64), (dcols,), (x,)),
+        (lambda v: cufuse.quantize_int8(v, 0.05, 1.0), (dcols,), (x,)),
+        (lambda v: cufuse.quantize_int8(v, np.linspace(0.02, 0.1, 12), axis=1), (dcols,), (x,)),
+        (lambda v: cufuse.dequantize_int8(cufuse.quantize_int8(v, 0.05), 0.05, dtype=dt), (dcols,), (x,)),
+        (lambda v, w: cufuse.fuse(lambda a, b: cufuse.exp(a) * b - 1.0)(v, w), (dcols, dy), (x, y)),
+        (lambda v: cufuse.fuse(lambda a: ((a * a).sum(axis=-1), a.max(axis=-1, keepdims=True)))(v), (dx,), (x,)),
+    ]
+    for k, (call, dargs, args) in enumerate(cases):
+        want = call(*args)
+        got = call(*dargs)
+        if isinstance(want, tuple):
+            for g, w in zip(got, want):
+                _same(g, w, dt)
+        else:
+            _same(got, want, want.dtype if want.dtype.kind == "f" else F64)
+
+
+def test_reductions_with_empty_chunks():
+    x = rand((0, 6), F32, 3)
+    d = da.from_array(x, chunks=(1, 3))
+    assert cufuse.sum_squared(d, axis=0).compute().tolist() == [0.0] * 6
+    assert np.isnan(cufuse.mean_abs(d, axis=0).compute()).all()       # a mean over nothing
+    z = da.concatenate([da.from_array(rand((2, 6), F32, 4), chunks=2), da.from_array(x, chunks=1)])
+    np.testing.assert_allclose(cufuse.mean_abs(z, axis=None).compute(), np.abs(rand((2, 6), F32, 4)).mean(),
+                               rtol=1e-6)
+
+
+def test_dask_errors():
+    x = rand((6, 8), F32, 5)
+    d = da.from_array(x, chunks=(3, 4))
+    with pytest.raises(ValueError, match=r"axis 1 of the Dask array is split into 2 chunks.*rechunk"):
+        cufuse.layer_norm(d, 8)
+    with pytest.raises(ValueError, match="split into 2 chunks"):
+        cufuse.softmax(d)
+    with pytest.raises(ValueError, match="split into 2 chunks"):
+        cufuse.fuse(lambda a: a.sum(axis=-1))(d)
+    with pytest.raises(TypeError, match="out= is not supported for Dask arrays"):
+        cufuse.add_relu(d, 1.0, out=np.empty((6, 8), np.float32))
+    with pytest.raises(TypeError, match="gelu_dropout is not supported for Dask arrays"):
+        cufuse.gelu_dropout(d, 0.1, seed=3)
+    with pytest.raises(TypeError, match="weight is a Dask array"):
+        cufuse.layer_norm(da.from_array(x, chunks=(3, 8)), 8, d[0])
+    with pytest.raises(TypeError, match="mixed with other arrays"):
+        cufuse.fuse(lambda a, b: a + b)(d, x)
+
+
+@pytest.mark.cuda
+def test_chunks_on_two_gpus():
+    """A Dask array of 4 CuPy chunks, two on each GPU: each chunk runs on its
+    own GPU and the result equals the one-array result."""
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import cupy as cp
+    x = rand((8, 16), F32, 6)
+    blocks = []
+    for i in range(4):
+        with cp.cuda.Device(i // 2):
+            blocks.append(da.from_array(cp.asarray(x[2 * i:2 * i + 2]), chunks=(2, 16), asarray=False))
+    d = da.concatenate(blocks, axis=0)
+    f = cufuse.fuse(lambda a: cufuse.tanh(a) * 2.0 + 1.0)
+    for call in (lambda v: cufuse.add_relu(v, 0.5), lambda v: cufuse.layer_norm(v, 16), f):
+        devices = call(d).map_blocks(lambda b: np.full(b.shape[:1], b.data.device_id), dtype=np.int64,
+                                     drop_axis=1).compute()
+        assert devices.tolist() == [0] * 4 + [1] * 4
+        got = call(d).map_blocks(cp.asnumpy, dtype=np.float32).compute()
+        np.testing.assert_allclose(got, cp.asnumpy(call(cp.asarray(x))), rtol=1e-6, atol=1e-7)
