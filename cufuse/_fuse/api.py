@@ -111,7 +111,8 @@ class _Signature:
 
 
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
-_INT_RANGE = {dt: (int(np.iinfo(dt).min), int(np.iinfo(dt).max)) for dt in G.INPUT_DTYPES if dt.kind in "iu"}
+_INT_RANGE = {dt: (-(1 << (8 * dt.itemsize - 1)), (1 << (8 * dt.itemsize - 1)) - 1) if dt.kind == "i"
+              else (0, (1 << (8 * dt.itemsize)) - 1) for dt in G.INPUT_DTYPES if dt.kind in "iu"}
 
 
 def _scalar_spec(x):
