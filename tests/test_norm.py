@@ -1203,3 +1203,49 @@ def test_gpu_matches_fallback(op, dtype, n):
     assert gpu.dtype == cpu.dtype and gpu.shape == cpu.shape
     rtol, atol = tol(op, dtype, n)
     np.testing.assert_allclose(gpu.astype(np.float64), cpu.astype(np.float64), rtol=2 * rtol, atol=2 * atol)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", ["layer_norm", "rms_norm"])
+def test_split_rows_beside_a_kernel_holding_most_sms(op, launches, monkeypatch):
+    """Rows split over blocks that wait for each other, computed while another
+    stream's persistent kernel holds all SMs but two: the split launch is
+    cooperative (its blocks are resident together, whatever runs beside it)
+    and persistent (at most as many blocks as run at once), and the results
+    are right."""
+    import cupy as cp
+    from cufuse import _driver as D
+    from cufuse import _runtime as R
+    coop = []
+    real = D._launch_coop
+    monkeypatch.setattr(D, "_launch_coop", lambda *a: (coop.append(a[1]), real(*a))[1])
+    hold = cp.RawKernel(r'''
+    extern "C" __global__ void hold(long long cycles, int* done) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < cycles) {}
+        if (threadIdx.x == 0) atomicAdd(done, 1);
+    }''', "hold")
+    sms = R.sm_count(0)
+    x_np = rand((6, 400_003), F32, 77)
+    x = cp.asarray(x_np)
+    call = getattr(cufuse, op)
+    call(x, x.shape[-1])                                     # compiled and warm
+    cp.cuda.Device().synchronize()
+    del launches[:]
+    done = cp.zeros(1, np.int32)
+    s1, s2 = cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)
+    nblk = (sms - 2) * 2
+    with s1:
+        hold((nblk,), (1024,), (np.int64(400_000_000), done))   # ~0.2 s on every SM but two
+    with s2:
+        ys = [call(x, x.shape[-1]) for _ in range(2)]           # the general path, then the fast path
+    s2.synchronize()
+    s1.synchronize()
+    assert int(done.get()[0]) == nblk
+    splits = [ln for ln in launches if "norm_rows_split" in ln.kernel]
+    assert splits, [ln.kernel for ln in launches]
+    assert all(ln.grid[0] <= 4 * sms for ln in splits)        # persistent: 512-thread blocks, at most 4 per SM
+    assert coop, "the fast path's split launch was not cooperative"
+    ref = NORM_REF[op](x_np, (x_np.shape[-1],))
+    for y in ys:
+        check(op, cp.asnumpy(y), ref, F32, x_np.shape[-1])
