@@ -34,10 +34,9 @@ _cp = R._cp
 get_device = _cp.cuda.runtime.getDevice if _cp is not None else None
 try:  # the driver's launch: what cupy.cuda.Function calls after packing its arguments
     from cupy.cuda.function import Function as _Function
-    from cupy_backends.cuda.api.driver import launchCooperativeKernel as _launch_coop
     from cupy_backends.cuda.api.driver import launchKernel as _launch_kernel
 except Exception:  # pragma: no cover - no CuPy
-    _Function = _launch_kernel = _launch_coop = None
+    _Function = _launch_kernel = None
 
 
 # ----------------------------------------------------------------- torch
@@ -434,7 +433,6 @@ class Launch(NamedTuple):
     get: object    # operator.itemgetter picking the arguments from (*constants, *slot values)
     consts: tuple
     packed: list   # [Packed, None before the first launch, or False: always through fn]
-    coop: bool = False  # a cooperative launch: every block resident at once (blocks that wait for each other)
 
 
 # struct formats of kernel arguments as CuPy passes them: Python bool, int and
@@ -537,11 +535,9 @@ class RecipeBuilder:
             self.steps.append(("memset", s, int(zeroed)))
         return s
 
-    def launch(self, fn, grid, block, args, shared=0, coop=False):
-        """A kernel launch; ``coop``: cooperative (the grid must fit on the
-        GPU at once, which kernels whose blocks wait for each other need)."""
+    def launch(self, fn, grid, block, args, shared=0):
         R.allow_shared(fn, shared)
-        self.steps.append(("launch", fn, tuple(grid), tuple(block), int(shared), tuple(args), bool(coop)))
+        self.steps.append(("launch", fn, tuple(grid), tuple(block), int(shared), tuple(args)))
 
     def build(self, outs, out_spans, in_spans, same_ok=None, extra=None, like=None):
         """The recipe of outputs ``outs`` (``output``); ``out_spans`` and
@@ -562,7 +558,7 @@ class RecipeBuilder:
             if st[0] == "memset":
                 steps.append(Memset(base["tmp"] + st[1].k, st[2]))
                 continue
-            _, fn, grid, block, shared, args, coop = st
+            _, fn, grid, block, shared, args = st
             # the arguments are picked from (*constants, *slot values)
             consts = tuple(a for a in args if type(a) is not Slot)
             idx, c = [], 0
@@ -573,7 +569,7 @@ class RecipeBuilder:
                     idx.append(c)
                     c += 1
             get = operator.itemgetter(*idx) if len(idx) > 1 else (lambda v, i=idx[0]: (v[i],))
-            steps.append(Launch(fn, grid, block, shared, get, consts, [None], coop))
+            steps.append(Launch(fn, grid, block, shared, get, consts, [None]))
         like_ok = False
         if like is not None and len(outs) == 1 and self.kind == A.TORCH_CUDA and A.is_torch_tensor(like):
             o = outs[0]
@@ -655,18 +651,12 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
             try:
                 with p.lock:
                     p.struct.pack_into(p.buf, 0, *st.get(p.consts + vals))
-                    if st.coop:
-                        _launch_coop(p.fptr, *p.dims, sptr, p.params_ptr)
-                    else:
-                        _launch_kernel(p.fptr, *p.dims, sptr, p.params_ptr, 0)
+                    _launch_kernel(p.fptr, *p.dims, sptr, p.params_ptr, 0)
                 continue
             except Exception:  # a value that does not pack, or no context on this thread: as below
                 pass
         args = st.get(st.consts + vals)
-        if st.coop:
-            st.fn(st.grid, st.block, args, st.shared, _stream_object(kind, dev, sptr), enable_cooperative_groups=True)
-        else:
-            st.fn(st.grid, st.block, args, st.shared, _stream_object(kind, dev, sptr))
+        st.fn(st.grid, st.block, args, st.shared, _stream_object(kind, dev, sptr))
         if p is None:
             try:
                 st.packed[0] = Packed(st, args) if type(st.fn) is _Function else False

@@ -481,23 +481,12 @@ __global__ void __cluster_dims__(CS, 1, 1)
 }
 #endif
 
-// Persistent: a launch of at most as many blocks as run at once, each taking
-// (row, part) tickets in turn until the rows run out; launched cooperatively
-// (cufuse/ops/norm.py), so every block of the grid is resident together and
-// a block waiting for the other parts of its row never waits for a block
-// that cannot start (MPS limits, green contexts, kernels beside it): the
-// parts it waits for were taken by running blocks, which take no new ticket
-// before they finish theirs.
 template <typename Op, typename T, int NP, bool Whole>
 __global__ void __launch_bounds__(512) norm_rows_split(T* y, const T* x, const T* w, const T* b, long long rows,
                                                        long long cols, long long ldy, long long ldx, int parts,
                                                        double eps, unsigned* work) {
-    for (;;) {
-        const cufuse::SplitGroup g(work, rows, parts);
-        if (g.row >= rows) return;  // the same ticket for the whole block
-        cufuse::norm_rows_body<Op, T, NP, true, Whole>(g, y, x, w, b, rows, cols, ldy, ldx, eps);
-        __syncthreads();  // the ticket's shared word and the body's shared memory, before the next row
-    }
+    cufuse::norm_rows_body<Op, T, NP, true, Whole>(cufuse::SplitGroup(work, rows, parts), y, x, w, b, rows, cols, ldy,
+                                                   ldx, eps);
 }
 
 template <typename Op, typename T>

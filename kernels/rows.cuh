@@ -214,10 +214,12 @@ template <int CS> struct Group {
 // parts of its row have (acquire) and merges them in a fixed order (lanes,
 // then the shuffle tree), so that every block of a row gets the same bits.
 // A block takes its (row, part) from the ticket counter in the order blocks
-// take them, not from blockIdx, and takes the next one only when its row is
-// done (norm_rows_split: persistent blocks, launched cooperatively, so all of
-// them are resident at once): the parts a block waits for are held by
-// running blocks, so a launch cannot deadlock, whatever else runs on the GPU.
+// start, not from blockIdx: the parts it waits for are held by running
+// blocks or taken by the next blocks to start, so a launch cannot deadlock
+// while the GPU has a free block slot besides the `parts - 1` its waiting
+// blocks may hold. Launches on other streams may hold slots too: the host
+// keeps parts at most a quarter of the multiprocessors, so that four split
+// launches in flight at once fit even at one resident block per SM.
 constexpr int kPartBytes = 32;
 
 struct SplitGroup {

@@ -36,7 +36,7 @@ _CLUSTER_BLOCK_PACKS = 256 * 8  # packs a block of norm_rows_cluster holds (256 
 _CLUSTERS = (4, 8)
 _SPLIT_NP = 8                 # packs per thread of norm_rows_split
 _SPLIT_TPR = ((256, 32), (512, None))  # (threads per block, most parts) of norm_rows_split, in order of preference
-_SPLIT_LAUNCHES = 4           # a split row takes at most SMs / this many parts (its parts run at once)
+_SPLIT_LAUNCHES = 4           # split launches in flight at once (any streams) that cannot deadlock
 _PART_BYTES = 32              # workspace bytes per part of a split row (kernels/rows.cuh: kPartBytes)
 _STREAM_TPR = 512
 # norm_rows_pipe (float16/float32 rows of whole packs): packs per thread,
@@ -147,9 +147,9 @@ class _RowOp:
         # 53/74/76, 54/69/63; 64x1048576: streaming kernel 19/28/16 -> split 512 x 8
         # 39/64/62.
         # A split row's blocks wait for one another (kernels/rows.cuh
-        # SplitGroup): the launch is cooperative (all its blocks resident at
-        # once, or it waits to start), and parts are kept at most SMs / 4 so
-        # that a launch of a few rows' parts fits beside other work. (The
+        # SplitGroup): parts are kept at most SMs / 4, so that four split
+        # launches in flight at once (any streams) hold at most all SMs minus
+        # four even at one resident block per SM, and never deadlock. (The
         # kernel's indices within a row are 32-bit: far beyond that bound.)
         most_parts = max(1, R.sm_count(dev) // _SPLIT_LAUNCHES)
         for tpr, most in _SPLIT_TPR:
@@ -193,8 +193,7 @@ class _RowOp:
             groups = max(1, min(rows, R.resident_blocks(fn, dev, tpr, smem) // cs))
             nbytes = 16 + rows * cs * _PIPE_PART_BYTES
             work = b.temp(nbytes, zeroed=nbytes)
-            b.launch(fn, (groups * cs,), (tpr,), args[:8] + (np.int32(cs), np.int32(groups), eps, work), smem,
-                     coop=True)  # the parts of a row wait for each other: all resident at once
+            b.launch(fn, (groups * cs,), (tpr,), args[:8] + (np.int32(cs), np.int32(groups), eps, work), smem)
             return b
         if key[0] == "split":
             # one block of tpr threads per (row, part); the workspace of
@@ -202,14 +201,10 @@ class _RowOp:
             counts = 16 + 4 * (-(-rows // 4) * 4)
             work = b.temp(counts + rows * cs * _PART_BYTES, zeroed=counts)
             args = args[:8] + (np.int32(cs), eps, work)
-            # persistent blocks taking (row, part) tickets, as many as run at
-            # once (at least a row's parts), launched cooperatively: the parts
-            # of a row wait for each other (kernels/norm.cu norm_rows_split)
-            grid = min(rows * cs, max(R.resident_blocks(fn, dev, tpr), cs))
-            b.launch(fn, (grid,), (tpr,), args, coop=True)
-            return b
-        block = max(tpr, 128) if cs == 1 else tpr
-        grid = -(-rows // (block // tpr)) * cs
+            block, grid = tpr, rows * cs
+        else:
+            block = max(tpr, 128) if cs == 1 else tpr
+            grid = -(-rows // (block // tpr)) * cs
         b.launch(fn, (grid,), (block,), args)
         return b
 
