@@ -251,8 +251,17 @@ def test_requires_grad(backend, op, where, launches):
     else:
         out = backend.full((64,), np.nan, F32).requires_grad_(True)
     kw = {} if out is None else {"out": out}
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        OPS[op](*args, **kw)
+    if where == "operand":  # differentiable (tests/test_autograd.py): recorded for backward
+        r = OPS[op](*args)
+        assert r.requires_grad and r.grad_fn is not None
+        with pytest.raises(RuntimeError, match="out= does not support automatic differentiation"):
+            OPS[op](*args, out=backend.full((64,), np.nan, F32))
+    else:
+        with pytest.raises(NotImplementedError, match="requires grad"):
+            OPS[op](*args, **kw)
+    del launches[:]
+    with pytest.raises(NotImplementedError, match="gelu_dropout has no autograd yet"):
+        cufuse.gelu_dropout(backend.asarray(np_in[0]).requires_grad_(True), 0.1, seed=1)
     assert launches == []
     # Works under torch.no_grad(), with the same values as detached inputs give.
     with torch.no_grad():

@@ -1,0 +1,110 @@
+"""Autograd of the elementwise ops (cufuse/_autograd.py) on torch tensors:
+torch.autograd.gradcheck in float64 (CPU: the NumPy path; CUDA: the
+generated backward kernels), and gradients against torch's own autograd of a
+reference written with torch ops, in float32 and float16, with broadcast
+operands, scalars and partial requires_grad."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cufuse  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+TF = torch.nn.functional
+
+# op -> (the cufuse call, torch's reference, operand shapes); scalars are floats
+CASES = {
+    "add_relu": (lambda a, b: cufuse.add_relu(a, b), lambda a, b: torch.relu(a + b), [(7, 33), (33,)]),
+    "mul_tanh": (lambda a, b: cufuse.mul_tanh(a, b), lambda a, b: torch.tanh(a * b), [(7, 33), (7, 1)]),
+    "add_mul_exp": (lambda a, b: cufuse.add_mul_exp(a, b), lambda a, b: torch.exp((a + b) * 2), [(7, 33), (7, 33)]),
+    "fma": (lambda q, k, v: cufuse.fma(q, k, v), lambda q, k, v: q * k + v, [(7, 33), (33,), (7, 1)]),
+    "fma_scalar": (lambda q, v: cufuse.fma(q, 0.75, v), lambda q, v: q * 0.75 + v, [(7, 33), ()]),
+    "bias_gelu": (lambda x, b: cufuse.bias_gelu(x, b), lambda x, b: TF.gelu(x + b), [(7, 33), (33,)]),
+    "bias_gelu_tanh": (lambda x, b: cufuse.bias_gelu(x, b, "tanh"), lambda x, b: TF.gelu(x + b, approximate="tanh"),
+                       [(7, 33), (33,)]),
+}
+TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-6), torch.float16: (5e-3, 2e-3)}
+
+
+def _inputs(shapes, dtype, device, seed, scale=0.5):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(s, generator=g, dtype=torch.float64) * scale).to(dtype).to(device).requires_grad_(True)
+            for s in shapes]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradcheck(name, device):
+    call, _, shapes = CASES[name]
+    args = _inputs(shapes, torch.float64, device, 1)
+    assert torch.autograd.gradcheck(call, args, eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("name", list(CASES))
+def test_gradients_match_torch(name, dtype, device):
+    if dtype == torch.float16 and device == "cpu":
+        pytest.skip("float16 is checked on the GPU (the CPU path computes float16 in float32 as well)")
+    call, ref, shapes = CASES[name]
+    ours = _inputs(shapes, dtype, device, 2)
+    theirs = [a.detach().clone().requires_grad_(True) for a in ours]
+    y = call(*ours)
+    y_ref = ref(*[t.float() for t in theirs]).to(dtype)
+    assert y.dtype == y_ref.dtype and y.shape == y_ref.shape and y.device == y_ref.device
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+    y.backward(g)
+    y_ref.backward(g)
+    rtol, atol = TOL[dtype]
+    for k, (a, t) in enumerate(zip(ours, theirs)):
+        assert a.grad is not None and a.grad.dtype == a.dtype and a.grad.shape == a.shape, k
+        # the reference's gradients in float32 from float32 math: compared at the operand's precision
+        scale = max(1.0, float(t.grad.abs().max()))
+        torch.testing.assert_close(a.grad.float(), t.grad.float(), rtol=rtol * 4, atol=atol * scale * 4,
+                                   msg=f"{name}: gradient of operand {k}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_partial_requires_grad_and_mixed_dtypes(device):
+    """Only some operands require grad; a float16 operand beside a float32 one
+    gets a float16 gradient; Python scalars get none."""
+    x = torch.randn(5, 8, device=device, dtype=torch.float16).requires_grad_(True)
+    b = torch.randn(8, device=device)                          # float32, no grad
+    y = cufuse.mul_tanh(x, b)
+    assert y.dtype == torch.float32
+    y.sum().backward()
+    assert b.grad is None and x.grad.dtype == torch.float16
+    xr = x.detach().float().requires_grad_(True)
+    torch.tanh(xr * b).sum().backward()
+    torch.testing.assert_close(x.grad.float(), xr.grad, rtol=2e-3, atol=2e-3)
+    z = torch.randn(5, 8, device=device, dtype=torch.float64).requires_grad_(True)
+    cufuse.fma(2.0, z, 1.5).sum().backward()
+    torch.testing.assert_close(z.grad, torch.full_like(z, 2.0))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_training_step_and_no_grad(device):
+    """A small MLP with cufuse.bias_gelu trains (the loss falls); under
+    torch.no_grad() calls record nothing; out= with grad is refused."""
+    torch.manual_seed(0)
+    lin1, lin2 = torch.nn.Linear(16, 32).to(device), torch.nn.Linear(32, 1).to(device)
+    bias = torch.nn.Parameter(torch.zeros(32, device=device))
+    opt = torch.optim.SGD([*lin1.parameters(), *lin2.parameters(), bias], lr=0.05)
+    x = torch.randn(256, 16, device=device)
+    target = (x[:, :1] * 2 - x[:, 1:2]).tanh()
+    losses = []
+    for _ in range(60):
+        opt.zero_grad()
+        loss = ((lin2(cufuse.bias_gelu(lin1(x), bias)) - target) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], losses[::10]
+    assert bias.grad is not None and float(bias.grad.abs().sum()) > 0
+    with torch.no_grad():
+        assert cufuse.bias_gelu(lin1(x), bias).grad_fn is None
+    with pytest.raises(RuntimeError, match="out= does not support automatic differentiation"):
+        cufuse.add_relu(lin1(x), 1.0, out=torch.empty(256, 32, device=device))
