@@ -494,3 +494,17 @@ def test_later_operand_broadcasts_the_result_larger(backend, shapes, launches):
     np_in = [rand(s, F32, 90 + k) for k, s in enumerate(shapes)]
     args = [backend.asarray(a) for a in np_in]
     run_checked(backend, "fma", args, np_in, launches, F32)
+
+
+def test_torch_zero_dim_wider_operand_is_rounded_first():
+    """float16 tensor + zero-dim float32 tensor is float16 (torch's rule), and
+    the float32 value is rounded to float16 before the add on the GPU and the
+    CPU path alike, as torch does: the results equal torch's own."""
+    torch = pytest.importorskip("torch")
+    devices = ["cpu"] + (["cuda"] if cufuse.CUDA_AVAILABLE and torch.cuda.is_available() else [])
+    for dev in devices:
+        a = torch.from_numpy(rand((257,), F16, 7)).to(dev)
+        b = torch.tensor(1.1720243, dtype=torch.float32, device=dev)
+        got = cufuse.add_relu(a, b)
+        assert got.dtype == torch.float16
+        torch.testing.assert_close(got, torch.relu(a + b), rtol=0, atol=0)

@@ -199,6 +199,8 @@ class ElementwiseOp:
                 vals.append(np.asarray(s, dtype=plan.dtype).astype(cdt))
             else:
                 arr = x.numpy() if torch_cpu else x
+                if arr.dtype.itemsize > plan.dtype.itemsize:  # a wider operand (torch's zero-dim rule): rounded
+                    arr = arr.astype(plan.dtype)                # to the result dtype first, as on the GPU
                 vals.append(arr.astype(cdt, copy=False))
         with np.errstate(all="ignore"):  # overflow to inf is the answer, as on the GPU
             if self.np_dtype:
