@@ -389,16 +389,34 @@ def layer_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array 
     x's kind and dtype). The mean and variance come from the row held in
     registers, in two passes (never E[x^2] - E[x]^2). Returns x's shape,
     dtype and kind; ``out=`` receives it."""
-    return _layer_norm("layer_norm", x, normalized_shape, weight, bias, eps, out, False)
+    return _norm("layer_norm", x, normalized_shape, weight, bias, eps, out)
 
 
 def layer_norm_relu(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None,
                     bias: Array | None = None, eps: float = 1e-5, *, out: Array | None = None) -> Array:
     """relu(layer_norm(x, ...)), fused: one read of x, one write. Arguments as in ``layer_norm``."""
-    return _layer_norm("layer_norm_relu", x, normalized_shape, weight, bias, eps, out, True)
+    return _norm("layer_norm_relu", x, normalized_shape, weight, bias, eps, out)
 
 
-def _layer_norm(name, x, normalized_shape, weight, bias, eps, out, relu):
+# The NumPy path of each norm, given the normalized shape and eps (made once, not per call)
+_NUMPY_OF = {
+    "layer_norm": lambda ns, e: lambda xv, wv, bv: _np_layer_norm(xv, ns, wv, bv, e, False),
+    "layer_norm_relu": lambda ns, e: lambda xv, wv, bv: _np_layer_norm(xv, ns, wv, bv, e, True),
+    "rms_norm": lambda ns, e: lambda xv, wv, bv: _np_rms_norm(xv, ns, wv, e),
+}
+
+
+def rms_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None, eps: float = 1e-6,
+             *, out: Array | None = None) -> Array:
+    """RMS normalization over the trailing ``normalized_shape`` dims, with
+    PyTorch's semantics: x / sqrt(mean(x^2) + eps) * weight (``weight``
+    optional). Returns x's shape, dtype and kind; ``out=`` receives it."""
+    return _norm("rms_norm", x, normalized_shape, weight, None, eps, out)
+
+
+def _norm(name, x, normalized_shape, weight, bias, eps, out):
+    """The norms' one entry: the fast path, Dask arrays, then validation and
+    the launch (or the NumPy path, _NUMPY_OF)."""
     op = _OPS[name]
     sk = _shape_key(normalized_shape)
     key = None
@@ -408,39 +426,14 @@ def _layer_norm(name, x, normalized_shape, weight, bias, eps, out, relu):
             return res
     if DK.is_dask(x):
         w, b = (DK._concrete(name, what, v) for what, v in (("weight", weight), ("bias", bias)))
-        return DK.rows(name, lambda blk: _layer_norm(name, blk, normalized_shape, w, b, eps, None, relu), x,
+        return DK.rows(name, lambda blk: _norm(name, blk, normalized_shape, w, b, eps, None), x,
                        range(-_ns_len(normalized_shape), 0), x.dtype, out)
     kind, dt, dev = _rows.data_arg(name, x)
     ns = _normalized_shape(name, x, normalized_shape)
     w = _affine(name, "weight", weight, ns, kind, dt, dev)
     b = _affine(name, "bias", bias, ns, kind, dt, dev)
     e = _eps(name, eps)
-    return _run(op, x, kind, dt, dev, len(x.shape) - len(ns), w, b, e, out,
-                lambda xv, wv, bv: _np_layer_norm(xv, ns, wv, bv, e, relu), key)
-
-
-def rms_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None, eps: float = 1e-6,
-             *, out: Array | None = None) -> Array:
-    """RMS normalization over the trailing ``normalized_shape`` dims, with
-    PyTorch's semantics: x / sqrt(mean(x^2) + eps) * weight (``weight``
-    optional). Returns x's shape, dtype and kind; ``out=`` receives it."""
-    op = _OPS["rms_norm"]
-    sk = _shape_key(normalized_shape)
-    key = None
-    if sk is not None:
-        res, key = _fast(op, x, weight, None, eps, out, sk)
-        if res is not None:
-            return res
-    if DK.is_dask(x):
-        w = DK._concrete("rms_norm", "weight", weight)
-        return DK.rows("rms_norm", lambda blk: rms_norm(blk, normalized_shape, w, eps), x,
-                       range(-_ns_len(normalized_shape), 0), x.dtype, out)
-    kind, dt, dev = _rows.data_arg("rms_norm", x)
-    ns = _normalized_shape("rms_norm", x, normalized_shape)
-    w = _affine("rms_norm", "weight", weight, ns, kind, dt, dev)
-    e = _eps("rms_norm", eps)
-    return _run(op, x, kind, dt, dev, len(x.shape) - len(ns), w, None, e, out,
-                lambda xv, wv, bv: _np_rms_norm(xv, ns, wv, e), key)
+    return _run(op, x, kind, dt, dev, len(x.shape) - len(ns), w, b, e, out, _NUMPY_OF[name](ns, e), key)
 
 
 def softmax(x: Array, axis: int = -1, *, out: Array | None = None) -> Array:
