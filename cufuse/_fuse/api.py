@@ -339,23 +339,12 @@ class Fused:
             darr = [a for a in args if DK.is_dask(a)]
             shape = np.broadcast_shapes(*[a.shape for a in darr])
             bargs = [da.broadcast_to(a, shape) if DK.is_dask(a) else a for a in args]
-            DK._whole(self._name, bargs[next(i for i, a in enumerate(args) if DK.is_dask(a))], [len(shape) - 1],
-                      "the reduced (last)")
-            res = []
-            for k in outs:
-                keep = g.outputs[k][2]
-                dask_pos = [i for i, a in enumerate(bargs) if DK.is_dask(a)]
-                fixed = {i: a for i, a in enumerate(bargs) if not DK.is_dask(a)}
-
-                def blockfn(*blocks, k=k, dask_pos=dask_pos, fixed=fixed):
-                    full = dict(fixed)
-                    full.update(zip(dask_pos, blocks))
-                    return pick(k)(*[full[i] for i in range(len(bargs))])
-
-                res.append(da.map_blocks(blockfn, *[bargs[i] for i in dask_pos], dtype=sig.out_dtypes[k],
-                                         drop_axis=None if keep else len(shape) - 1,
-                                         chunks=None if not keep else tuple(
-                                             bargs[dask_pos[0]].chunks[:-1]) + ((1,),)))
+            first = next(a for a in bargs if DK.is_dask(a))
+            DK._whole(self._name, first, [len(shape) - 1], "the reduced (last)")
+            res = [da.map_blocks(pick(k), *bargs, dtype=sig.out_dtypes[k],  # scalars pass through as they are
+                                 drop_axis=None if g.outputs[k][2] else len(shape) - 1,
+                                 chunks=first.chunks[:-1] + ((1,),) if g.outputs[k][2] else None)
+                   for k in outs]
         return tuple(res) if g.tuple_out else res[0]
 
     # ------------------------------------------------------------ fallback

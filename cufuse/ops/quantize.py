@@ -250,6 +250,15 @@ def _per_tensor_fast(fast, x, scale, zero_point, out, out_dtype):
     return None if res is None else res[0]
 
 
+def _channel_axis(name, axis, ndim):
+    """The per-channel ``axis`` (an int) in [0, ndim)."""
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"cufuse.{name}: axis must be an int or None, got {type(axis).__name__}")
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"cufuse.{name}: axis {axis} is out of range for data with {ndim} dimensions")
+    return int(axis) % ndim
+
+
 def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     """Shared driver of quantize/dequantize: validates the parameters, picks
     the per-tensor op (``ops[0](in_dtype, scale, zero_point)``) or the
@@ -259,13 +268,9 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         if axis is None:
             return DK.elementwise(name, lambda b: _run(name, ops, b, scale, zero_point, None, None, out_dtype), [x],
                                   out, out_dtype)
-        if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
-            raise TypeError(f"cufuse.{name}: axis must be an int or None, got {type(axis).__name__}")
-        if not -max(x.ndim, 1) <= axis < max(x.ndim, 1):
-            raise ValueError(f"cufuse.{name}: axis {axis} is out of range for data with {x.ndim} dimensions")
         params = [np.asarray(p) if isinstance(p, (list, tuple)) else p for p in (scale, zero_point)]
         return DK.per_channel(name, lambda b, s, z: _run(name, ops, b, s, z, axis, None, out_dtype), x,
-                              int(axis) % x.ndim, params, out_dtype, out)
+                              _channel_axis(name, axis, x.ndim), params, out_dtype, out)
     kind = A.array_kind(name, x, "the data")
     in_dt = A.dtype_of(x, kind)
     real = _real(out_dtype if in_dt == _I8 else in_dt)
@@ -280,12 +285,8 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         return op.call((x,), out, out_dtype=out_dtype, params=(s, z),
                        np_params={"scale": rt(s), "zero_point": rt(z)} | ({"real": real} if in_dt == _I8 else {}),
                        key_extra=(out_dtype, ok))
-    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"cufuse.{name}: axis must be an int or None, got {type(axis).__name__}")
     ndim = len(x.shape)
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"cufuse.{name}: axis {axis} is out of range for data with {ndim} dimensions")
-    axis = int(axis) % ndim
+    axis = _channel_axis(name, axis, ndim)
     sc = _channel_param(name, "scale", scale, x, kind, axis, real, True)
     zp = _channel_param(name, "zero_point", zero_point, x, kind, axis, real, False)
     params, np_params, walk = (), {}, (ANY, False)  # the fallback takes any walk's op
