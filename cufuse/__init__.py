@@ -14,6 +14,12 @@ from .ops import (add_mul_exp, add_relu, bias_gelu, dequantize_int8, fma, gelu_d
 
 __version__ = "0.1.0"
 
+import sys as _sys
+
+if "torch" in _sys.modules:  # torch.ops.cufuse now (else at the first call on a tensor)
+    from . import _torch_ops as _to
+    _to.register()
+
 __all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch",
            "add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout",
            "quantize_int8", "dequantize_int8", "manual_seed", "sum_squared", "mean_abs",

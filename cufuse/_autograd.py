@@ -1,7 +1,8 @@
-"""Autograd for the elementwise ops on torch tensors.
+"""Autograd for the elementwise ops on torch tensors: the backward formulas.
 
-A call whose torch operands require grad (with grad mode on) runs through a
-``torch.autograd.Function``: the forward is the op itself; the backward is
+A call whose torch operands require grad (with grad mode on) runs through
+its registered operator (cufuse/_torch_ops.py), whose autograd formula is
+here: the forward is the op itself; the backward is
 ONE generated kernel per op and signature (a ``cufuse.fuse`` function of the
 incoming gradient and what the forward saved: its output, or its inputs
 where the derivative needs them), then, for an operand that was broadcast,
@@ -18,7 +19,6 @@ import math
 from . import _arrays as A
 
 _GRADS: dict = {}   # op key -> (what to save, the fused backward)
-_FUNCTION: list = []  # [the torch.autograd.Function], made on first use
 
 
 def wants_grad(args) -> bool:
@@ -65,61 +65,3 @@ def _grads():
         "bias_gelu_tanh": ("in", lambda g, ins, y: [gelu_t(g, *ins)] * 2),
     })
     return _GRADS
-
-
-def _function():
-    if _FUNCTION:
-        return _FUNCTION[0]
-    torch = A.torch()
-
-    class ElementwiseGrad(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, op, *args):
-            saved, _ = _grads()[op.grad]
-            y = op.call(args, None)
-            ctx.op = op
-            ctx.scalars = [None if A.is_torch_tensor(a) else a for a in args]
-            ctx.meta = [(tuple(a.shape), a.dtype) if A.is_torch_tensor(a) else None for a in args]
-            tensors = [a for a in args if A.is_torch_tensor(a)]
-            if saved == "out":
-                ctx.save_for_backward(y)
-            elif saved == "in":
-                ctx.save_for_backward(*tensors)
-            else:
-                ctx.save_for_backward(*tensors, y)
-            return y
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, g):
-            saved, bwd = _grads()[ctx.op.grad]
-            st = list(ctx.saved_tensors)
-            ins = y = None
-            if saved == "out":
-                y = st[0]
-            else:
-                it = iter(st)
-                ins = [next(it) if s is None else s for s in ctx.scalars]
-                y = st[-1] if saved == "both" else None
-            grads = bwd(g, ins, y)
-            out = [None]
-            for gr, meta, need in zip(grads, ctx.meta, ctx.needs_input_grad[1:]):
-                if meta is None or not need:
-                    out.append(None)
-                    continue
-                shape, dt = meta
-                if tuple(gr.shape) != shape:
-                    gr = gr.sum_to_size(shape)
-                out.append(gr.to(dt) if gr.dtype != dt else gr)
-            return tuple(out)
-
-    _FUNCTION.append(ElementwiseGrad)
-    return ElementwiseGrad
-
-
-def apply(op, args, out):
-    """``op(*args)`` recorded for autograd (``out=`` cannot be, as in torch)."""
-    if out is not None:
-        raise RuntimeError(f"cufuse.{op.name}: out= does not support automatic differentiation (as torch's out= "
-                           "arguments); call it without out=, or under torch.no_grad()")
-    return _function().apply(op, *args)

@@ -69,6 +69,8 @@ def torch_api() -> TorchAPI:
             TORCH.raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None) or (
                 lambda dev: t.cuda.current_stream(dev).cuda_stream)
             TORCH.Tensor = t.Tensor
+            from . import _torch_ops
+            _torch_ops.register()  # torch.ops.cufuse, before anything traces a call
     return TORCH
 
 

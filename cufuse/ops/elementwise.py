@@ -19,6 +19,7 @@ import numpy as np
 from .. import _arrays as A
 from .._arrays import Array, Operand
 from .. import _autograd as AG
+from .. import _torch_ops as TO
 from .. import _dask as DK
 from .. import _driver as D
 from .. import _random
@@ -111,6 +112,7 @@ class ElementwiseOp:
             self._expr[(in_dt, out_dt)] = tuple(entries)
         self.nparams = len(params)
         self.grad = None  # the key of its backward in cufuse/_autograd.py, where it has one
+        self.torch_op = None  # (name, approximate) of its torch.ops.cufuse operator, where it has one
         self.fast = fast or D.FastPath(name)  # ops chosen by a call's values may share one (key_extra tells)
 
     def width(self, in_dt, out_dt):
@@ -132,6 +134,8 @@ class ElementwiseOp:
         call = self.call
 
         def op(*args, out=None):
+            if self.torch_op is not None and TO.compiling():  # torch.compile: the registered operator
+                return TO.call(*self.torch_op, args, out)
             return call(args, out)
 
         op.__name__ = op.__qualname__ = self.name
@@ -176,8 +180,8 @@ class ElementwiseOp:
         ``np_params`` to ``numpy_impl``."""
         if len(args) != self.arity:
             raise TypeError(f"cufuse.{self.name} takes {self.arity} operands, got {len(args)} positional arguments")
-        if self.grad is not None and AG.wants_grad(args):
-            return AG.apply(self, args, out)
+        if self.grad is not None and AG.wants_grad(args):  # recorded: the registered operator
+            return TO.call(*self.torch_op, args, out)
         if DK.any_dask(args):
             if self.indexed:  # each element's position in the whole array (dropout's mask)
                 raise TypeError(f"cufuse.{self.name} is not supported for Dask arrays (its result depends on "
@@ -325,7 +329,7 @@ _add_mul_exp = ElementwiseOp("add_mul_exp", "AddMulExp", 2,
                              lambda x, y: _into(np.exp, _into(np.multiply, x + y, x.dtype.type(2))))
 _fma = ElementwiseOp("fma", "Fma", 3, lambda q, k, v: _into(np.add, q * k, v))
 for _op in (_add_relu, _mul_tanh, _add_mul_exp, _fma):
-    _op.grad = _op.name  # differentiable: cufuse/_autograd.py
+    _op.grad, _op.torch_op = _op.name, (_op.name, None)  # differentiable: cufuse/_autograd.py, _torch_ops.py
 
 _COMMON = """
     Operands broadcast as in NumPy and may be Python or NumPy scalars; float16,
@@ -424,6 +428,7 @@ _bias_gelu_ops = {
                         packs_per_thread=_bias_gelu_ppt),
 }
 _bias_gelu_ops[False].grad, _bias_gelu_ops[True].grad = "bias_gelu", "bias_gelu_tanh"
+_bias_gelu_ops[False].torch_op, _bias_gelu_ops[True].torch_op = ("bias_gelu", "none"), ("bias_gelu", "tanh")
 _bias_gelu = {t: op.public("xb", "") for t, op in _bias_gelu_ops.items()}
 _dropout_ops = {  # (tanh, lanes16): float32/float64 results take 32-bit lanes either way
     (t, l16): ElementwiseOp(

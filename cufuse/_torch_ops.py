@@ -1,0 +1,176 @@
+"""cufuse's differentiable ops as PyTorch custom operators (``torch.ops.cufuse``).
+
+Registered with ``torch.library.custom_op`` once torch is imported (at
+cufuse's import if torch already is, else at the first call on a tensor),
+each with a fake (meta) implementation and an autograd formula whose
+backward is itself a custom operator (one generated kernel). Used where
+they are needed:
+
+- under ``torch.compile`` (Dynamo traces the public function's first branch
+  into ``torch.ops.cufuse.<op>``: no graph break, ``fullgraph=True`` works);
+- in eager mode when an operand requires grad (the op is recorded).
+
+Plain eager calls keep cufuse's direct path (no dispatcher cost).
+
+A custom operator's arguments have fixed types, so each operand travels as a
+pair (tensor or None, float or None): a Python number stays a number, with
+torch's promotion rules (it never widens a tensor's float type).
+"""
+from __future__ import annotations
+
+import sys
+
+_OPS: dict = {}   # name -> the custom op (torch.ops.cufuse.<name>)
+# distinct gradient tensors the backward operator returns, per op (default 1: shared by every operand)
+_DISTINCT = {"mul_tanh": 2, "fma": 2}
+NAMES = ("add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu")
+
+
+def compiling() -> bool:
+    """True while torch.compile traces (Dynamo reads it as a constant)."""
+    t = sys.modules.get("torch")
+    return t is not None and t.compiler.is_compiling()
+
+
+def _pairs(args):
+    out = []
+    for a in args:
+        if a is None or isinstance(a, (int, float)) and not isinstance(a, bool):
+            out += [None, None if a is None else float(a)]
+        else:
+            out += [a, None]
+    return out
+
+
+def _unpair(flat):
+    return [t if t is not None else s for t, s in zip(flat[0::2], flat[1::2])]
+
+
+def call(name, approximate, args, out=None):
+    """``cufuse.<name>(*args)`` through the registered operator (``out=``
+    cannot be recorded, as torch's out= arguments)."""
+    if out is not None:
+        raise RuntimeError(f"cufuse.{name}: out= does not support automatic differentiation or torch.compile "
+                           "tracing (as torch's out= arguments); call it without out=, or under torch.no_grad()")
+    register()
+    flat = _pairs(args)
+    return _OPS[name](*flat) if approximate is None else _OPS[name](*flat, approximate)
+
+
+def _meta_result(*operands):
+    """(shape, dtype, device) of an elementwise result under torch's rules,
+    from meta tensors (numbers stay numbers)."""
+    import torch
+    metas = [torch.empty(o.shape, dtype=o.dtype, device="meta") if isinstance(o, torch.Tensor) else o
+             for o in operands if o is not None]
+    acc = metas[0]
+    for m in metas[1:]:
+        acc = acc + m
+    dev = next(o.device for o in operands if isinstance(o, torch.Tensor))
+    return tuple(acc.shape), acc.dtype, dev
+
+
+def register():
+    """Define the operators (once; needs torch)."""
+    if _OPS:
+        return
+    import torch
+
+    from . import _autograd as AG
+    from .ops import elementwise as E
+
+    # schemas written out (this module's annotations are strings): each operand a (tensor, number) pair
+    S2 = "(Tensor? a, float? sa, Tensor? b, float? sb) -> Tensor"
+    S3 = "(Tensor? q, float? sq, Tensor? k, float? sk, Tensor? v, float? sv) -> Tensor"
+    SG = "(Tensor? x, float? sx, Tensor? b, float? sb, str approximate) -> Tensor"
+    SB = "(str key, Tensor g, Tensor?[] ins, float?[] nums, Tensor? y) -> Tensor[]"
+
+    def fake_like(*operands):
+        shape, dt, dev = _meta_result(*operands)
+        return torch.empty(shape, dtype=dt, device=dev)
+
+    # ---- forward operators: the op itself, operands as (tensor, number) pairs
+    @torch.library.custom_op("cufuse::add_relu", mutates_args=(), schema=S2)
+    def add_relu(a, sa, b, sb):
+        return E.add_relu(*_unpair([a, sa, b, sb]))
+
+    @torch.library.custom_op("cufuse::mul_tanh", mutates_args=(), schema=S2)
+    def mul_tanh(a, sa, b, sb):
+        return E.mul_tanh(*_unpair([a, sa, b, sb]))
+
+    @torch.library.custom_op("cufuse::add_mul_exp", mutates_args=(), schema=S2)
+    def add_mul_exp(a, sa, b, sb):
+        return E.add_mul_exp(*_unpair([a, sa, b, sb]))
+
+    @torch.library.custom_op("cufuse::fma", mutates_args=(), schema=S3)
+    def fma(q, sq, k, sk, v, sv):
+        return E.fma(*_unpair([q, sq, k, sk, v, sv]))
+
+    @torch.library.custom_op("cufuse::bias_gelu", mutates_args=(), schema=SG)
+    def bias_gelu(x, sx, b, sb, approximate):
+        return E.bias_gelu(*_unpair([x, sx, b, sb]), approximate)
+
+    for op, n in ((add_relu, 2), (mul_tanh, 2), (add_mul_exp, 2), (fma, 3)):
+        op.register_fake(lambda *flat: fake_like(*_unpair(list(flat))))
+    bias_gelu.register_fake(lambda x, sx, b, sb, approximate: fake_like(*_unpair([x, sx, b, sb])))
+
+    # ---- backward operators: one generated kernel each (cufuse/_autograd.py)
+    @torch.library.custom_op("cufuse::elementwise_backward", mutates_args=(), schema=SB)
+    def backward(key, g, ins, nums, y):
+        _, bwd = AG._grads()[key]
+        operands = [t if t is not None else s for t, s in zip(ins, nums)]
+        grads = bwd(g, operands if operands else None, y)
+        return list(grads[:_DISTINCT.get(key, 1)])  # distinct tensors only (an output may not alias another)
+
+    @backward.register_fake
+    def _(key, g, ins, nums, y):
+        operands = [t if t is not None else s for t, s in zip(ins, nums)]
+        shape, dt, dev = _meta_result(g, *operands) if operands else _meta_result(g, y)
+        return [torch.empty(shape, dtype=dt, device=dev) for _ in range(_DISTINCT.get(key, 1))]
+
+    def setup(key, saved, nops):
+        def setup_context(ctx, inputs, output):
+            flat = list(inputs[:2 * nops])
+            ctx.key, ctx.saved = key, saved
+            ctx.meta = [(tuple(t.shape), t.dtype) if t is not None else None for t in flat[0::2]]
+            ctx.nums = flat[1::2]
+            # (None entries are allowed; the output only where the backward reads it)
+            ctx.save_for_backward(*flat[0::2], output if saved != "in" else None)
+        return setup_context
+
+    def grad_fn(ctx, g):
+        *ins, y = ctx.saved_tensors
+        uses_in = ctx.saved != "out"
+        got = backward(ctx.key, g, list(ins) if uses_in else [], list(ctx.nums) if uses_in else [],
+                       y if ctx.saved != "in" else None)
+        # per operand: the one gradient shared by all (add_relu ...), or its own; fma's v gets g itself
+        if ctx.key == "fma":
+            grads = [got[0], got[1], g]
+        elif len(got) == 2:
+            grads = [got[0], got[1]]
+        else:
+            grads = [got[0]] * len(ctx.meta)
+        out = []
+        for gr, meta in zip(grads, ctx.meta):
+            if meta is None:
+                out += [None, None]
+                continue
+            shape, dt = meta
+            if tuple(gr.shape) != shape:
+                gr = gr.sum_to_size(shape)
+            out += [gr.to(dt), None]
+        return tuple(out)
+
+    def grad_fn_gelu(ctx, g):
+        return (*grad_fn(ctx, g), None)
+
+    for name, op, nops in (("add_relu", add_relu, 2), ("mul_tanh", mul_tanh, 2), ("add_mul_exp", add_mul_exp, 2),
+                           ("fma", fma, 3)):
+        op.register_autograd(grad_fn, setup_context=setup(name, AG._grads()[name][0], nops))
+
+    def setup_gelu(ctx, inputs, output):
+        ctx.key = "bias_gelu" if inputs[4] == "none" else "bias_gelu_tanh"
+        setup(ctx.key, "in", 2)(ctx, inputs, output)
+
+    bias_gelu.register_autograd(grad_fn_gelu, setup_context=setup_gelu)
+    _OPS.update(add_relu=add_relu, mul_tanh=mul_tanh, add_mul_exp=add_mul_exp, fma=fma, bias_gelu=bias_gelu)
