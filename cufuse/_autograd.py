@@ -65,3 +65,78 @@ def _grads():
         "bias_gelu_tanh": ("in", lambda g, ins, y: [gelu_t(g, *ins)] * 2),
     })
     return _GRADS
+
+
+# ------------------------------------------------------------- row ops
+# Backward of the norms and softmax on rows of the last ``n`` elements, from
+# generated kernels: row statistics by fused trailing reductions, the input
+# gradient by one fused elementwise kernel (float16 computed in float32);
+# weight and bias gradients are column sums (torch). Nothing is saved by the
+# forward but its inputs (the statistics are recomputed) or, for softmax, its
+# output.
+_ROW: dict = {}
+
+
+def _row_fns():
+    if _ROW:
+        return _ROW
+    from ._fuse import functions as F
+    from ._fuse.api import Fused
+    _ROW.update(
+        mean=Fused(lambda x: x.mean(axis=-1, keepdims=True), name="row_mean"),
+        var=Fused(lambda x, mu: ((x - mu) * (x - mu)).mean(axis=-1, keepdims=True), name="row_var"),
+        ms=Fused(lambda x: (x * x).mean(axis=-1, keepdims=True), name="row_mean_square"),
+        xhat=Fused(lambda x, mu, rstd: (x - mu) * rstd, name="row_xhat"),
+        gmask=Fused(lambda g, w, xh, b, relu: F.where((relu == 0) | (xh * w + b > 0), g, 0.0), name="row_gmask"),
+        stats=Fused(lambda gxh, xh: ((gxh).mean(axis=-1, keepdims=True), (gxh * xh).mean(axis=-1, keepdims=True)),
+                    name="row_grad_stats"),
+        dx=Fused(lambda gxh, xh, s1, s2, rstd, center: rstd * (gxh - center * s1 - xh * s2), name="row_dx"),
+        sm_sum=Fused(lambda g, y: (g * y).sum(axis=-1, keepdims=True), name="softmax_grad_sum"),
+        sm_dx=Fused(lambda g, y, s: y * (g - s), name="softmax_dx"),
+        lsm_sum=Fused(lambda g: g.sum(axis=-1, keepdims=True), name="log_softmax_grad_sum"),
+        lsm_dx=Fused(lambda g, y, s: g - F.exp(y) * s, name="log_softmax_dx"),
+    )
+    return _ROW
+
+
+def norm_backward(kind, g, x, n, w, b, eps):
+    """(dx, dw or None, db or None) of layer_norm (kind "layer", "layer_relu")
+    or rms_norm ("rms") over the last ``n`` elements of each row."""
+    import torch
+    R = _row_fns()
+    acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    x2 = x.reshape(-1, n).to(acc)
+    g2 = g.reshape(-1, n).to(acc)
+    w2 = w.reshape(n).to(acc) if w is not None else 1.0
+    b2 = b.reshape(n).to(acc) if b is not None else 0.0
+    if kind == "rms":
+        rstd = torch.rsqrt(R["ms"](x2) + eps)
+        xh = x2 * rstd
+    else:
+        mu = R["mean"](x2)
+        rstd = torch.rsqrt(R["var"](x2, mu) + eps)  # (rows, 1): a small torch op
+        xh = R["xhat"](x2, mu, rstd)
+    gm = R["gmask"](g2, w2, xh, b2, 1 if kind == "layer_relu" else 0) if kind == "layer_relu" else g2
+    gxh = gm * w2 if w is not None else gm
+    s1, s2 = R["stats"](gxh, xh)
+    dx = R["dx"](gxh, xh, s1, s2, rstd, 0.0 if kind == "rms" else 1.0).to(x.dtype).reshape(x.shape)
+    dw = db = None
+    if w is not None or b is not None:
+        if w is not None:
+            dw = (gm * xh).sum(0).to(w.dtype).reshape(w.shape)
+        if b is not None:
+            db = gm.sum(0).to(b.dtype).reshape(b.shape)
+    return dx, dw, db
+
+
+def softmax_backward(g, y, axis, log):
+    """dx of softmax / log_softmax along ``axis`` from the output ``y``."""
+    import torch
+    R = _row_fns()
+    acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
+    gm, ym = g.movedim(axis, -1).to(acc), y.movedim(axis, -1).to(acc)
+    if log:
+        dx = R["lsm_dx"](gm, ym, R["lsm_sum"](gm))
+    else:
+        dx = R["sm_dx"](gm, ym, R["sm_sum"](gm, ym))
+    return dx.to(y.dtype).movedim(-1, axis).contiguous()

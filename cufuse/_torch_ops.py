@@ -174,3 +174,94 @@ def register():
 
     bias_gelu.register_autograd(grad_fn_gelu, setup_context=setup_gelu)
     _OPS.update(add_relu=add_relu, mul_tanh=mul_tanh, add_mul_exp=add_mul_exp, fma=fma, bias_gelu=bias_gelu)
+    _register_rows(torch)
+
+
+def _register_rows(torch):
+    """layer_norm (and its relu form), rms_norm, softmax / log_softmax."""
+    from . import _autograd as AG
+    from .ops import norm as N
+
+    @torch.library.custom_op("cufuse::layer_norm", mutates_args=(),
+                             schema="(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+                                    "bool relu) -> Tensor")
+    def layer_norm(x, ns, w, b, eps, relu):
+        return (N.layer_norm_relu if relu else N.layer_norm)(x, tuple(ns), w, b, eps)
+
+    @torch.library.custom_op("cufuse::rms_norm", mutates_args=(),
+                             schema="(Tensor x, int[] normalized_shape, Tensor? weight, float eps) -> Tensor")
+    def rms_norm(x, ns, w, eps):
+        return N.rms_norm(x, tuple(ns), w, eps)
+
+    @torch.library.custom_op("cufuse::softmax", mutates_args=(), schema="(Tensor x, int axis, bool log) -> Tensor")
+    def softmax(x, axis, log):
+        return (N.log_softmax if log else N.softmax)(x, axis)
+
+    @torch.library.custom_op("cufuse::norm_backward", mutates_args=(),
+                             schema="(str kind, Tensor g, Tensor x, int n, Tensor? weight, Tensor? bias, float eps) "
+                                    "-> Tensor[]")
+    def norm_backward(kind, g, x, n, w, b, eps):
+        dx, dw, db = AG.norm_backward(kind, g, x, n, w, b, eps)
+        return [dx, x.new_empty((0,)) if dw is None else dw, x.new_empty((0,)) if db is None else db]
+
+    @torch.library.custom_op("cufuse::softmax_backward", mutates_args=(),
+                             schema="(Tensor g, Tensor y, int axis, bool log) -> Tensor")
+    def softmax_backward(g, y, axis, log):
+        return AG.softmax_backward(g, y, axis, log)
+
+    layer_norm.register_fake(lambda x, ns, w, b, eps, relu: torch.empty_like(x, memory_format=torch.contiguous_format))
+    rms_norm.register_fake(lambda x, ns, w, eps: torch.empty_like(x, memory_format=torch.contiguous_format))
+    softmax.register_fake(lambda x, axis, log: torch.empty_like(x, memory_format=torch.contiguous_format))
+    softmax_backward.register_fake(lambda g, y, axis, log: torch.empty_like(y, memory_format=torch.contiguous_format))
+
+    @norm_backward.register_fake
+    def _(kind, g, x, n, w, b, eps):
+        return [torch.empty_like(x, memory_format=torch.contiguous_format),
+                x.new_empty((0,)) if w is None else torch.empty_like(w),
+                x.new_empty((0,)) if b is None else torch.empty_like(b)]
+
+    def norm_grads(kind, ctx, g, nw):
+        x, w, b = ctx.saved_tensors
+        n = 1
+        for d in ctx.ns:
+            n *= d
+        dx, dw, db = norm_backward(kind, g, x, n, w, b, ctx.eps)
+        return dx, (dw if w is not None else None), (db if b is not None else None)
+
+    def ln_setup(ctx, inputs, output):
+        x, ns, w, b, eps, relu = inputs
+        ctx.ns, ctx.eps, ctx.relu = list(ns), eps, relu
+        ctx.save_for_backward(x, w, b)
+
+    def ln_grad(ctx, g):
+        dx, dw, db = norm_grads("layer_relu" if ctx.relu else "layer", ctx, g, 2)
+        return dx, None, dw, db, None, None
+
+    def rms_setup(ctx, inputs, output):
+        x, ns, w, eps = inputs
+        ctx.ns, ctx.eps = list(ns), eps
+        ctx.save_for_backward(x, w, None)
+
+    def rms_grad(ctx, g):
+        dx, dw, _ = norm_grads("rms", ctx, g, 1)
+        return dx, None, dw, None
+
+    def sm_setup(ctx, inputs, output):
+        _, axis, log = inputs
+        ctx.axis, ctx.log = axis, log
+        ctx.save_for_backward(output)  # the output alone: no second copy of x
+
+    def sm_grad(ctx, g):
+        (y,) = ctx.saved_tensors
+        return softmax_backward(g, y, ctx.axis, ctx.log), None, None
+
+    layer_norm.register_autograd(ln_grad, setup_context=ln_setup)
+    rms_norm.register_autograd(rms_grad, setup_context=rms_setup)
+    softmax.register_autograd(sm_grad, setup_context=sm_setup)
+    _OPS.update(layer_norm=layer_norm, rms_norm=rms_norm, softmax=softmax)
+
+
+def call_row(name, *args):
+    """A row op through its registered operator (see ``call``)."""
+    register()
+    return _OPS[name](*args)

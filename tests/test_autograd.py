@@ -153,3 +153,72 @@ def test_torch_compile_fullgraph_forward_and_backward(device):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gx, x.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gb, b.grad, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------- norms and softmax
+ROW_CASES = {
+    "layer_norm": (lambda x, w, b: cufuse.layer_norm(x, x.shape[-1], w, b),
+                   lambda x, w, b: TF.layer_norm(x, x.shape[-1:], w, b, 1e-5)),
+    "layer_norm_relu": (lambda x, w, b: cufuse.layer_norm_relu(x, x.shape[-1], w, b),
+                        lambda x, w, b: torch.relu(TF.layer_norm(x, x.shape[-1:], w, b, 1e-5))),
+    "layer_norm_plain": (lambda x, w, b: cufuse.layer_norm(x, x.shape[-2:]),
+                         lambda x, w, b: TF.layer_norm(x, x.shape[-2:], None, None, 1e-5)),
+    "rms_norm": (lambda x, w, b: cufuse.rms_norm(x, x.shape[-1], w),
+                 lambda x, w, b: TF.rms_norm(x, x.shape[-1:], w, 1e-6)),
+    "softmax": (lambda x, w, b: cufuse.softmax(x), lambda x, w, b: torch.softmax(x, -1)),
+    "softmax_axis0": (lambda x, w, b: cufuse.softmax(x, axis=0), lambda x, w, b: torch.softmax(x, 0)),
+    "log_softmax": (lambda x, w, b: cufuse.log_softmax(x), lambda x, w, b: torch.log_softmax(x, -1)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(ROW_CASES))
+def test_row_ops_gradcheck_and_against_torch(name, device):
+    """gradcheck in float64; gradients of x, weight and bias against torch's
+    own layer_norm / rms_norm / softmax in float32 (and float16 on the GPU)."""
+    call, ref = ROW_CASES[name]
+    x, w, b = _inputs([(3, 5, 24), (24,), (24,)], torch.float64, device, 11, scale=1.0)
+    assert torch.autograd.gradcheck(call, (x, w, b), eps=1e-6, atol=1e-6)
+    for dtype in (torch.float32,) + ((torch.float16,) if device == "cuda" else ()):
+        ours = _inputs([(3, 5, 24), (24,), (24,)], dtype, device, 12, scale=1.0)
+        theirs = [t.detach().float().requires_grad_(True) for t in ours]
+        y = call(*ours)
+        y_ref = ref(*theirs).to(dtype)
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=TOL[dtype][0] * 4, atol=TOL[dtype][1] * 40)
+        g = torch.randn(y.shape, generator=torch.Generator().manual_seed(13)).to(dtype).to(device)
+        y.backward(g)
+        y_ref.backward(g.float())
+        for k, (a, t) in enumerate(zip(ours, theirs)):
+            if t.grad is None:
+                assert a.grad is None, (name, k)
+                continue
+            scale = max(1.0, float(t.grad.abs().max()))
+            torch.testing.assert_close(a.grad.float(), t.grad, rtol=TOL[dtype][0] * 8, atol=TOL[dtype][1] * 40 * scale,
+                                       msg=f"{name} {dtype}: gradient of input {k}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_row_ops_opcheck_and_compile(device):
+    from cufuse import _torch_ops
+    _torch_ops.register()
+    x, w = torch.randn(6, 16, device=device), torch.randn(16, device=device)
+    for op, args in [(torch.ops.cufuse.layer_norm, (x, [16], w, w, 1e-5, False)),
+                     (torch.ops.cufuse.layer_norm, (x, [16], None, None, 1e-5, True)),
+                     (torch.ops.cufuse.rms_norm, (x, [16], w, 1e-6)),
+                     (torch.ops.cufuse.softmax, (x, 0, False)), (torch.ops.cufuse.softmax, (x, -1, True))]:
+        torch.library.opcheck(op, args)
+        torch.library.opcheck(op, tuple(a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) else a
+                                        for a in args))
+
+    def block(x, w, b):  # a pre-norm MLP step with cufuse's row and elementwise ops
+        h = cufuse.rms_norm(x, 16, w)
+        return (cufuse.softmax(cufuse.bias_gelu(h, b)) * cufuse.layer_norm(x, 16, w, b)).sum()
+
+    cf = torch.compile(block, fullgraph=True)
+    ins = [t.clone().requires_grad_(True) for t in (x, w, w * 0.1)]
+    cf(*ins).backward()
+    got = [t.grad.clone() for t in ins]
+    ins2 = [t.detach().clone().requires_grad_(True) for t in ins]
+    block(*ins2).backward()
+    for a, t in zip(got, ins2):
+        torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-5)

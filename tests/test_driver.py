@@ -222,8 +222,9 @@ def test_errors_on_a_kept_signature_torch():
         cufuse.layer_norm(xg, SHAPE[-1])
         cufuse.layer_norm(xg, SHAPE[-1])
     assert cufuse.add_relu(xg, xg).grad_fn is not None       # differentiable: recorded, not the kept recipe
+    assert cufuse.layer_norm(xg, SHAPE[-1]).grad_fn is not None    # recorded too (torch.ops.cufuse)
     with pytest.raises(NotImplementedError, match="requires grad"):
-        cufuse.layer_norm(xg, SHAPE[-1])
+        cufuse.sum_squared(xg)
 
 
 @pytest.mark.cuda

@@ -22,7 +22,9 @@ import numpy as np
 
 from .. import _arrays as A
 from .._arrays import Array
+from .. import _autograd as AG
 from .. import _dask as DK
+from .. import _torch_ops as TO
 from .. import _driver as D
 from .. import _runtime as R
 from . import _rows
@@ -376,6 +378,18 @@ def _shape_key(ns):
     return None
 
 
+def _ns_list(normalized_shape):
+    return [int(normalized_shape)] if isinstance(normalized_shape, (int, np.integer)) else [int(d) for d in normalized_shape]
+
+
+def _recorded(name, out, op, *args):
+    """The call through torch.ops.cufuse (autograd, torch.compile); out= cannot be recorded."""
+    if out is not None:
+        raise RuntimeError(f"cufuse.{name}: out= does not support automatic differentiation or torch.compile "
+                           "tracing (as torch's out= arguments); call it without out=, or under torch.no_grad()")
+    return TO.call_row(op, *args)
+
+
 def _ns_len(normalized_shape):
     """How many trailing dims ``normalized_shape`` names (its errors come from the chunks' calls)."""
     return 1 if isinstance(normalized_shape, (int, np.integer)) else len(tuple(normalized_shape))
@@ -417,6 +431,11 @@ def rms_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | 
 def _norm(name, x, normalized_shape, weight, bias, eps, out):
     """The norms' one entry: the fast path, Dask arrays, then validation and
     the launch (or the NumPy path, _NUMPY_OF)."""
+    if TO.compiling() or AG.wants_grad((x, weight, bias)):  # torch.compile, or recorded for backward
+        if name == "rms_norm":
+            return _recorded(name, out, "rms_norm", x, _ns_list(normalized_shape), weight, float(eps))
+        return _recorded(name, out, "layer_norm", x, _ns_list(normalized_shape), weight, bias, float(eps),
+                         name == "layer_norm_relu")
     op = _OPS[name]
     sk = _shape_key(normalized_shape)
     key = None
@@ -449,6 +468,8 @@ def log_softmax(x: Array, axis: int = -1, *, out: Array | None = None) -> Array:
 
 
 def _softmax(name, x, axis, out):
+    if TO.compiling() or AG.wants_grad((x,)):
+        return _recorded(name, out, "softmax", x, int(axis), name == "log_softmax")
     op = _OPS[name]
     key = None
     if type(axis) is int:
