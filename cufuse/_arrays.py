@@ -37,8 +37,62 @@ TORCH_CPU = "torch.Tensor (CPU)"
 TORCH_CUDA = "torch.Tensor (CUDA)"
 GPU_KINDS = (CUPY, TORCH_CUDA)
 
-FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-FLOAT_NAMES = "float16, float32, float64"
+# bfloat16's NumPy dtype is ml_dtypes.bfloat16 (as CuPy and JAX use it); without
+# ml_dtypes installed there is no bfloat16 (BF16 None; torch bfloat16 tensors are
+# refused with a message saying so).
+try:
+    import ml_dtypes as _ml_dtypes
+    BF16: np.dtype | None = np.dtype(_ml_dtypes.bfloat16)
+except Exception:  # pragma: no cover - depends on the machine
+    BF16 = None
+F16, F32, F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+# The 16-bit floats: stored in 16 bits, computed in float32 and rounded once.
+HALVES = (F16,) if BF16 is None else (F16, BF16)
+FLOAT_DTYPES = (F16, F32, F64) if BF16 is None else (F16, BF16, F32, F64)
+FLOAT_NAMES = ", ".join(d.name for d in FLOAT_DTYPES)
+_NONSTANDARD_FLOATS = () if BF16 is None else (BF16,)  # floats whose NumPy kind is not "f"
+# NumPy scalar types taken as scalar operands (bfloat16's is not a np.floating)
+NP_SCALARS = (np.integer, np.floating) + (() if BF16 is None else (BF16.type,))
+NO_BF16 = "bfloat16 needs the ml_dtypes package (pip install ml_dtypes), whose dtype stands for it on the NumPy side"
+
+
+def is_float(dt) -> bool:
+    """A floating dtype (bfloat16 included, whose NumPy kind is "V")."""
+    return dt.kind == "f" or dt in _NONSTANDARD_FLOATS
+
+
+def compute_dtype(dt):
+    """The dtype arithmetic is done in: float32 for float16 and bfloat16."""
+    return F32 if dt in HALVES else dt
+
+
+def result_type(*items):
+    """numpy.result_type (NumPy 2 rules: Python scalars weak) over dtypes and
+    scalars, with bfloat16 promoting as float16 does, except that bfloat16
+    with float16 gives float32 (as in torch; ml_dtypes has no common type)."""
+    if BF16 is None:
+        return np.result_type(*items)
+    bf = f16 = False
+    mapped = []
+    for it in items:
+        d = it if isinstance(it, np.dtype) else it.dtype if isinstance(it, np.generic) else None
+        if d is not None:
+            if d == BF16:
+                bf, it = True, F16
+            elif d == F16:
+                f16, it = True, F16
+            else:
+                it = d
+        mapped.append(it)
+    dt = np.result_type(*mapped)
+    if bf and dt == F16:
+        return F32 if f16 else BF16
+    return dt
+
+
+def promote_types(a, b):
+    """numpy.promote_types with bfloat16 as in ``result_type``."""
+    return result_type(np.dtype(a), np.dtype(b))
 
 
 # ----------------------------------------------------------------- torch dtypes
@@ -57,6 +111,8 @@ def _torch_tables(t):
                  (t.int8, np.int8), (t.uint8, np.uint8), (t.int16, np.int16), (t.int32, np.int32),
                  (t.int64, np.int64), (t.bool, np.bool_), (t.complex64, np.complex64),
                  (t.complex128, np.complex128)]
+        if BF16 is not None:
+            pairs.append((t.bfloat16, BF16))
         for td, nd in pairs:
             _TORCH_TO_NP[td] = np.dtype(nd)
             _NP_TO_TORCH[np.dtype(nd)] = td
@@ -71,6 +127,23 @@ def torch_to_numpy_dtype(td):
 def numpy_to_torch_dtype(nd):
     _, n2t = _torch_tables(torch())
     return n2t[np.dtype(nd)]
+
+
+def torch_numpy(t):
+    """A CPU tensor's data as a NumPy array, sharing memory (bfloat16 through
+    an int16 view, which Tensor.numpy() does not take)."""
+    t = t.detach()
+    if BF16 is not None and t.dtype == torch().bfloat16:
+        return t.view(torch().int16).numpy().view(BF16)
+    return t.numpy()
+
+
+def torch_from_numpy(a):
+    """torch.from_numpy, bfloat16 included (sharing memory)."""
+    t = torch()
+    if BF16 is not None and a.dtype == BF16:
+        return t.from_numpy(a.view(np.int16)).view(t.bfloat16)
+    return t.from_numpy(a)
 
 
 def is_torch_tensor(x) -> bool:
@@ -92,7 +165,7 @@ def kind_of(x):
         return TORCH_CUDA if x.is_cuda else TORCH_CPU
     if isinstance(x, (bool, np.bool_)):
         raise TypeError("bool scalars are not accepted; pass a float (or int) scalar")
-    if isinstance(x, (int, float, np.integer, np.floating)):
+    if isinstance(x, (int, float, *NP_SCALARS)):
         return None
     if isinstance(x, Number):
         raise TypeError(f"{type(x).__name__} scalars are not accepted; pass a float (or int) scalar")
@@ -134,7 +207,9 @@ def describe(x, kind=None) -> str:
         return f"scalar {x!r}"
     dev = device_of(x, kind)
     where = f", GPU {dev}" if dev is not None else ""
-    return f"{kind} ({dtype_of(x, kind)}, shape {tuple(x.shape)}{where})"
+    dt = dtype_of(x, kind)
+    why = f"; {NO_BF16}" if BF16 is None and "bfloat16" in str(dt) else ""
+    return f"{kind} ({dt}, shape {tuple(x.shape)}{where}{why})"
 
 
 def array_kind(name, x, what):
@@ -161,7 +236,8 @@ def float_dtype_arg(name, dtype, what="dtype"):
         except TypeError:
             d = None
     if d is None or d not in FLOAT_DTYPES:  # (np.dtype == None is True for float64)
-        raise TypeError(f"cufuse.{name}: {what} must be float16, float32 or float64, got {dtype!r}")
+        extra = f" ({NO_BF16})" if BF16 is None and "bfloat16" in str(dtype) else ""
+        raise TypeError(f"cufuse.{name}: {what} must be one of {FLOAT_NAMES}, got {dtype!r}{extra}")
     return d
 
 
@@ -239,9 +315,9 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None
             # torch's rules: numbers (Python or NumPy scalars) and zero-dim tensors
             # do not widen the tensors' float type (float32 * numpy.float64(2) is float32)
             dims = [d for (_, x, _), d in zip(arrays, dtypes) if x.dim()]
-            dtype = np.result_type(*(dims or dtypes))
+            dtype = result_type(*(dims or dtypes))
         else:
-            dtype = np.result_type(*dtypes, *[s for s in scalars if s is not None])
+            dtype = result_type(*dtypes, *[s for s in scalars if s is not None])
     except (OverflowError, TypeError) as e:
         raise TypeError(f"cufuse.{name}: cannot combine the operands' types ({e})") from None
     if dtype not in accepted:  # e.g. an int64 NumPy scalar that promotes float16 to float64 stays valid

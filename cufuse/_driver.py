@@ -61,8 +61,9 @@ def torch_api() -> TorchAPI:
     if TORCH.Tensor is None:
         t = A.torch()
         if t is not None:
-            TORCH.float_dtypes = {t.float16: np.dtype(np.float16), t.float32: np.dtype(np.float32),
-                                  t.float64: np.dtype(np.float64)}
+            TORCH.float_dtypes = {t.float16: A.F16, t.float32: A.F32, t.float64: A.F64}
+            if A.BF16 is not None:
+                TORCH.float_dtypes[t.bfloat16] = A.BF16
             TORCH.np_dtypes = {v: k for k, v in TORCH.float_dtypes.items()} | {np.dtype(np.int8): t.int8,
                                                                                np.dtype(np.uint8): t.uint8}
             TORCH.empty, TORCH.empty_like = t.empty, t.empty_like

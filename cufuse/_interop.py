@@ -14,7 +14,7 @@ def from_torch(t: Any) -> Any:
     CUDA tensors go through DLPack with CuPy's current stream as the consumer:
     work torch queued on its current stream is ordered before anything CuPy
     queues afterwards, without a host synchronization. CPU tensors are
-    detached and viewed with ``Tensor.numpy()``.
+    detached and viewed as NumPy arrays (bfloat16 as ``ml_dtypes.bfloat16``).
     """
     if not A.is_torch_tensor(t):
         raise TypeError(f"cufuse.from_torch: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
@@ -26,7 +26,7 @@ def from_torch(t: Any) -> Any:
             return _cp.from_dlpack(t.detach())
     if t.device.type != "cpu":
         raise TypeError(f"cufuse.from_torch: tensors on {t.device} are not supported (CPU or CUDA only)")
-    return t.detach().numpy()
+    return A.torch_numpy(t)
 
 
 def to_torch(a: Any) -> Any:
@@ -42,7 +42,7 @@ def to_torch(a: Any) -> Any:
         except ImportError:
             raise ImportError("cufuse.to_torch needs PyTorch installed") from None
     if isinstance(a, np.ndarray):
-        return torch.from_numpy(a)
+        return A.torch_from_numpy(a)
     if isinstance(a, A.CupyArray):
         return torch.from_dlpack(a)
     if isinstance(a, torch.Tensor):

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
+from . import _arrays as A
+
 try:  # cupy is an optional extra
     import cupy as _cp
 except Exception:  # pragma: no cover - depends on the machine
@@ -43,6 +45,7 @@ WAVES = 512
 # FLOAT_CTYPES are the dtypes every float op is instantiated for.
 FLOAT_CTYPES = {
     np.dtype(np.float16): "__half",
+    **({A.BF16: "__nv_bfloat16"} if A.BF16 is not None else {}),
     np.dtype(np.float32): "float",
     np.dtype(np.float64): "double",
 }

@@ -1,21 +1,29 @@
 // cufuse: shared device helpers.
 //
-// Type conversion between storage types (__half, float, double) and the type
-// arithmetic is done in (float for __half, the type itself otherwise), and
-// math overloads so that functors can be written once for every dtype.
+// Type conversion between storage types (__half, __nv_bfloat16, float,
+// double) and the type arithmetic is done in (float for the 16-bit floats,
+// the type itself otherwise), and math overloads so that functors can be
+// written once for every dtype.
 #pragma once
 
 #include <cuda_fp16.h>
+#include <cuda_bf16.h>
 
 namespace cufuse {
 
-// Arithmetic type for a storage type: float16 is computed in float32.
+// Arithmetic type for a storage type: float16 and bfloat16 are computed in float32.
 template <typename T> struct compute_type { using type = T; };
 template <> struct compute_type<__half> { using type = float; };
+template <> struct compute_type<__nv_bfloat16> { using type = float; };
 template <typename T> using compute_t = typename compute_type<T>::type;
 
+// is_half: a 16-bit float storage type (float16 or bfloat16), computed in
+// float32 and rounded once on store; the choices made for it (registers held
+// in the storage type, polynomial degrees bounded by its precision) hold for
+// both. Where the two differ (conversions), same_type<T, __half> tells.
 template <typename T> struct is_half { static constexpr bool value = false; };
 template <> struct is_half<__half> { static constexpr bool value = true; };
+template <> struct is_half<__nv_bfloat16> { static constexpr bool value = true; };
 template <typename T> struct is_float { static constexpr bool value = false; };
 template <> struct is_float<float> { static constexpr bool value = true; };
 template <> struct is_float<double> { static constexpr bool value = true; };
@@ -25,17 +33,27 @@ template <typename A> struct same_type<A, A> { static constexpr bool value = tru
 // Storage -> compute and compute -> storage conversions (round to nearest even).
 template <typename C, typename T> __device__ __forceinline__ C to_compute(T v) { return static_cast<C>(v); }
 template <> __device__ __forceinline__ float to_compute<float, __half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_compute<float, __nv_bfloat16>(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
 
 template <typename T, typename C> __device__ __forceinline__ T from_compute(C v) { return static_cast<T>(v); }
 template <> __device__ __forceinline__ __half from_compute<__half, float>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_compute<__nv_bfloat16, float>(float v) {
+    return __float2bfloat16_rn(v);
+}
 
 // A host scalar arrives as a double. It is first rounded to the storage type
-// (as NumPy does when a Python scalar meets an array), then widened.
+// (as NumPy does when a Python scalar meets an array), then widened; the
+// 16-bit floats round from the double once (no double rounding through float).
 template <typename T> __device__ __forceinline__ compute_t<T> scalar_to_compute(double s) {
     return to_compute<compute_t<T>>(from_compute<T>(static_cast<compute_t<T>>(s)));
 }
 template <> __device__ __forceinline__ float scalar_to_compute<__half>(double s) {
     return __half2float(__double2half(s));
+}
+template <> __device__ __forceinline__ float scalar_to_compute<__nv_bfloat16>(double s) {
+    return __bfloat162float(__double2bfloat16(s));
 }
 
 // Math overloads: one spelling for float and double.
@@ -172,6 +190,7 @@ __device__ __forceinline__ float gelu_erf(float v) { return gelu_normal<8>(v); }
 // the degree-5 tail (7e-6 relative): over all 63488 finite float16 inputs, 237
 // results are one ulp from the correctly rounded value (erff's form: 373),
 // and 50M float16 bias_gelu goes from 79% to 83% of copy.
+// bfloat16 (8 bits) takes the same tails, far inside its half ulp (2e-3).
 template <typename T, typename C> __device__ __forceinline__ C gelu_erf_to(C v) {
     if constexpr (is_half<T>::value) return gelu_normal<5>(v);
     else return gelu_erf(v);
@@ -360,12 +379,15 @@ template <typename C> __device__ __forceinline__ C power(C a, C b) {
 }
 }  // namespace math
 
-// Conversion to the storage type T, returned in T's compute type (float16:
-// rounded to half, then widened): NumPy's astype, with float16 rounded once.
+// Conversion to the storage type T, returned in T's compute type (float16,
+// bfloat16: rounded to it, then widened): NumPy's astype, rounded once.
 template <typename T, typename S> __device__ __forceinline__ compute_t<T> cast_to(S x) {
-    if constexpr (is_half<T>::value) {
+    if constexpr (same_type<T, __half>::value) {
         if constexpr (same_type<S, double>::value) return __half2float(__double2half(x));
         else return __half2float(__float2half_rn(static_cast<float>(x)));
+    } else if constexpr (same_type<T, __nv_bfloat16>::value) {
+        if constexpr (same_type<S, double>::value) return __bfloat162float(__double2bfloat16(x));
+        else return __bfloat162float(__float2bfloat16_rn(static_cast<float>(x)));
     } else if constexpr (same_type<T, bool>::value) {
         return x != S(0);
     } else if constexpr ((same_type<S, float>::value || same_type<S, double>::value) &&
@@ -566,12 +588,19 @@ __device__ __forceinline__ void commit_async() {}
 template <int N> __device__ __forceinline__ void wait_async() {}
 #endif
 
-// A pack converted to the compute type; float16 pairs convert two at a time.
+// A pack converted to the compute type; 16-bit float pairs convert two at a time.
 template <typename C, typename T, int N> __device__ __forceinline__ void unpack(const Pack<T, N>& p, C (&out)[N]) {
-    if constexpr (is_half<T>::value && N % 2 == 0) {
+    if constexpr (same_type<T, __half>::value && N % 2 == 0) {
 #pragma unroll
         for (int i = 0; i < N; i += 2) {
             const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&p.v[i]));
+            out[i] = f.x;
+            out[i + 1] = f.y;
+        }
+    } else if constexpr (same_type<T, __nv_bfloat16>::value && N % 2 == 0) {
+#pragma unroll
+        for (int i = 0; i < N; i += 2) {
+            const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&p.v[i]));
             out[i] = f.x;
             out[i + 1] = f.y;
         }

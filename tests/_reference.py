@@ -115,7 +115,10 @@ class Backend:
             return a
         if self.name == "cupy":
             return self.cp.asarray(a)
-        t = self.torch.from_numpy(a)
+        if a.dtype.name == "bfloat16":  # (torch.from_numpy does not take ml_dtypes' bfloat16)
+            t = self.torch.from_numpy(a.view(np.int16)).view(self.torch.bfloat16)
+        else:
+            t = self.torch.from_numpy(a)
         return t.to("cuda") if self.name == "torch_cuda" else t
 
     def to_numpy(self, x):
@@ -123,7 +126,11 @@ class Backend:
             return np.array(x)
         if self.name == "cupy":
             return self.cp.asnumpy(x)
-        return np.array(x.detach().cpu().numpy())
+        t = x.detach().cpu()
+        if t.dtype == self.torch.bfloat16:  # (Tensor.numpy() does not give bfloat16)
+            import ml_dtypes
+            return np.array(t.view(self.torch.int16).numpy()).view(ml_dtypes.bfloat16)
+        return np.array(t.numpy())
 
     def full(self, shape, value, dtype):
         return self.asarray(np.full(shape, value, dtype=dtype))

@@ -1,7 +1,7 @@
 """Autograd of the elementwise ops (cufuse/_autograd.py) on torch tensors:
 torch.autograd.gradcheck in float64 (CPU: the NumPy path; CUDA: the
 generated backward kernels), and gradients against torch's own autograd of a
-reference written with torch ops, in float32 and float16, with broadcast
+reference written with torch ops, in float32, float16 and bfloat16, with broadcast
 operands, scalars and partial requires_grad."""
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import cufuse  # noqa: E402
+from cufuse import _arrays as A  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 TF = torch.nn.functional
@@ -26,7 +27,10 @@ CASES = {
     "bias_gelu_tanh": (lambda x, b: cufuse.bias_gelu(x, b, "tanh"), lambda x, b: TF.gelu(x + b, approximate="tanh"),
                        [(7, 33), (33,)]),
 }
-TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-6), torch.float16: (5e-3, 2e-3)}
+# bfloat16: float16's entry scaled by 8 (7 significant bits against 10)
+TOL = {torch.float64: (1e-10, 1e-12), torch.float32: (2e-5, 2e-6), torch.float16: (5e-3, 2e-3),
+       torch.bfloat16: (4e-2, 1.6e-2)}
+BF16 = [torch.bfloat16] if A.BF16 is not None else []  # (bfloat16 needs ml_dtypes)
 
 
 def _inputs(shapes, dtype, device, seed, scale=0.5):
@@ -44,7 +48,7 @@ def test_gradcheck(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["float32", "float16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + BF16, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradients_match_torch(name, dtype, device):
     if dtype == torch.float16 and device == "cpu":
@@ -179,7 +183,7 @@ def test_row_ops_gradcheck_and_against_torch(name, device):
     call, ref = ROW_CASES[name]
     x, w, b = _inputs([(3, 5, 24), (24,), (24,)], torch.float64, device, 11, scale=1.0)
     assert torch.autograd.gradcheck(call, (x, w, b), eps=1e-6, atol=1e-6)
-    for dtype in (torch.float32,) + ((torch.float16,) if device == "cuda" else ()):
+    for dtype in [torch.float32] + BF16 + ([torch.float16] if device == "cuda" else []):
         ours = _inputs([(3, 5, 24), (24,), (24,)], dtype, device, 12, scale=1.0)
         theirs = [t.detach().float().requires_grad_(True) for t in ours]
         y = call(*ours)

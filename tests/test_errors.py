@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -36,14 +39,30 @@ def test_non_float_array_dtype(backend, op, bad, position, launches):
     assert launches == []
 
 
-def test_torch_bfloat16_rejected(backend, launches):
-    if not backend.is_torch:
-        pytest.skip("bfloat16 exists only in torch")
-    torch = backend.torch
-    a = backend.asarray(rand((8,), F32, 1)).to(torch.bfloat16)
-    with pytest.raises(TypeError, match=ACCEPTED):
-        cufuse.add_relu(a, a)
-    assert launches == []
+def test_bfloat16_without_ml_dtypes_says_so():
+    """Without ml_dtypes (bfloat16's NumPy dtype) a bfloat16 tensor is refused
+    by every op family with a TypeError naming ml_dtypes (tests/test_bfloat16.py
+    has bfloat16 itself)."""
+    pytest.importorskip("torch")
+    code = textwrap.dedent("""
+        import sys
+        sys.modules["ml_dtypes"] = None  # as if not installed
+        import torch, cufuse
+        x = torch.randn(4, 8).to(torch.bfloat16)
+        calls = [lambda: cufuse.add_relu(x, x), lambda: cufuse.layer_norm(x, 8), lambda: cufuse.softmax(x),
+                 lambda: cufuse.sum_squared(x), lambda: cufuse.quantize_int8(x, 0.1),
+                 lambda: cufuse.fuse(lambda a: a * 2)(x), lambda: cufuse.sum_squared(x.float(), dtype=torch.bfloat16)]
+        for k, call in enumerate(calls):
+            try:
+                call()
+            except TypeError as e:
+                assert "ml_dtypes" in str(e), (k, str(e))
+            else:
+                raise AssertionError(f"call {k} did not raise")
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 @op_param

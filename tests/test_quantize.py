@@ -433,15 +433,6 @@ def test_quantize_x_not_an_array(bad):
         cufuse.quantize_int8(bad, 0.1)
 
 
-def test_quantize_torch_bfloat16_rejected(backend, launches):
-    if not backend.is_torch:
-        pytest.skip("bfloat16 exists only in torch")
-    x = backend.asarray(rand((8,), F32, 1)).to(backend.torch.bfloat16)
-    with pytest.raises(TypeError):
-        cufuse.quantize_int8(x, 0.1)
-    assert launches == []
-
-
 BAD_SCALES = [0.0, -0.0, -1.0, -1e-3, np.nan, np.inf, -np.inf, np.float32(0.0), np.float64(-2.5)]
 
 

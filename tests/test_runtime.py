@@ -75,7 +75,9 @@ def test_load_source_inlines_local_includes_once():
 
 _EXPR = re.compile(r"(ew[123](?:_strided|_tiled)?|norm_rows(?:_cluster|_split|_stream|_pipe)?|reduce_(?:rows_block|rows|cols_deep|cols))"
                    r"<(\w+)(?:<[\w ,]+>)?, ([\w ]+)(?:, [\w ]+)*>")
-_CTYPE_NAMES = {"__half": "float16", "float": "float32", "double": "float64", "signed char": "int8"}
+_CTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32", "double": "float64",
+                "signed char": "int8"}
+FLOATS = {d.name for d in A.FLOAT_DTYPES}  # bfloat16 among them where ml_dtypes is installed
 
 
 # Constants held both by the host and by the kernels: (module, attribute,
@@ -120,13 +122,13 @@ def test_registry_has_every_op_and_dtype():
             labels.setdefault(label, set()).add(dtype)
     for name in ("add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout"):
         for label in (name, f"{name} (strided)", f"{name} (tiled)"):
-            assert labels.get(label) == {"float16", "float32", "float64"}, label
-    assert labels["quantize_int8"] == {"float16->int8", "float32->int8", "float64->int8"}
-    assert labels["dequantize_int8"] == {"int8->float16", "int8->float32", "int8->float64"}
+            assert labels.get(label) == FLOATS, label
+    assert labels["quantize_int8"] == {f"{f}->int8" for f in FLOATS}
+    assert labels["dequantize_int8"] == {f"int8->{f}" for f in FLOATS}
     for name in ("layer_norm", "layer_norm_relu", "rms_norm", "softmax", "log_softmax"):
-        assert labels[name] == {"float16", "float32", "float64"}, name
+        assert labels[name] == FLOATS, name
     for name in ("sum_squared", "mean_abs"):
-        assert {"float16", "float32", "float64"} <= labels[name], name
+        assert FLOATS <= labels[name], name
 
 
 def test_family_parts_share_one_source():
@@ -391,9 +393,9 @@ def test_packs_per_thread_of_every_signature():
             p = op._ppt(in_dt, out_dt)
             assert isinstance(p, int) and p >= 1, (op.name, in_dt, out_dt, p)
             assert isinstance(op._one_wave[(in_dt, out_dt)], bool), (op.name, in_dt, out_dt)
-    # one_wave: per-channel quantize on the last axis of float16/float32 data only (a periodic functor)
+    # one_wave: per-channel quantize on the last axis of 16-bit float and float32 data only (a periodic functor)
     waves = {(w, i.name) for (w, wide), op in Q._quant_ch.items() for (i, o), ow in op._one_wave.items() if ow}
-    assert waves == {(Q.ACROSS, "float16"), (Q.ACROSS, "float32")}, waves
+    assert waves == {(Q.ACROSS, f) for f in FLOATS - {"float64"}}, waves
     assert not any(ow for op in ops if op not in Q._quant_ch.values() for ow in op._one_wave.values())
 
 

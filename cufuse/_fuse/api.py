@@ -118,7 +118,7 @@ _INT_RANGE = {dt: (-(1 << (8 * dt.itemsize - 1)), (1 << (8 * dt.itemsize - 1)) -
 def _scalar_spec(x):
     if isinstance(x, (bool, np.bool_)):
         return ("scalar", np.dtype(np.bool_), False)
-    if isinstance(x, (np.integer, np.floating)):  # before float: numpy.float64 is a float
+    if isinstance(x, A.NP_SCALARS):  # before float: numpy.float64 is a float
         dt = np.dtype(type(x))
         return ("scalar", dt, False) if dt in G.INPUT_DTYPES else None
     if isinstance(x, int):
@@ -350,15 +350,15 @@ class Fused:
     # ------------------------------------------------------------ fallback
     def _run_numpy(self, sig, kind, arrays, params, shape, outs):
         torch_cpu = kind == A.TORCH_CPU
-        vals = [x.numpy() if torch_cpu else x for _, x in arrays]
+        vals = [A.torch_numpy(x) if torch_cpu else x for _, x in arrays]
         res = evaluate(sig.graph, vals, params, shape)
         final = []
         for r, o in zip(res, outs):
             if o is not None:
-                np.copyto(o.numpy() if torch_cpu else o, r)
+                np.copyto(A.torch_numpy(o) if torch_cpu else o, r)
                 final.append(o)
             else:
-                final.append(A.torch().from_numpy(r) if torch_cpu else r)
+                final.append(A.torch_from_numpy(r) if torch_cpu else r)
         return final
 
     # ----------------------------------------------------------------- GPU

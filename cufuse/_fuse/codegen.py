@@ -11,7 +11,7 @@ import numpy as np
 from . import graph as G
 
 STORAGE = {"bool": "bool", "int8": "signed char", "uint8": "unsigned char", "int16": "short", "int32": "int",
-           "int64": "long long", "uint64": "unsigned long long", "float16": "__half", "float32": "float",
+           "int64": "long long", "uint64": "unsigned long long", "float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float",
            "float64": "double"}
 BLOCK = 256  # threads per block: the driver's __launch_bounds__
 

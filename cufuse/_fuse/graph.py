@@ -16,27 +16,26 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import _arrays as A
+
 
 class TraceError(TypeError):
     """A construct that cufuse.fuse cannot trace (raised at trace time)."""
 
 
 # dtypes an array input may have, and every dtype a node may take
-INPUT_DTYPES = tuple(np.dtype(d) for d in (np.bool_, np.int8, np.uint8, np.int16, np.int32, np.int64,
-                                           np.float16, np.float32, np.float64))
+INPUT_DTYPES = tuple(np.dtype(d) for d in (np.bool_, np.int8, np.uint8, np.int16, np.int32, np.int64)) + \
+    A.FLOAT_DTYPES
 ASTYPE_DTYPES = INPUT_DTYPES
-_F16, _F32, _F64 = np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)
+_F16, _F32, _F64 = A.F16, A.F32, A.F64
 _BOOL, _I64, _U64 = np.dtype(np.bool_), np.dtype(np.int64), np.dtype(np.uint64)
 DTYPE_NAMES = ", ".join(d.name for d in INPUT_DTYPES)
 
 
-def is_float(dt):
-    return dt.kind == "f"
-
-
-def compute_dtype(dt):
-    """float16 is computed in float32, as in the hand-written kernels."""
-    return _F32 if dt == _F16 else dt
+# bfloat16 is a float (NumPy kind "V"); float16 and bfloat16 are computed in
+# float32, as in the hand-written kernels; bfloat16 promotes as A.result_type says
+is_float = A.is_float
+compute_dtype = A.compute_dtype
 
 
 def float_result(dt):
@@ -192,8 +191,8 @@ class Traced:
 
     def astype(self, dtype, copy=True):
         dt = _dtype_arg(dtype)
-        if dt == _F16 and self.dtype == _F16 and not self.weak:
-            # float16 values are held in float32 until stored: astype rounds them now
+        if dt in A.HALVES and self.dtype == dt and not self.weak:
+            # float16 / bfloat16 values are held in float32 until stored: astype rounds them now
             g = self.graph
             return Traced(g, g.add("cast", (self.node,), dt, dt), dt, ndim=self.ndim)
         return cast(self, dt)
@@ -262,9 +261,9 @@ def lift(g, v):
         return v
     if isinstance(v, (bool, np.bool_)):
         return param(g, ("const", bool(v)), _BOOL, weak=False)
-    if isinstance(v, (np.integer, np.floating)) and g.torch_float is not None:
+    if isinstance(v, A.NP_SCALARS) and g.torch_float is not None:
         v = v.item()  # torch: a NumPy scalar is a number like Python's
-    if isinstance(v, (np.integer, np.floating)):  # before float: numpy.float64 is a float
+    if isinstance(v, A.NP_SCALARS):  # before float: numpy.float64 is a float
         dt = np.dtype(type(v))
         if dt not in INPUT_DTYPES:
             raise TraceError(f"cufuse.fuse: a NumPy scalar of dtype {dt} is not supported; the dtypes are {DTYPE_NAMES}")
@@ -314,7 +313,7 @@ def _torch_pair(a, b):
         return a if b is None else b
     if is_float(a) != is_float(b):
         return a if is_float(a) else b
-    return np.promote_types(a, b)
+    return A.promote_types(a, b)
 
 
 def _torch_combine(higher, lower):
@@ -354,7 +353,7 @@ def promote(*vals):
     weak = [v.dtype for v in vals if v.weak]
     if not strong:  # Python scalars only: Python's own types
         return _F64 if any(is_float(d) for d in weak) else _I64
-    dt = np.result_type(*strong)
+    dt = A.result_type(*strong)
     for w in weak:
         if is_float(w) and not is_float(dt):
             dt = _F64

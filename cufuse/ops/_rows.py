@@ -24,7 +24,7 @@ def data_arg(name, x):
 
 
 def to_numpy(x, kind):
-    return x.numpy() if kind == A.TORCH_CPU else np.asarray(x)
+    return A.torch_numpy(x) if kind == A.TORCH_CPU else np.asarray(x)
 
 
 def from_numpy(res, kind, out):
@@ -34,7 +34,7 @@ def from_numpy(res, kind, out):
         return out
     if kind == A.TORCH_CPU:
         res = np.asarray(res)
-        return A.torch().from_numpy(res if res.flags.c_contiguous else res.copy())  # 0-d stays 0-d
+        return A.torch_from_numpy(res if res.flags.c_contiguous else res.copy())  # 0-d stays 0-d
     return res
 
 

@@ -28,16 +28,9 @@ from .. import _runtime as R
 FAMILY = "elementwise"  # kernels/elementwise.cu; ops may name another family that includes the driver
 _SCALAR_SHIFT = 56    # kernels/elementwise.cuh: kScalarShift
 _MAX_OPERANDS = 4     # kernels/elementwise.cuh: kMaxOperands
-_F16 = np.dtype(np.float16)
-_F32 = np.dtype(np.float32)
-_F64 = np.dtype(np.float64)
+_F16, _F32, _F64 = A.F16, A.F32, A.F64
 _bits = struct.Struct("<d").pack
 _as_int = struct.Struct("<q").unpack
-
-
-def _compute_dtype(dtype):
-    """float16 is computed in float32, like the kernels."""
-    return _F32 if dtype == _F16 else dtype
 
 
 def scalar_bits(s) -> int:
@@ -194,15 +187,15 @@ class ElementwiseOp:
         return self._run_fallback(plan, np_params or {})
 
     def _run_fallback(self, plan, np_params):
-        """NumPy: the same function, float16 computed in float32."""
-        cdt = _compute_dtype(plan.dtype)
+        """NumPy: the same function, float16 and bfloat16 computed in float32."""
+        cdt = A.compute_dtype(plan.dtype)
         torch_cpu = plan.kind == A.TORCH_CPU
         vals = []
         for x, s in zip(plan.operands, plan.scalars):
             if x is None:  # a scalar is rounded to the result dtype first, as NumPy does
                 vals.append(np.asarray(s, dtype=plan.dtype).astype(cdt))
             else:
-                arr = x.numpy() if torch_cpu else x
+                arr = A.torch_numpy(x) if torch_cpu else x
                 if arr.dtype.itemsize > plan.dtype.itemsize:  # a wider operand (torch's zero-dim rule): rounded
                     arr = arr.astype(plan.dtype)                # to the result dtype first, as on the GPU
                 vals.append(arr.astype(cdt, copy=False))
@@ -214,10 +207,10 @@ class ElementwiseOp:
                 res = np.array(np.broadcast_to(res, plan.shape))
             res = res.astype(plan.out_dtype, copy=False)
         if plan.out is not None:
-            target = plan.out.numpy() if torch_cpu else plan.out
+            target = A.torch_numpy(plan.out) if torch_cpu else plan.out
             np.copyto(target, res)
             return plan.out
-        return A.torch().from_numpy(res) if torch_cpu else res
+        return A.torch_from_numpy(res) if torch_cpu else res
 
     def _run_gpu(self, plan, params, key):
         kind, dt, odt, dev, shape = plan.kind, plan.dtype, plan.out_dtype, plan.device, plan.shape
@@ -412,13 +405,14 @@ def _dropout_numpy(x, *, approximate, seed, threshold, scale, dtype, lanes16):
     return np.where(keep, g * x.dtype.type(scale), x.dtype.type(0))
 
 
-# Packs per thread (ElementwiseOp's packs_per_thread): 4 for float16, else 1.
+# Packs per thread (ElementwiseOp's packs_per_thread): 4 for float16 (and
+# bfloat16, the same bytes per element), else 1.
 # H200, 50M as (rows, 1024), % of copy, 1 -> 4 (scratch/ew_probe.py, two
 # rounds alike): bias_gelu with a row bias, float16 erf 76.3 -> 82.6, tanh
 # 87.8 -> 92.2 (float32 96.8 / 98.4 at 1, 95.9 / 96.2 at 4); gelu_dropout
 # float16 62.6 -> 67.8, float32 85.3 -> 92.6.
 def _bias_gelu_ppt(in_dt, out_dt):
-    return 4 if out_dt == _F16 else 1
+    return 4 if out_dt in A.HALVES else 1
 
 
 _bias_gelu_ops = {
@@ -463,7 +457,8 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     >= floor(p * 2**B), the same on the GPU and in the NumPy fallback. The
     lanes are B-bit: B = 16 (L = 8, each word's low half, then its high
     half) for float16 results with 1/32 <= p <= 31/32, whose speed is bound
-    by the generator's arithmetic; B = 32 (L = 4, the four words) otherwise.
+    by the generator's arithmetic; B = 32 (L = 4, the four words) otherwise
+    (bfloat16 results included).
     ``seed=None`` draws the next
     seed from cufuse's generator (``cufuse.manual_seed`` makes it reproducible).
     ``approximate`` as in ``bias_gelu``. Takes one array; ``out=`` as in the other ops.

@@ -217,11 +217,11 @@ class _RowOp:
 # one group; rms_norm: longer than a cluster of 4 (32768 float32 / 65536
 # float16 columns; float32 rows of a cluster of 4 read the same either way);
 # softmax: longer than a cluster of 8 (131072 float16 columns) or than 65536
-# float32 columns; float16 layer_norm: never.
-_F16, _F32 = np.dtype(np.float16), np.dtype(np.float32)
-_PIPE_FROM = {"layer_norm": {_F32: _ONE_GROUP_PACKS + 1},
-              "rms_norm": {_F16: 4 * _CLUSTER_BLOCK_PACKS + 1, _F32: 4 * _CLUSTER_BLOCK_PACKS + 1},
-              "softmax": {_F16: 8 * _CLUSTER_BLOCK_PACKS + 1, _F32: 65536 // 4 + 1}}
+# float32 columns; float16 layer_norm: never. bfloat16 rows as float16 ones
+# (the same bytes per element; not swept separately).
+_PIPE_FROM = {"layer_norm": {A.F32: _ONE_GROUP_PACKS + 1},
+              "rms_norm": {**dict.fromkeys(A.HALVES, 4 * _CLUSTER_BLOCK_PACKS + 1), A.F32: 4 * _CLUSTER_BLOCK_PACKS + 1},
+              "softmax": {**dict.fromkeys(A.HALVES, 8 * _CLUSTER_BLOCK_PACKS + 1), A.F32: 65536 // 4 + 1}}
 _PIPE_FROM["layer_norm_relu"], _PIPE_FROM["log_softmax"] = _PIPE_FROM["layer_norm"], _PIPE_FROM["softmax"]
 _OPS = {name: _RowOp(name, functor, narrow, _PIPE_FROM[name]) for name, functor, narrow in (
     ("layer_norm", "LayerNorm<false>", True), ("layer_norm_relu", "LayerNorm<true>", True),
@@ -330,7 +330,7 @@ def _run(op, x, kind, dt, dev, lead, w, b, eps, out, np_impl, key):
     if 0 in shape:
         return out if out is not None else D.empty_like(x, kind)
     if kind not in A.GPU_KINDS:
-        cdt = np.float32 if dt == np.float16 else dt
+        cdt = A.compute_dtype(dt)
         vals = [None if a is None else _rows.to_numpy(a, kind).astype(cdt) for a in (x, w, b)]
         with np.errstate(all="ignore"):
             res = np.asarray(np_impl(*vals), dtype=cdt).astype(dt)

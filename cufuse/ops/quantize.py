@@ -20,8 +20,10 @@ from .. import _driver as D
 from .. import _runtime as R
 from .elementwise import ElementwiseOp, pack_width
 
-_F16, _F32, _F64, _I8 = (np.dtype(t) for t in (np.float16, np.float32, np.float64, np.int8))
-_FLOATS = (_F16, _F32, _F64)
+_F16, _F32, _F64, _I8 = A.F16, A.F32, A.F64, np.dtype(np.int8)
+_FLOATS = A.FLOAT_DTYPES
+# Launch shapes below were measured for float16; bfloat16 (the same bytes per
+# element, the same float32 arithmetic) takes float16's.
 _CHANNEL_PARAMS = ("unsigned long long", "unsigned long long", "long long", "unsigned long long",
                    "long long", "unsigned long long")
 
@@ -64,10 +66,11 @@ def _dequantize_np(q, scale, zero_point, real):
 _QUANT_FAST = D.FastPath("quantize_int8")
 _quant = ElementwiseOp("quantize_int8", lambda i, o: f"Quantize<{_rname(i)}, {'false' if i == _F64 else 'true'}>", 1,
                        _quantize_np, signatures=[(d, _I8) for d in _FLOATS], params=("double", "double"),
-                       family="quantize", packs_per_thread=lambda i, o: 4 if i == _F16 else 1, fast=_QUANT_FAST)
+                       family="quantize", packs_per_thread=lambda i, o: 4 if i in A.HALVES else 1, fast=_QUANT_FAST)
 # float scales outside reciprocal_ok's range divide per element (kernels/quantize.cu: Quantize)
 _quant_div = ElementwiseOp("quantize_int8", "Quantize<float, false>", 1, _quantize_np,
-                           signatures=[(_F16, _I8), (_F32, _I8)], params=("double", "double"), family="quantize:div",
+                           signatures=[(d, _I8) for d in _FLOATS if d != _F64], params=("double", "double"),
+                           family="quantize:div",
                            fast=_QUANT_FAST)
 
 
@@ -80,7 +83,7 @@ def _reciprocal_ok(s, z):
 
 
 def _quant_per_tensor(in_dt, s, z):
-    return _quant if in_dt not in (_F16, _F32) or _reciprocal_ok(s, z) else _quant_div
+    return _quant if in_dt == _F64 or _reciprocal_ok(s, z) else _quant_div
 
 
 # Per channel: one op per walk (kernels/quantize.cu ChannelWalk: how a pack of
@@ -121,7 +124,7 @@ def _quant_pack_bytes(walk, in_dt, out_dt):
     float32 last axis 73.5 (16) -> 85.5 (8), axis 0 92.0 -> 92.9; float16
     axis 0 82.5 -> 76.5; float16 last axis in the periodic kernel 61.2 (8)
     against 56.2 (16) (scratch/quant_probe.py)."""
-    return 8 if in_dt == _F32 or (walk == ACROSS and in_dt == _F16) else 16
+    return 8 if in_dt == _F32 or (walk == ACROSS and in_dt in A.HALVES) else 16
 
 
 def _walk(n, inner, nch, width, ptrs, itemsize):
@@ -143,7 +146,7 @@ def _walk(n, inner, nch, width, ptrs, itemsize):
 
 _quant_ch = _channel_ops("quantize_int8", "QuantizeCh", lambda i, o: i, _quantize_np, [(d, _I8) for d in _FLOATS],
                          _quant_pack_bytes,
-                         lambda w, i, o: 4 if (w, i) == (IN_CHANNEL, _F16) else 1,
+                         lambda w, i, o: 4 if w == IN_CHANNEL and i in A.HALVES else 1,
                          lambda w, i, o: w == ACROSS and i != _F64)
 _dequant = ElementwiseOp("dequantize_int8", lambda i, o: f"Dequantize<{_rname(o)}>", 1, _dequantize_np,
                          signatures=[(_I8, d) for d in _FLOATS], params=("double", "double"), family="quantize",
@@ -193,7 +196,7 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
     if vk in (A.TORCH_CPU, A.TORCH_CUDA):
         A.check_grad(arr, name)
     if dt not in _FLOATS:
-        raise TypeError(f"cufuse.{name}: {what} has dtype {dt}; accepted dtypes are float16, float32, float64")
+        raise TypeError(f"cufuse.{name}: {what} has dtype {dt}; accepted dtypes are {A.FLOAT_NAMES}")
     if tuple(arr.shape) != (nch,):
         raise ValueError(f"cufuse.{name}: {what} has shape {tuple(arr.shape)}; axis {axis} of the data "
                          f"has length {nch}, so ({nch},) is needed")
@@ -308,7 +311,7 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
     else:  # the fallback broadcasts the parameters along ``axis``
         bshape = (x.shape[axis],) + (1,) * (ndim - axis - 1)
         for key, v in (("scale", sc), ("zero_point", zp)):
-            np_params[key] = (v.detach().numpy() if A.is_torch_tensor(v) else np.asarray(v)).astype(real).reshape(bshape)
+            np_params[key] = (A.torch_numpy(v) if A.is_torch_tensor(v) else np.asarray(v)).astype(real).reshape(bshape)
         if in_dt == _I8:
             np_params["real"] = real
     res = per_channel[walk].call((x,), out, out_dtype=out_dtype, params=params, np_params=np_params,
@@ -321,7 +324,7 @@ def quantize_int8(x: Array, /, scale: Operand, zero_point: Operand = 0.0, axis: 
                   out: Array | None = None) -> Array:
     """int8 quantization: clamp(rint(x / scale + zero_point), -128, 127).
 
-    ``x``: a float16/float32/float64 array (NumPy, CuPy or torch). Rounding is
+    ``x``: a float16/bfloat16/float32/float64 array (NumPy, CuPy or torch). Rounding is
     half to even and the division is a true division, computed in float32
     (float64 for float64 data), so results equal NumPy's
     ``np.clip(np.rint(x / scale + zero_point), -128, 127)`` bit for bit. NaN
@@ -345,7 +348,7 @@ def dequantize_int8(q: Array, /, scale: Operand, zero_point: Operand = 0.0, axis
     """int8 dequantization: (q - zero_point) * scale, in ``dtype``.
 
     ``q``: an int8 array. Computed in float32 (float64 when ``dtype`` is
-    float64) and rounded once to ``dtype`` (float16, float32 or float64; a
+    float64) and rounded once to ``dtype`` (float16, bfloat16, float32 or float64; a
     torch dtype is accepted too). ``scale``/``zero_point``/``axis`` as in
     ``quantize_int8``.
     """

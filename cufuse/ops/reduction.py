@@ -24,7 +24,7 @@ _PACKS_PER_THREAD = 32      # short rows (reduce_rows): 16-byte packs each threa
 _COL_BLOCKS_PER_SM = 4      # column reductions: rows are split while there are fewer 256-thread blocks per SM
 # dtypes whose column reductions take reduce_cols_deep (12 rows in flight per
 # thread; kernels/reduction.cu has the measurements), and its blocks per SM
-_COL_DEEP = {np.dtype(np.float16): 1}
+_COL_DEEP = dict.fromkeys(A.HALVES, 1)  # (bfloat16 as float16: the same bytes per element)
 _F32, _F64 = np.dtype(np.float32), np.dtype(np.float64)
 
 
@@ -331,9 +331,9 @@ _mean_abs = _Reduction("mean_abs", "Abs", mean=True)
 def sum_squared(x: Array, axis: int | tuple[int, ...] | None = -1, keepdims: bool = False, dtype: DType = None,
                 *, out: Array | None = None) -> Array:
     """sum(x * x) over ``axis`` (an int, a tuple of ints, or None for all),
-    with NumPy's ``keepdims``. float16 and float32 accumulate in float32,
+    with NumPy's ``keepdims``. float16, bfloat16 and float32 accumulate in float32,
     float64 in float64 (also when ``dtype=float64``); the result has x's
-    dtype unless ``dtype`` (float16/32/64, NumPy or torch spelling) says
+    dtype unless ``dtype`` (float16, bfloat16, float32, float64; NumPy or torch spelling) says
     otherwise. Fast paths: the last axes and the first axes of a contiguous
     array; any other axis or layout is correct (through a copy). Returns x's
     kind; ``out=`` receives the result."""
