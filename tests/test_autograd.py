@@ -226,3 +226,64 @@ def test_row_ops_opcheck_and_compile(device):
     block(*ins2).backward()
     for a, t in zip(got, ins2):
         torch.testing.assert_close(a, t.grad, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------- the one-pass norm backward kernel
+NORM_BWD_SHAPES = [(5, 24), (1000, 768), (300, 4096), (33, 8192), (2, 5, 256)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64] + BF16, ids=str)
+@pytest.mark.parametrize("kind", ["layer", "layer_relu", "rms"])
+@pytest.mark.parametrize("shape", NORM_BWD_SHAPES, ids=str)
+def test_norm_backward_kernel(kind, shape, dtype):
+    """kernels/norm_backward.cu (one block per row, NP packs per thread,
+    blocks looping over rows, partial column sums summed over blocks)
+    against torch's autograd of its own layer_norm / rms_norm in float64,
+    with and without weight and bias; rows it does not take (a partial
+    pack, or longer than 2 packs per thread) return None."""
+    from cufuse.ops.norm import backward_rows
+    n = shape[-1]
+    tol = TOL[dtype]
+    fits = n * torch.empty((), dtype=dtype).element_size() <= 512 * 2 * 16
+    for affine in (True, False):
+        g = torch.Generator().manual_seed(n + len(shape))
+        x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 0.5).to(dtype).cuda()
+        w = (torch.randn(n, generator=g, dtype=torch.float64)).to(dtype).cuda() if affine else None
+        b = (torch.randn(n, generator=g, dtype=torch.float64)).to(dtype).cuda() if affine and kind != "rms" else None
+        dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).cuda()
+        res = backward_rows(kind, dy, x, n, w, b, 1e-5)
+        if not fits:
+            assert res is None
+            continue
+        assert res is not None
+        ref_in = [t.double().requires_grad_(True) if t is not None else None for t in (x, w, b)]
+        xr, wr, br = ref_in
+        if kind == "rms":
+            y = TF.rms_norm(xr, (n,), wr, 1e-5)
+        else:
+            y = TF.layer_norm(xr, (n,), wr, br, 1e-5)
+            if kind == "layer_relu":
+                y = torch.relu(y)
+        y.backward(dy.double())
+        for got, want, what in zip(res, (xr.grad, wr.grad if wr is not None else None,
+                                         br.grad if br is not None else None), ("dx", "dw", "db")):
+            if want is None:
+                assert got is None, what
+                continue
+            assert got.dtype == dtype and got.shape == want.shape, what
+            scale = max(1.0, float(want.abs().max()))
+            torch.testing.assert_close(got.double(), want, rtol=tol[0] * 4, atol=tol[1] * 4 * scale,
+                                       msg=f"{kind} {shape} {dtype} affine={affine}: {what}")
+
+
+@pytest.mark.cuda
+def test_norm_backward_kernel_declines():
+    """Rows of a partial pack or misaligned rows go to the generated kernels."""
+    from cufuse.ops.norm import backward_rows
+    x = torch.randn(4, 30, device="cuda", dtype=torch.bfloat16 if BF16 else torch.float16)
+    assert backward_rows("layer", x, x, 30, None, None, 1e-5) is None  # 30 is no whole number of 8-element packs
+    y = torch.randn(4 * 64 + 8, device="cuda")[8:].view(4, 64)  # 32-byte offset: aligned; 4 bytes: not
+    assert backward_rows("rms", y, y, 64, None, None, 1e-5) is not None
+    z = torch.randn(4 * 64 + 1, device="cuda")[1:].view(4, 64)
+    assert backward_rows("rms", z, z, 64, None, None, 1e-5) is None

@@ -229,6 +229,63 @@ _OPS = {name: _RowOp(name, functor, narrow, _PIPE_FROM[name]) for name, functor,
     ("log_softmax", "Softmax<true>", False))}
 
 
+# ------------------------------------------------------------------ backward
+# kernels/norm_backward.cu: dx of layer_norm / layer_norm_relu / rms_norm in
+# one pass (x and g read once, dx written once) and per-block partial column
+# sums for dweight / dbias, for rows of whole 16-byte packs that a block of
+# at most 512 threads holds in NP <= 2 packs per thread (8192 16-bit, 4096
+# float32, 2048 float64 columns); other rows take the generated kernels of
+# cufuse/_autograd.py.
+_BWD_FAMILY = "norm_backward"
+_BWD_NP = (1, 2)
+_BWD_THREADS = 512
+_BWD_KINDS = {"layer": ("true", "false"), "layer_relu": ("true", "true"), "rms": ("false", "false")}
+_BWD_EXPRS = {(dt, kind, np_): R.register(f"{_BWD_FAMILY}:{dt.name}",
+                                          R.name_expression("norm_backward", ct, str(np_), *flags),
+                                          "norm backward", dt.name)
+              for dt, ct in R.FLOAT_CTYPES.items() for kind, flags in _BWD_KINDS.items() for np_ in _BWD_NP}
+
+
+def backward_rows(kind, g, x, n, w, b, eps):
+    """(dx, dw or None, db or None) of the norm ``kind`` ("layer",
+    "layer_relu", "rms") over the last ``n`` elements of CUDA tensors, from
+    kernels/norm_backward.cu on torch's current stream; None where the rows
+    do not fit it (the caller then takes the generated kernels)."""
+    import torch
+    dt = A.torch_to_numpy_dtype(x.dtype)
+    isz = x.element_size()
+    v = 16 // isz
+    if dt not in R.FLOAT_CTYPES or n % v or g.dtype != x.dtype or any(
+            a is not None and (a.dtype != x.dtype or a.numel() != n) for a in (w, b)):
+        return None
+    npack = n // v
+    np_ = next((k for k in _BWD_NP if npack <= _BWD_THREADS * k), None)
+    if np_ is None:
+        return None
+    x, g = x.contiguous(), g.contiguous()
+    w = w.contiguous() if w is not None else None
+    b = b.contiguous() if b is not None else None
+    if any(a is not None and a.data_ptr() % 16 for a in (x, g, w, b)):
+        return None
+    rows = x.numel() // n
+    threads = min(_BWD_THREADS, max(32, 1 << (-(-npack // np_) - 1).bit_length()))
+    dev = x.get_device()
+    grid = max(1, min(rows, R.sm_count(dev) * (2048 // threads)))
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dx = torch.empty_like(x)
+    pw = torch.empty((grid, n), dtype=acc, device=x.device) if w is not None else None
+    pb = torch.empty((grid, n), dtype=acc, device=x.device) if b is not None else None
+    if rows:
+        fn = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _BWD_EXPRS[(dt, kind, np_)], dev)
+        ptr = [np.uint64(a.data_ptr() if a is not None else 0) for a in (dx, pw, pb, g, x, w, b)]
+        with R._cp.cuda.Device(dev):
+            fn((grid,), (threads,), (*ptr, np.int64(rows), np.int32(n), float(eps)),
+               stream=D.stream_for(A.TORCH_CUDA, dev))
+    dw = pw.sum(0).to(w.dtype).reshape(w.shape) if w is not None else None  # the second stage: over the blocks
+    db = pb.sum(0).to(b.dtype).reshape(b.shape) if b is not None else None
+    return dx, dw, db
+
+
 # --------------------------------------------------------------- validation
 def _normalized_shape(name, x, normalized_shape):
     ns = (normalized_shape,) if isinstance(normalized_shape, (int, np.integer)) else normalized_shape

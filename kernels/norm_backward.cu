@@ -1,0 +1,176 @@
+// cufuse: backward of layer_norm (+relu) and rms_norm over rows of `cols`
+// contiguous elements, in one pass over memory: read x and g once, write dx
+// once. A block (of blockDim.x threads) holds one row at a time in
+// registers, NP packs of V elements per thread, in the storage type; the
+// blocks loop over rows blockIdx.x, blockIdx.x + gridDim.x, ...
+//
+// Per row (compute type C: float for float16/bfloat16/float32, double for
+// float64), n = cols, the statistics recomputed from the held row as the
+// forward computes them (two passes, never E[x^2] - E[x]^2):
+//   mean = sum(x) / n (layer_norm; 0 for rms_norm),
+//   rstd = 1 / sqrt(sum((x - mean)^2) / n + eps)  (rms_norm: sum(x^2) / n),
+//   xhat = (x - mean) rstd, gm = g (layer_norm_relu: g where xhat w + b > 0),
+//   gw = gm w, s1 = sum(gw) / n, s2 = sum(gw xhat) / n,
+//   dx = rstd (gw - s1 - xhat s2)           (rms_norm: without s1).
+// The weight and bias gradients are column sums over the rows of gm xhat and
+// gm: each thread adds its columns of every row its block holds in C
+// registers and writes its block's partial sums, pw[blockIdx.x][col] and
+// pb[...], which the host sums over the blocks (the second stage). Nothing is
+// added atomically: the result does not depend on timing.
+//
+// Rows must be whole 16-byte packs at 16-byte aligned addresses (the host
+// checks: cufuse/_autograd.py); other rows take the generated-kernel path.
+#include "common.cuh"
+
+namespace cufuse {
+
+constexpr int kNormBwdMaxThreads = 512;
+
+// Sum of (a, b) over the block; every thread gets it. `red` holds one pair
+// per warp; the __syncthreads before the writes keeps one call's reads apart
+// from the next call's writes.
+template <typename C> __device__ __forceinline__ void block_sum2(C& a, C& b, C (*red)[2]) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        a += __shfl_xor_sync(0xffffffffu, a, o);
+        b += __shfl_xor_sync(0xffffffffu, b, o);
+    }
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) {
+        red[warp][0] = a;
+        red[warp][1] = b;
+    }
+    __syncthreads();
+    a = red[0][0];
+    b = red[0][1];
+    for (int w = 1; w < warps; ++w) {  // the same order in every thread: the same bits
+        a += red[w][0];
+        b += red[w][1];
+    }
+}
+
+}  // namespace cufuse
+
+// (global namespace: short name expressions)
+template <typename T, int NP, bool Center, bool Relu>
+__global__ void __launch_bounds__(cufuse::kNormBwdMaxThreads)
+norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse::compute_t<T>* __restrict__ pb,
+              const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
+              const T* __restrict__ b, long long rows, int cols, double eps) {
+    using namespace cufuse;
+    using C = compute_t<T>;
+    constexpr int V = 16 / sizeof(T);
+    using P = Pack<T, V>;
+    __shared__ C red[kNormBwdMaxThreads / 32][2];
+    const int npack = cols / V;
+    const C inv_n = C(1) / static_cast<C>(cols);
+    bool has[NP];
+    C wv[NP][V], bv[NP][V], aw[NP][V], ab[NP][V];
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+        const int k = threadIdx.x + j * blockDim.x;
+        has[j] = k < npack;
+        P pwk, pbk;
+        if (has[j] && w) pwk = load_pack(reinterpret_cast<const P*>(w) + k);
+        if (has[j] && b) pbk = load_pack(reinterpret_cast<const P*>(b) + k);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+            wv[j][v] = (has[j] && w) ? to_compute<C>(pwk.v[v]) : C(1);
+            bv[j][v] = (has[j] && b) ? to_compute<C>(pbk.v[v]) : C(0);
+            aw[j][v] = ab[j][v] = C(0);
+        }
+    }
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const P* xr = reinterpret_cast<const P*>(x + r * cols);
+        const P* gr = reinterpret_cast<const P*>(g + r * cols);
+        P xp[NP], gp[NP];
+#pragma unroll
+        for (int j = 0; j < NP; ++j) {
+            const int k = threadIdx.x + j * blockDim.x;
+            if (has[j]) {
+                xp[j] = load_pack(xr + k);
+                gp[j] = load_pack(gr + k);
+            }
+        }
+        C mean = C(0), rstd;
+        {
+            C s = C(0), unused = C(0);
+            if (Center) {
+#pragma unroll
+                for (int j = 0; j < NP; ++j)
+                    if (has[j]) {
+                        C t[V];
+                        unpack(xp[j], t);
+#pragma unroll
+                        for (int v = 0; v < V; ++v) s += t[v];
+                    }
+                block_sum2(s, unused, red);
+                mean = s * inv_n;
+                s = C(0);
+            }
+#pragma unroll
+            for (int j = 0; j < NP; ++j)
+                if (has[j]) {
+                    C t[V];
+                    unpack(xp[j], t);
+#pragma unroll
+                    for (int v = 0; v < V; ++v) {
+                        const C d = t[v] - mean;
+                        s += d * d;
+                    }
+                }
+            block_sum2(s, unused, red);
+            rstd = C(1) / cufuse::math::sqrt(s * inv_n + static_cast<C>(eps));
+        }
+        C s1 = C(0), s2 = C(0);
+#pragma unroll
+        for (int j = 0; j < NP; ++j)
+            if (has[j]) {
+                C t[V], gg[V];
+                unpack(xp[j], t);
+                unpack(gp[j], gg);
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    const C xh = (t[v] - mean) * rstd;
+                    const C gm = (!Relu || xh * wv[j][v] + bv[j][v] > C(0)) ? gg[v] : C(0);
+                    const C gw = gm * wv[j][v];
+                    s1 += gw;
+                    s2 += gw * xh;
+                    aw[j][v] += gm * xh;
+                    ab[j][v] += gm;
+                }
+            }
+        block_sum2(s1, s2, red);
+        s1 = Center ? s1 * inv_n : C(0);
+        s2 *= inv_n;
+        P* dr = reinterpret_cast<P*>(dx + r * cols);
+#pragma unroll
+        for (int j = 0; j < NP; ++j)
+            if (has[j]) {
+                C t[V], gg[V];
+                unpack(xp[j], t);
+                unpack(gp[j], gg);
+                P o;
+#pragma unroll
+                for (int v = 0; v < V; ++v) {
+                    const C xh = (t[v] - mean) * rstd;
+                    const C gm = (!Relu || xh * wv[j][v] + bv[j][v] > C(0)) ? gg[v] : C(0);
+                    o.v[v] = from_compute<T>(rstd * (gm * wv[j][v] - s1 - xh * s2));
+                }
+                store_pack(dr + threadIdx.x + j * blockDim.x, o);
+            }
+    }
+    if (pw == nullptr && pb == nullptr) return;
+#pragma unroll
+    for (int j = 0; j < NP; ++j)
+        if (has[j]) {
+            const long long c0 = static_cast<long long>(blockIdx.x) * cols +
+                                 static_cast<long long>(threadIdx.x + j * blockDim.x) * V;
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                if (pw) pw[c0 + v] = aw[j][v];
+                if (pb) pb[c0 + v] = ab[j][v];
+            }
+        }
+}
