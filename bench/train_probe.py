@@ -1,8 +1,9 @@
 """Forward + backward of the differentiable ops against torch eager,
 torch.compile and Liger-Kernel, same run (python3 bench/train_probe.py [dtype]).
 
-Per op and shape: median of CUDA-event timings of y = op(...); y.backward(g)
-after a warm-up (gradients set to None between calls), and the bytes a
+Per op and shape: median of CUDA-event timings of 10 back-to-back steps
+y = op(...); y.backward(g) after a warm-up (gradients set to None between
+steps), per step, and the bytes a
 fused forward + backward must move at least (forward: read x, write y;
 backward: read g and x (or y), write dx; weight/bias reads and their
 gradients are small), as % of the copy bandwidth measured in the same run.
@@ -22,7 +23,10 @@ REPS = 20
 SHAPES = [(4096, 4096), (16384, 4096), (4096, 8192)]
 
 
-def timed(fn):
+def timed(fn, inner=10):
+    """Median over REPS of the time per step of ``inner`` back-to-back steps
+    (the host queues ahead: device time where the GPU is the bound, host
+    time where the host is)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -30,10 +34,11 @@ def timed(fn):
     for _ in range(REPS):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        for _ in range(inner):
+            fn()
         b.record()
         b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
+        ts.append(a.elapsed_time(b) * 1e3 / inner)
     return statistics.median(ts)
 
 
