@@ -54,7 +54,48 @@ def call(name, approximate, args, out=None):
                            "tracing (as torch's out= arguments); call it without out=, or under torch.no_grad()")
     register()
     flat = _pairs(args)
-    return _OPS[name](*flat) if approximate is None else _OPS[name](*flat, approximate)
+    return _dispatch(_OPS[name], *flat) if approximate is None else _dispatch(_OPS[name], *flat, approximate)
+
+
+def _dispatch(opdef, *inputs):
+    """The registered operator under torch.compile; in eager mode its own
+    forward, setup and backward through one torch.autograd.Function, which
+    skips the dispatcher's per-call cost (about 0.4 ms per forward + backward
+    on an H200 host, against 0.1 ms for torch's own ops)."""
+    if compiling():
+        return opdef(*inputs)
+    return _eager_function().apply(opdef, *inputs)
+
+
+_EAGER: list = []
+
+
+def _eager_function():
+    if _EAGER:
+        return _EAGER[0]
+    import torch
+
+    class EagerOp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, opdef, *inputs):
+            out = opdef._init_fn(*inputs)  # grad mode is off here: the op's direct path
+            ctx.opdef, ctx.eager = opdef, True
+            opdef._setup_context_fn(ctx, inputs, out)
+            return out
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *grads):
+            return (None, *ctx.opdef._backward_fn(ctx, *grads))
+
+    _EAGER.append(EagerOp)
+    return EagerOp
+
+
+def _direct(ctx, opdef):
+    """A backward operator as a plain call where the forward ran eagerly
+    (EagerOp), else the registered operator (traced by torch.compile)."""
+    return opdef._init_fn if getattr(ctx, "eager", False) else opdef
 
 
 def _meta_result(*operands):
@@ -141,8 +182,8 @@ def register():
     def grad_fn(ctx, g):
         *ins, y = ctx.saved_tensors
         uses_in = ctx.saved != "out"
-        got = backward(ctx.key, g, list(ins) if uses_in else [], list(ctx.nums) if uses_in else [],
-                       y if ctx.saved != "in" else None)
+        got = _direct(ctx, backward)(ctx.key, g, list(ins) if uses_in else [], list(ctx.nums) if uses_in else [],
+                                     y if ctx.saved != "in" else None)
         # per operand: the one gradient shared by all (add_relu ...), or its own; fma's v gets g itself
         if ctx.key == "fma":
             grads = [got[0], got[1], g]
@@ -225,7 +266,7 @@ def _register_rows(torch):
         n = 1
         for d in ctx.ns:
             n *= d
-        dx, dw, db = norm_backward(kind, g, x, n, w, b, ctx.eps)
+        dx, dw, db = _direct(ctx, norm_backward)(kind, g, x, n, w, b, ctx.eps)
         return dx, (dw if w is not None else None), (db if b is not None else None)
 
     def ln_setup(ctx, inputs, output):
@@ -253,7 +294,7 @@ def _register_rows(torch):
 
     def sm_grad(ctx, g):
         (y,) = ctx.saved_tensors
-        return softmax_backward(g, y, ctx.axis, ctx.log), None, None
+        return _direct(ctx, softmax_backward)(g, y, ctx.axis, ctx.log), None, None
 
     layer_norm.register_autograd(ln_grad, setup_context=ln_setup)
     rms_norm.register_autograd(rms_grad, setup_context=rms_setup)
@@ -264,4 +305,4 @@ def _register_rows(torch):
 def call_row(name, *args):
     """A row op through its registered operator (see ``call``)."""
     register()
-    return _OPS[name](*args)
+    return _dispatch(_OPS[name], *args)
