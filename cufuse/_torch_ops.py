@@ -74,11 +74,14 @@ def _eager_function():
     if _EAGER:
         return _EAGER[0]
     import torch
+    Tensor = torch.Tensor
 
     class EagerOp(torch.autograd.Function):
         @staticmethod
         def forward(ctx, opdef, *inputs):
-            out = opdef._init_fn(*inputs)  # grad mode is off here: the op's direct path
+            # the op's direct path on detached tensors: those take its per-signature fast path
+            # (tensors that require grad never do); the saved ones are the inputs themselves
+            out = opdef._init_fn(*[t.detach() if isinstance(t, Tensor) else t for t in inputs])
             ctx.opdef, ctx.eager = opdef, True
             opdef._setup_context_fn(ctx, inputs, out)
             return out

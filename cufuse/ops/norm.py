@@ -246,40 +246,56 @@ _BWD_EXPRS = {(dt, kind, np_): R.register(f"{_BWD_FAMILY}:{dt.name}",
               for dt, ct in R.FLOAT_CTYPES.items() for kind, flags in _BWD_KINDS.items() for np_ in _BWD_NP}
 
 
+_BWD_PLANS: dict = {}  # (torch dtype, kind, n, device) -> (kernel, threads, blocks per SM, acc dtype), or None
+
+
+def _bwd_plan(kind, tdt, n, dev):
+    key = (tdt, kind, n, dev)
+    plan = _BWD_PLANS.get(key, False)
+    if plan is False:
+        import torch
+        dt = A.torch_to_numpy_dtype(tdt)
+        plan = None
+        if dt in R.FLOAT_CTYPES and n % (16 // dt.itemsize) == 0:
+            npack = n // (16 // dt.itemsize)
+            np_ = next((k for k in _BWD_NP if npack <= _BWD_THREADS * k), None)
+            if np_ is not None:
+                threads = min(_BWD_THREADS, max(32, 1 << (-(-npack // np_) - 1).bit_length()))
+                fn = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _BWD_EXPRS[(dt, kind, np_)], dev)
+                plan = (fn, threads, R.sm_count(dev) * (2048 // threads),
+                        torch.float64 if dt == A.F64 else torch.float32)
+        _BWD_PLANS[key] = plan
+    return plan
+
+
 def backward_rows(kind, g, x, n, w, b, eps):
     """(dx, dw or None, db or None) of the norm ``kind`` ("layer",
     "layer_relu", "rms") over the last ``n`` elements of CUDA tensors, from
     kernels/norm_backward.cu on torch's current stream; None where the rows
     do not fit it (the caller then takes the generated kernels)."""
     import torch
-    dt = A.torch_to_numpy_dtype(x.dtype)
-    isz = x.element_size()
-    v = 16 // isz
-    if dt not in R.FLOAT_CTYPES or n % v or g.dtype != x.dtype or any(
-            a is not None and (a.dtype != x.dtype or a.numel() != n) for a in (w, b)):
+    if g.dtype != x.dtype or any(a is not None and (a.dtype != x.dtype or a.numel() != n) for a in (w, b)):
         return None
-    npack = n // v
-    np_ = next((k for k in _BWD_NP if npack <= _BWD_THREADS * k), None)
-    if np_ is None:
+    dev = x.get_device()
+    plan = _bwd_plan(kind, x.dtype, n, dev)
+    if plan is None:
         return None
+    fn, threads, most, acc = plan
     x, g = x.contiguous(), g.contiguous()
     w = w.contiguous() if w is not None else None
     b = b.contiguous() if b is not None else None
     if any(a is not None and a.data_ptr() % 16 for a in (x, g, w, b)):
         return None
     rows = x.numel() // n
-    threads = min(_BWD_THREADS, max(32, 1 << (-(-npack // np_) - 1).bit_length()))
-    dev = x.get_device()
-    grid = max(1, min(rows, R.sm_count(dev) * (2048 // threads)))
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    grid = max(1, min(rows, most))
     dx = torch.empty_like(x)
-    pw = torch.empty((grid, n), dtype=acc, device=x.device) if w is not None else None
-    pb = torch.empty((grid, n), dtype=acc, device=x.device) if b is not None else None
+    part = torch.empty if rows else torch.zeros  # (no rows: nothing to add, zero gradients)
+    pw = part((grid, n), dtype=acc, device=x.device) if w is not None else None
+    pb = part((grid, n), dtype=acc, device=x.device) if b is not None else None
     if rows:
-        fn = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _BWD_EXPRS[(dt, kind, np_)], dev)
-        ptr = [np.uint64(a.data_ptr() if a is not None else 0) for a in (dx, pw, pb, g, x, w, b)]
         with R._cp.cuda.Device(dev):
-            fn((grid,), (threads,), (*ptr, np.int64(rows), np.int32(n), float(eps)),
+            fn((grid,), (threads,), (*[0 if a is None else a.data_ptr() for a in (dx, pw, pb, g, x, w, b)],
+                                     np.int64(rows), np.int32(n), float(eps)),
                stream=D.stream_for(A.TORCH_CUDA, dev))
     dw = pw.sum(0).to(w.dtype).reshape(w.shape) if w is not None else None  # the second stage: over the blocks
     db = pb.sum(0).to(b.dtype).reshape(b.shape) if b is not None else None
