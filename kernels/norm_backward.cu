@@ -174,3 +174,51 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
             }
         }
 }
+
+// dx of softmax (y (g - sum(g y))) and log_softmax (g - exp(y) sum(g)) from
+// the saved output y, rows as above: y and g read once, dx written once.
+template <typename T, int NP, bool Log>
+__global__ void __launch_bounds__(cufuse::kNormBwdMaxThreads)
+softmax_backward(T* __restrict__ dx, const T* __restrict__ g, const T* __restrict__ y, long long rows, int cols) {
+    using namespace cufuse;
+    using C = compute_t<T>;
+    constexpr int V = 16 / sizeof(T);
+    using P = Pack<T, V>;
+    __shared__ C red[kNormBwdMaxThreads / 32][2];
+    const int npack = cols / V;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const P* yr = reinterpret_cast<const P*>(y + r * cols);
+        const P* gr = reinterpret_cast<const P*>(g + r * cols);
+        P yp[NP], gp[NP];
+        C s = C(0), unused = C(0);
+#pragma unroll
+        for (int j = 0; j < NP; ++j) {
+            const int k = threadIdx.x + j * blockDim.x;
+            if (k < npack) {
+                yp[j] = load_pack(yr + k);
+                gp[j] = load_pack(gr + k);
+                C t[V], gg[V];
+                unpack(yp[j], t);
+                unpack(gp[j], gg);
+#pragma unroll
+                for (int v = 0; v < V; ++v) s += Log ? gg[v] : gg[v] * t[v];
+            }
+        }
+        block_sum2(s, unused, red);
+        P* dr = reinterpret_cast<P*>(dx + r * cols);
+#pragma unroll
+        for (int j = 0; j < NP; ++j) {
+            const int k = threadIdx.x + j * blockDim.x;
+            if (k < npack) {
+                C t[V], gg[V];
+                unpack(yp[j], t);
+                unpack(gp[j], gg);
+                P o;
+#pragma unroll
+                for (int v = 0; v < V; ++v)
+                    o.v[v] = from_compute<T>(Log ? gg[v] - cufuse::math::exp(t[v]) * s : t[v] * (gg[v] - s));
+                store_pack(dr + k, o);
+            }
+        }
+    }
+}

@@ -287,3 +287,31 @@ def test_norm_backward_kernel_declines():
     assert backward_rows("rms", y, y, 64, None, None, 1e-5) is not None
     z = torch.randn(4 * 64 + 1, device="cuda")[1:].view(4, 64)
     assert backward_rows("rms", z, z, 64, None, None, 1e-5) is None
+
+
+SOFTMAX_BWD_SHAPES = [(5, 24), (1000, 768), (64, 4096), (16, 32000), (3, 4, 256), (0, 64)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64] + BF16, ids=str)
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize("shape", SOFTMAX_BWD_SHAPES, ids=str)
+def test_softmax_backward_kernel(log, shape, dtype):
+    """kernels/norm_backward.cu softmax_backward against torch's autograd of
+    its own softmax / log_softmax in float64, from the rounded output."""
+    from cufuse.ops.norm import softmax_backward_rows
+    n = shape[-1]
+    g = torch.Generator().manual_seed(n + len(shape))
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).requires_grad_(True)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64)
+    y = (torch.log_softmax if log else torch.softmax)(x, -1)
+    y.backward(dy)
+    got = softmax_backward_rows(dy.to(dtype).cuda(), y.detach().to(dtype).cuda(), log)
+    fits = n * torch.empty((), dtype=dtype).element_size() <= 512 * 8 * 16
+    if not fits:
+        assert got is None
+        return
+    assert got is not None and got.dtype == dtype and got.shape == x.shape
+    tol = TOL[dtype]
+    scale = max(1.0, float(x.grad.abs().max()) if x.numel() else 0.0)
+    torch.testing.assert_close(got.double().cpu(), x.grad, rtol=tol[0] * 4, atol=tol[1] * 4 * scale)

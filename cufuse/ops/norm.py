@@ -234,16 +234,21 @@ _OPS = {name: _RowOp(name, functor, narrow, _PIPE_FROM[name]) for name, functor,
 # one pass (x and g read once, dx written once) and per-block partial column
 # sums for dweight / dbias, for rows of whole 16-byte packs that a block of
 # at most 512 threads holds in NP <= 2 packs per thread (8192 16-bit, 4096
-# float32, 2048 float64 columns); other rows take the generated kernels of
-# cufuse/_autograd.py.
+# float32, 2048 float64 columns); softmax / log_softmax from their output in
+# one pass, NP <= 8 (32768 16-bit columns). Other rows take the generated
+# kernels of cufuse/_autograd.py.
 _BWD_FAMILY = "norm_backward"
-_BWD_NP = (1, 2)
 _BWD_THREADS = 512
-_BWD_KINDS = {"layer": ("true", "false"), "layer_relu": ("true", "true"), "rms": ("false", "false")}
-_BWD_EXPRS = {(dt, kind, np_): R.register(f"{_BWD_FAMILY}:{dt.name}",
-                                          R.name_expression("norm_backward", ct, str(np_), *flags),
-                                          "norm backward", dt.name)
-              for dt, ct in R.FLOAT_CTYPES.items() for kind, flags in _BWD_KINDS.items() for np_ in _BWD_NP}
+# kind -> (kernel, its flag template arguments, packs per thread instantiated)
+_BWD_KINDS = {"layer": ("norm_backward", ("true", "false"), (1, 2)),
+              "layer_relu": ("norm_backward", ("true", "true"), (1, 2)),
+              "rms": ("norm_backward", ("false", "false"), (1, 2)),
+              "softmax": ("softmax_backward", ("false",), (1, 2, 4, 8)),
+              "log_softmax": ("softmax_backward", ("true",), (1, 2, 4, 8))}
+_BWD_EXPRS = {(dt, kind, np_): R.register(f"{_BWD_FAMILY}:{dt.name}", R.name_expression(kernel, ct, str(np_), *flags),
+                                          f"{kind} backward", dt.name)
+              for dt, ct in R.FLOAT_CTYPES.items() for kind, (kernel, flags, nps) in _BWD_KINDS.items()
+              for np_ in nps}
 
 
 _BWD_PLANS: dict = {}  # (torch dtype, kind, n, device) -> (kernel, threads, blocks per SM, acc dtype), or None
@@ -258,7 +263,7 @@ def _bwd_plan(kind, tdt, n, dev):
         plan = None
         if dt in R.FLOAT_CTYPES and n % (16 // dt.itemsize) == 0:
             npack = n // (16 // dt.itemsize)
-            np_ = next((k for k in _BWD_NP if npack <= _BWD_THREADS * k), None)
+            np_ = next((k for k in _BWD_KINDS[kind][2] if npack <= _BWD_THREADS * k), None)
             if np_ is not None:
                 threads = min(_BWD_THREADS, max(32, 1 << (-(-npack // np_) - 1).bit_length()))
                 fn = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _BWD_EXPRS[(dt, kind, np_)], dev)
@@ -300,6 +305,31 @@ def backward_rows(kind, g, x, n, w, b, eps):
     dw = pw.sum(0).to(w.dtype).reshape(w.shape) if w is not None else None  # the second stage: over the blocks
     db = pb.sum(0).to(b.dtype).reshape(b.shape) if b is not None else None
     return dx, dw, db
+
+
+def softmax_backward_rows(g, y, log):
+    """dx of softmax (``log`` False) or log_softmax over the last axis of
+    CUDA tensors from the output ``y``, by kernels/norm_backward.cu; None where
+    the rows do not fit it."""
+    import torch
+    n = y.shape[-1] if y.dim() else 1
+    if g.dtype != y.dtype or y.dim() == 0:
+        return None
+    dev = y.get_device()
+    plan = _bwd_plan("log_softmax" if log else "softmax", y.dtype, n, dev)
+    if plan is None:
+        return None
+    fn, threads, most, _ = plan
+    y, g = y.contiguous(), g.contiguous()
+    if y.data_ptr() % 16 or g.data_ptr() % 16:
+        return None
+    rows = y.numel() // n if n else 0
+    dx = torch.empty_like(y)
+    if rows:
+        with R._cp.cuda.Device(dev):
+            fn((max(1, min(rows, most)),), (threads,), (dx.data_ptr(), g.data_ptr(), y.data_ptr(), np.int64(rows),
+                                                          np.int32(n)), stream=D.stream_for(A.TORCH_CUDA, dev))
+    return dx
 
 
 # --------------------------------------------------------------- validation
