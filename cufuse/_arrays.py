@@ -245,9 +245,9 @@ def check_grad(x, name):
     t = torch()
     if x.requires_grad and t.is_grad_enabled():
         raise NotImplementedError(
-            f"cufuse.{name}: a tensor that requires grad was given and cufuse.{name} has no autograd yet (the "
-            "elementwise ops add_relu, mul_tanh, add_mul_exp, fma and bias_gelu have); call it under "
-            "torch.no_grad() or pass tensor.detach()")
+            f"cufuse.{name}: a tensor that requires grad was given and cufuse.{name} has no autograd yet "
+            "(add_relu, mul_tanh, add_mul_exp, fma, bias_gelu, gelu_dropout, layer_norm, layer_norm_relu, "
+            "rms_norm, softmax and log_softmax have); call it under torch.no_grad() or pass tensor.detach()")
 
 
 # ----------------------------------------------------------------------- plans

@@ -67,6 +67,35 @@ def _grads():
     return _GRADS
 
 
+# ------------------------------------------------------------ gelu_dropout
+_DROPOUT: list = []
+
+
+def dropout_apply(fwd, bwd, x, params, np_params):
+    """gelu_dropout recorded for autograd: the forward saves x only (and the
+    seed and p, as numbers); the backward is ONE kernel that draws the mask
+    again from the same Philox lanes (kernels/dropout.cu GeluDropoutGrad)."""
+    if not _DROPOUT:
+        torch = A.torch()
+
+        class GeluDropoutFn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, fwd, bwd, params, np_params):
+                ctx.save_for_backward(x)
+                ctx.bwd, ctx.params, ctx.np_params = bwd, params, np_params
+                return fwd.call((x.detach(),), None, params=params, np_params=np_params)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, g):
+                (x,) = ctx.saved_tensors
+                dx = ctx.bwd.call((g, x.detach()), None, params=ctx.params, np_params=ctx.np_params)
+                return dx, None, None, None, None
+
+        _DROPOUT.append(GeluDropoutFn)
+    return _DROPOUT[0].apply(x, fwd, bwd, params, np_params)
+
+
 # ------------------------------------------------------------- row ops
 # Backward of the norms and softmax on rows of the last ``n`` elements, from
 # generated kernels: row statistics by fused trailing reductions, the input

@@ -63,3 +63,36 @@ template <bool Tanh, typename T, int Bits> struct GeluDropout {
         }
     }
 };
+
+// The gradient of gelu_dropout with respect to x from the incoming gradient g
+// and x itself: the mask is drawn again from the same Philox lanes (nothing
+// mask-sized is saved by the forward), g gelu'(x) / (1 - p) where kept, 0
+// elsewhere. gelu'(v) = Phi(v) + v phi(v) (erf form) or the derivative of
+// the tanh form, in the compute type. One Philox call per element (not per
+// 4 or 8: pack() takes one input).
+template <bool Tanh, typename T, int Bits> struct GeluDropoutGrad {
+    static constexpr bool indexed = true;
+    unsigned lane_threshold;
+    double scale;
+    float scale_f;
+    cufuse::PhiloxKeys keys;
+    __device__ __forceinline__ GeluDropoutGrad(unsigned long long seed_, unsigned long long threshold, double scale_,
+                                               float scale_f_, float)
+        : lane_threshold(static_cast<unsigned>(threshold >> (32 - Bits))), scale(scale_), scale_f(scale_f_),
+          keys(seed_) {}
+    __device__ __forceinline__ float scale_as(float) const { return scale_f; }
+    __device__ __forceinline__ double scale_as(double) const { return scale; }
+    template <typename C> __device__ __forceinline__ C operator()(long long i, C g, C v) const {
+        namespace m = cufuse::math;
+        if (cufuse::philox_lane<Bits>(keys, i) < lane_threshold) return C(0);
+        C d;
+        if constexpr (Tanh) {
+            const C c = C(0.7978845608028654), k = C(0.044715);
+            const C t = m::tanh(c * (v + k * v * v * v));
+            d = C(0.5) * (C(1) + t) + C(0.5) * v * (C(1) - t * t) * c * (C(1) + C(3) * k * v * v);
+        } else {
+            d = C(0.5) * m::erfc(-v * C(0.7071067811865476)) + v * m::exp(C(-0.5) * v * v) * C(0.3989422804014327);
+        }
+        return g * d * scale_as(C(0));
+    }
+};

@@ -315,3 +315,43 @@ def test_softmax_backward_kernel(log, shape, dtype):
     tol = TOL[dtype]
     scale = max(1.0, float(x.grad.abs().max()) if x.numel() else 0.0)
     torch.testing.assert_close(got.double().cpu(), x.grad, rtol=tol[0] * 4, atol=tol[1] * 4 * scale)
+
+
+# --------------------------------------------------------------- gelu_dropout
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64] + BF16, ids=str)
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_gelu_dropout_gradient(device, dtype, approximate, p):
+    """The gradient uses exactly the forward's mask (the spec's Philox lanes,
+    drawn again in backward) and gelu' in float64 by torch's autograd; the
+    forward saves x alone (nothing mask-sized)."""
+    from _reference_fused import dropout_keep_mask
+    if dtype == torch.float16 and device == "cpu":
+        pytest.skip("float16 is checked on the GPU (the CPU path computes float16 in float32 as well)")
+    shape = (37, 129)
+    gen = torch.Generator().manual_seed(int(p * 10))
+    x = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2).to(dtype).to(device).requires_grad_(True)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
+    y = cufuse.gelu_dropout(x, p, seed=4321, approximate=approximate)
+    saved = y.grad_fn.saved_tensors
+    assert len(saved) == 1 and saved[0].data_ptr() == x.data_ptr()
+    y.backward(dy)
+    result_dtype = A.BF16 if dtype == torch.bfloat16 else np.dtype(str(dtype).split(".")[1])  # fixes the lanes
+    keep = torch.from_numpy(dropout_keep_mask(shape, 4321, p, result_dtype))
+    x64 = x.detach().double().cpu().requires_grad_(True)
+    ref = TF.gelu(x64, approximate=approximate) * keep / (1.0 - p)
+    ref.backward(dy.double().cpu())
+    assert x.grad.dtype == dtype
+    got = x.grad.double().cpu()
+    assert torch.equal(got[~keep], torch.zeros_like(got[~keep]))  # dropped: exactly 0
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got, x64.grad, rtol=rtol * 4, atol=atol * 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gelu_dropout_gradcheck(device):
+    x = (torch.randn(6, 40, dtype=torch.float64, device=device)).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: cufuse.gelu_dropout(t, 0.3, seed=77), (x,), eps=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeError, match="out="):
+        cufuse.gelu_dropout(x, 0.3, seed=1, out=torch.empty_like(x))

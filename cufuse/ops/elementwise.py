@@ -435,6 +435,40 @@ _dropout_ops = {  # (tanh, lanes16): float32/float64 results take 32-bit lanes e
 }
 
 
+def _dgelu_numpy(v, approximate):
+    """gelu'(v) in v's dtype: the tanh form's derivative in v's dtype, the erf
+    form's, Phi(v) + v phi(v), in float64 rounded once."""
+    if approximate == "tanh":
+        half, one = v.dtype.type(0.5), v.dtype.type(1)
+        c, k = v.dtype.type(_SQRT_2_OVER_PI), v.dtype.type(0.044715)
+        t = np.tanh(c * (v + k * v * v * v))
+        return half * (one + t) + half * v * (one - t * t) * c * (one + v.dtype.type(3) * k * v * v)
+    v64 = v.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        d = 0.5 * _special("erfc", v64 * -0.70710678118654752440) + v64 * np.exp(-0.5 * v64 * v64) * 0.3989422804014327
+    return d.astype(v.dtype)
+
+
+def _dropout_grad_numpy(g, x, *, approximate, seed, threshold, scale, dtype, lanes16):
+    """gelu_dropout's gradient: the forward's mask drawn again (_dropout_numpy)."""
+    shape = np.broadcast_shapes(g.shape, x.shape)
+    bits = _mask_bits(dtype, lanes16)
+    n = int(np.prod(shape))
+    keep = (_random.philox_lanes(seed, n, bits) >= threshold >> (32 - bits)).reshape(shape)
+    return np.where(keep, g * _dgelu_numpy(x, approximate) * x.dtype.type(scale), x.dtype.type(0))
+
+
+# gelu_dropout's backward (autograd): dx from (g, x) and the forward's seed and p
+_dropout_grad_ops = {
+    (t, l16): ElementwiseOp(
+        "gelu_dropout_backward",
+        lambda i, o, t=t, l16=l16: f"GeluDropoutGrad<{'true' if t else 'false'}, {R.CTYPES[o]}, {_mask_bits(o, l16)}>",
+        2, _dropout_grad_numpy, params=("unsigned long long", "unsigned long long", "double", "float", "float"),
+        indexed=True, family="dropout", np_dtype=True)
+    for t in (False, True) for l16 in (False, True)
+}
+
+
 def bias_gelu(x: Array, bias: Operand, /, approximate: str = "none", *, out: Array | None = None) -> Array:
     """gelu(x + bias), fused: one pass over memory.
 
@@ -476,10 +510,15 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     if c is None:
         c = _dropout_constants(p)
     threshold, scale, scale_f, lift, lanes16 = c
-    return _dropout_ops[tanh, lanes16].call(
-        (x,), out, params=(np.uint64(seed), threshold, scale, scale_f, lift),
-        np_params={"approximate": approximate, "seed": seed, "threshold": int(threshold), "scale": scale,
-                   "lanes16": lanes16})
+    params = (np.uint64(seed), threshold, scale, scale_f, lift)
+    np_params = {"approximate": approximate, "seed": seed, "threshold": int(threshold), "scale": scale,
+                 "lanes16": lanes16}
+    if AG.wants_grad((x,)):  # recorded: the backward draws the mask again from (seed, p)
+        if out is not None:
+            raise RuntimeError("cufuse.gelu_dropout: out= does not support automatic differentiation (as torch's "
+                               "out= arguments); call it without out=, or under torch.no_grad()")
+        return AG.dropout_apply(_dropout_ops[tanh, lanes16], _dropout_grad_ops[tanh, lanes16], x, params, np_params)
+    return _dropout_ops[tanh, lanes16].call((x,), out, params=params, np_params=np_params)
 
 
 _DROPOUT_P: dict = {}  # p -> its kernel constants (_dropout_constants)
