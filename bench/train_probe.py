@@ -42,6 +42,17 @@ def timed(fn, inner=10):
     return statistics.median(ts)
 
 
+def peak_step(run):
+    """MiB a step allocates at its peak beyond what was allocated before it."""
+    run()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    run()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2 ** 20
+
+
 def step(fn, inputs, g):
     def run():
         for t in inputs:
@@ -75,9 +86,11 @@ def main():
         "rms_norm": (lambda x, w: cufuse.rms_norm(x, x.shape[-1], w),
                      lambda x, w: F.rms_norm(x, (x.shape[-1],), w, 1e-6), "xw"),
         "softmax": (lambda x: cufuse.softmax(x), lambda x: torch.softmax(x, -1), "x"),
+        "log_softmax": (lambda x: cufuse.log_softmax(x), lambda x: torch.log_softmax(x, -1), "x"),
+        "gelu_dropout": (lambda x: cufuse.gelu_dropout(x, 0.1), lambda x: F.dropout(F.gelu(x), 0.1), "x"),
     }
-    print(f"{'op':11} {'shape':12} {'cufuse':>8} {'eager':>8} {'compile':>8} {'liger':>8} {'vs best':>8} "
-          f"{'% copy':>7}")
+    print(f"{'op':12} {'shape':12} {'cufuse':>8} {'eager':>8} {'compile':>8} {'liger':>8} {'vs best':>8} "
+          f"{'% copy':>7} {'peak MiB cufuse/eager':>22}")
     for rows, cols in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(rows + cols)
         x0 = torch.randn(rows, cols, device="cuda", generator=gen).to(dt)
@@ -97,11 +110,13 @@ def main():
             t["compile"] = timed(step(torch.compile(ref), ins, g))
             if name in lig:
                 t["liger"] = timed(step(lig[name], ins, g))
+            peaks = [peak_step(step(f, ins, g)) for f in (ours, ref)]
             best = min(v for k, v in t.items() if k in ("compile", "liger"))
             moved = (4 + (2 if "y" in args else 0)) * nbytes  # x, y read; out written; g read; dx (dy) written
             pct = 100 * moved / t["cufuse"] / 1e3 / copy_gbs
-            print(f"{name:11} {rows}x{cols:<7} {t['cufuse']:8.1f} {t['eager']:8.1f} {t['compile']:8.1f} "
-                  f"{t.get('liger', float('nan')):8.1f} {best / t['cufuse']:8.2f} {pct:7.1f}")
+            print(f"{name:12} {rows}x{cols:<7} {t['cufuse']:8.1f} {t['eager']:8.1f} {t['compile']:8.1f} "
+                  f"{t.get('liger', float('nan')):8.1f} {best / t['cufuse']:8.2f} {pct:7.1f} "
+                  f"{peaks[0]:10.1f} / {peaks[1]:<10.1f}")
 
 
 if __name__ == "__main__":

@@ -78,6 +78,8 @@ _EXPR = re.compile(r"(ew[123](?:_strided|_tiled)?|norm_rows(?:_cluster|_split|_s
 _CTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32", "double": "float64",
                 "signed char": "int8"}
 FLOATS = {d.name for d in A.FLOAT_DTYPES}  # bfloat16 among them where ml_dtypes is installed
+# kernels without a functor: the backward of the row ops (kernels/norm_backward.cu), storage type first
+_BWD_EXPR = re.compile(r"(norm_backward|softmax_backward)<([\w ]+), (\d+)(?:, (?:true|false))+>")
 
 
 # Constants held both by the host and by the kernels: (module, attribute,
@@ -110,6 +112,12 @@ def test_registry_has_every_op_and_dtype():
     for family, entries in reg.items():
         src = R.load_source(family)
         for expr, (label, dtype) in entries.items():
+            m = _BWD_EXPR.fullmatch(expr)
+            if m:
+                assert re.search(rf"__global__ void [^;{{]*?\b{m.group(1)}\(", src), expr
+                assert names[m.group(2)] == dtype, expr
+                labels.setdefault(label, set()).add(dtype)
+                continue
             m = _EXPR.fullmatch(expr)
             assert m, expr
             kernel, functor = m.group(1), m.group(2)
@@ -120,9 +128,11 @@ def test_registry_has_every_op_and_dtype():
                 expected = names[in_ctype] if in_ctype == out_ctype else f"{names[in_ctype]}->{names[out_ctype]}"
                 assert dtype == expected, expr
             labels.setdefault(label, set()).add(dtype)
-    for name in ("add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout"):
+    for name in ("add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout", "gelu_dropout_backward"):
         for label in (name, f"{name} (strided)", f"{name} (tiled)"):
             assert labels.get(label) == FLOATS, label
+    for kind in ("layer", "layer_relu", "rms", "softmax", "log_softmax"):
+        assert labels[f"{kind} backward"] == FLOATS, kind
     assert labels["quantize_int8"] == {f"{f}->int8" for f in FLOATS}
     assert labels["dequantize_int8"] == {f"int8->{f}" for f in FLOATS}
     for name in ("layer_norm", "layer_norm_relu", "rms_norm", "softmax", "log_softmax"):
