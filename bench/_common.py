@@ -112,3 +112,23 @@ def max_errors(got, ref, floor=0.0):
         return 0.0, 0.0
     d = np.abs(g[ok] - r[ok])
     return float(d.max()), float((d / np.maximum(np.abs(r[ok]), max(floor, 1e-300))).max())
+
+
+def event_median(fn, reps=30, inner=1, warmup=3):
+    """Median over ``reps`` of the µs per call of ``inner`` back-to-back calls
+    of ``fn`` between two CUDA events on torch's current stream, after
+    ``warmup`` calls (the standalone probes: bf16_probe.py, train_probe.py)."""
+    import statistics
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(inner):
+            fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1e3 / inner)
+    return statistics.median(ts)

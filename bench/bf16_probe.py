@@ -7,30 +7,19 @@ same bytes), and torch eager's time for the same op in the same dtype.
 """
 from __future__ import annotations
 
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import cufuse
+from _common import event_median
 
 ROWS, COLS = 16384, 4096
 REPS = 30
 
 
 def timed(fn):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    return event_median(fn, REPS)
 
 
 def main():

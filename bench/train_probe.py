@@ -11,35 +11,22 @@ Liger-Kernel is used where it has the op (layer_norm, rms_norm, softmax).
 """
 from __future__ import annotations
 
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 import cufuse
+from _common import event_median
 
 REPS = 20
 SHAPES = [(4096, 4096), (16384, 4096), (4096, 8192)]
 
 
-def timed(fn, inner=10):
-    """Median over REPS of the time per step of ``inner`` back-to-back steps
-    (the host queues ahead: device time where the GPU is the bound, host
-    time where the host is)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(REPS):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(inner):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / inner)
-    return statistics.median(ts)
+def timed(fn):
+    """µs per step of 10 back-to-back steps (the host queues ahead: device
+    time where the GPU is the bound, host time where the host is)."""
+    return event_median(fn, REPS, inner=10)
 
 
 def peak_step(run):
