@@ -96,6 +96,41 @@ def dropout_apply(fwd, bwd, x, params, np_params):
     return _DROPOUT[0].apply(x, fwd, bwd, params, np_params)
 
 
+# ------------------------------------------------------- cufuse.fuse
+_FUSED: list = []
+_TENSOR = object()  # where an argument was a tensor (saved for backward)
+
+
+def fused_apply(fused, args):
+    """A ``cufuse.fuse`` call recorded for autograd: the forward is the fused
+    function itself on detached tensors; the backward ONE generated kernel
+    per signature that recomputes the forward and writes the gradient of
+    every argument that needs one (Fused._backward). Saved: the arguments."""
+    if not _FUSED:
+        torch = A.torch()
+
+        class FusedFn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, fused, *args):
+                tensors = [a for a in args if A.is_torch_tensor(a)]
+                ctx.fused = fused
+                ctx.args = [_TENSOR if A.is_torch_tensor(a) else a for a in args]
+                ctx.save_for_backward(*tensors)
+                return fused(*[a.detach() if A.is_torch_tensor(a) else a for a in args])
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, *gouts):
+                it = iter(ctx.saved_tensors)
+                args = [next(it).detach() if a is _TENSOR else a for a in ctx.args]
+                need = [i for i, r in enumerate(ctx.needs_input_grad[1:]) if r and ctx.args[i] is _TENSOR]
+                grads = ctx.fused._backward(args, gouts, need)
+                return (None, *[grads.get(i) for i in range(len(args))])
+
+        _FUSED.append(FusedFn)
+    return _FUSED[0].apply(fused, *args)
+
+
 # ------------------------------------------------------------- row ops
 # Backward of the norms and softmax on rows of the last ``n`` elements, from
 # generated kernels: row statistics by fused trailing reductions, the input

@@ -20,7 +20,8 @@ from .. import _arrays as A
 from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
-from . import codegen, graph as G
+from .. import _autograd as AG
+from . import codegen, grad, graph as G
 from .numpy_eval import evaluate
 
 _log = logging.getLogger("cufuse")
@@ -62,6 +63,7 @@ class _Signature:
         self._source = None
         self._sources = {}
         self._fns = {}
+        self.backwards: dict = {}  # positions differentiated -> the backward's Fused (cufuse/_fuse/grad.py)
 
     @property
     def source(self):
@@ -300,6 +302,14 @@ class Fused:
             return self.fn(*args)
         if DK.any_dask(args):
             return self._dask(args, out)
+        if AG.wants_grad(args):  # recorded for backward: cufuse/_autograd.py fused_apply
+            if out is not None:
+                raise RuntimeError(f"cufuse.{self._name}: out= does not support automatic differentiation (as "
+                                   "torch's out= arguments); call it without out=, or under torch.no_grad()")
+            detached = [a.detach() if A.is_torch_tensor(a) else a for a in args]
+            kind, spec, _, _ = self._classify(detached)
+            grad.differentiable_inputs(self._signature(spec, len(args), kind).graph)  # raises for max / min
+            return AG.fused_apply(self, args)
         kind, spec, arrays, device = self._classify(args)
         sig = self._signature(spec, len(args), kind)
         shape, out_shapes = self._shapes(arrays, sig)
@@ -310,6 +320,30 @@ class Fused:
         else:
             res = self._run_numpy(sig, kind, arrays, params, shape, outs)
         return tuple(res) if sig.graph.tuple_out else res[0]
+
+    # ------------------------------------------------------------ autograd
+    def _backward(self, args, gouts, need):
+        """{argument position: gradient} for the positions in ``need`` that
+        the outputs depend on, from the incoming gradients ``gouts`` (one per
+        output): ONE generated kernel per signature (cufuse/_fuse/grad.py)
+        that recomputes the forward, then each gradient summed down to its
+        argument's shape (torch's sum_to_size) where it was broadcast."""
+        kind, spec, arrays, _ = self._classify(args)
+        sig = self._signature(spec, len(args), kind)
+        g = sig.graph
+        wrt = tuple(p for p in grad.differentiable_inputs(g) if p in need)
+        if not wrt:
+            return {}
+        bwd = sig.backwards.get(wrt)
+        if bwd is None:
+            bwd = sig.backwards[wrt] = Fused(grad.backward_function(g, wrt), name=f"{self.__name__}_backward")
+        shape = tuple(np.broadcast_shapes(*[tuple(x.shape) for _, x in arrays]))
+        gl = [go.unsqueeze(-1) if red is not None and not keep else go
+              for (_, red, keep, _), go in zip(g.outputs, gouts)]
+        res = bwd(*gl, float(shape[-1]) if shape else 1.0, *args)
+        res = res if isinstance(res, tuple) else (res,)
+        return {p: r if tuple(r.shape) == tuple(args[p].shape) else r.sum_to_size(args[p].shape)
+                for p, r in zip(wrt, res)}
 
     # ------------------------------------------------------------ Dask
     def _dask(self, args, out):
