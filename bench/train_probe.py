@@ -1,5 +1,6 @@
 """Forward + backward of the differentiable ops against torch eager,
-torch.compile and Liger-Kernel, same run (python3 bench/train_probe.py [dtype]).
+torch.compile and Liger-Kernel, same run
+(python3 bench/train_probe.py [dtype [op ...]]).
 
 Per op and shape: median of CUDA-event timings of 10 back-to-back steps
 y = op(...); y.backward(g) after a warm-up (gradients set to None between
@@ -61,6 +62,11 @@ def liger():
             "softmax": lambda x: LigerSoftmaxFunction.apply(x)}
 
 
+@cufuse.fuse
+def _swiglu(gate, up):
+    return gate * cufuse.sigmoid(gate) * up
+
+
 def main():
     dt = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, dt)
@@ -75,7 +81,10 @@ def main():
         "softmax": (lambda x: cufuse.softmax(x), lambda x: torch.softmax(x, -1), "x"),
         "log_softmax": (lambda x: cufuse.log_softmax(x), lambda x: torch.log_softmax(x, -1), "x"),
         "gelu_dropout": (lambda x: cufuse.gelu_dropout(x, 0.1), lambda x: F.dropout(F.gelu(x), 0.1), "x"),
+        "swiglu (fuse)": (lambda a, b: _swiglu(a, b), lambda a, b: F.silu(a) * b, "xy"),
     }
+    if len(sys.argv) > 2:  # only the ops named after the dtype
+        ops = {k: v for k, v in ops.items() if k.split()[0] in sys.argv[2:]}
     print(f"{'op':12} {'shape':12} {'cufuse':>8} {'eager':>8} {'compile':>8} {'liger':>8} {'vs best':>8} "
           f"{'% copy':>7} {'peak MiB cufuse/eager':>22}")
     for rows, cols in SHAPES:
