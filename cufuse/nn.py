@@ -1,0 +1,94 @@
+"""``torch.nn.Module`` drop-ins running cufuse's kernels (needs torch).
+
+Each module takes the constructor arguments of the module it replaces and
+keeps its parameters under the same names, so ``state_dict`` saving and
+loading are unchanged; ``forward`` calls the fused op (differentiable:
+see docs/pytorch.md). Parameters in another dtype than the input (float32
+master weights under bfloat16 activations) are cast to the input's dtype in
+the forward, a differentiable cast.
+
+- ``LayerNorm``, ``RMSNorm``: ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``.
+- ``GELU``: ``torch.nn.GELU``.
+- ``GELUDropout``: ``torch.nn.Sequential(GELU(approximate), Dropout(p))`` in
+  one kernel, whose backward keeps no mask (eval mode: GELU alone).
+- ``SwiGLU``: the gated MLP of Llama-family models (Hugging Face's
+  ``LlamaMLP``: ``gate_proj``, ``up_proj``, ``down_proj``), with
+  ``silu(gate) * up`` as one fused kernel forward and one backward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import ops as _ops
+from ._fuse import functions as _F
+from ._fuse.api import fuse as _fuse
+
+__all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "swiglu"]
+
+
+def _as(p, x):
+    return p if p is None or p.dtype == x.dtype else p.to(x.dtype)
+
+
+class LayerNorm(nn.LayerNorm):
+    """``torch.nn.LayerNorm`` (same arguments and parameters) through ``cufuse.layer_norm``."""
+
+    def forward(self, x):
+        return _ops.layer_norm(x, tuple(self.normalized_shape), _as(self.weight, x), _as(self.bias, x), self.eps)
+
+
+class RMSNorm(nn.RMSNorm):
+    """``torch.nn.RMSNorm`` (same arguments and parameters) through
+    ``cufuse.rms_norm``; ``eps=None`` is the input dtype's machine epsilon, as in torch."""
+
+    def forward(self, x):
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return _ops.rms_norm(x, tuple(self.normalized_shape), _as(self.weight, x), eps)
+
+
+class GELU(nn.GELU):
+    """``torch.nn.GELU`` through ``cufuse.bias_gelu`` (with a zero bias)."""
+
+    def forward(self, x):
+        return _ops.bias_gelu(x, 0.0, self.approximate)
+
+
+class GELUDropout(nn.Module):
+    """dropout(gelu(x)) in one kernel (``cufuse.gelu_dropout``): the mask comes
+    from cufuse's generator (``cufuse.manual_seed``) and is drawn again in
+    backward rather than saved. In eval mode: GELU alone."""
+
+    def __init__(self, p: float = 0.1, approximate: str = "none"):
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"cufuse.nn.GELUDropout: p must be in [0, 1), got {p}")
+        self.p, self.approximate = p, approximate
+
+    def forward(self, x):
+        return _ops.gelu_dropout(x, self.p, self.training, approximate=self.approximate)
+
+    def extra_repr(self):
+        return f"p={self.p}, approximate={self.approximate!r}"
+
+
+@_fuse
+def swiglu(gate, up):
+    """silu(gate) * up, fused; differentiable (one backward kernel)."""
+    return gate * _F.sigmoid(gate) * up
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP of Llama-family models: down_proj(silu(gate_proj(x)) *
+    up_proj(x)), with parameter names of Hugging Face's ``LlamaMLP``."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = {"bias": bias, "device": device, "dtype": dtype}
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
+
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))

@@ -1,0 +1,120 @@
+"""cufuse.nn: the modules take the replaced modules' constructor arguments
+and state_dict keys, load their state, and give their outputs and
+gradients (against the torch modules themselves, in float64 on the CPU, and
+float32 / bfloat16 on the GPU with tests/test_autograd.py's TOL)."""
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cufuse  # noqa: E402
+import cufuse.nn as cnn  # noqa: E402
+from cufuse import _arrays as A  # noqa: E402
+
+from test_autograd import TOL  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+nn = torch.nn
+
+
+class _TorchSwiGLU(nn.Module):  # Hugging Face's LlamaMLP, written out
+    def __init__(self, hidden, inter):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# name -> (cufuse module, torch module): the same constructor arguments
+PAIRS = {
+    "LayerNorm": (lambda: cnn.LayerNorm(48), lambda: nn.LayerNorm(48)),
+    "LayerNorm_2d_nobias": (lambda: cnn.LayerNorm((6, 8), eps=1e-6, bias=False),
+                            lambda: nn.LayerNorm((6, 8), eps=1e-6, bias=False)),
+    "LayerNorm_noaffine": (lambda: cnn.LayerNorm(48, elementwise_affine=False),
+                           lambda: nn.LayerNorm(48, elementwise_affine=False)),
+    "RMSNorm": (lambda: cnn.RMSNorm(48, eps=1e-6), lambda: nn.RMSNorm(48, eps=1e-6)),
+    "RMSNorm_eps_none": (lambda: cnn.RMSNorm([48]), lambda: nn.RMSNorm([48])),
+    "GELU": (lambda: cnn.GELU(), lambda: nn.GELU()),
+    "GELU_tanh": (lambda: cnn.GELU("tanh"), lambda: nn.GELU("tanh")),
+    "SwiGLU": (lambda: cnn.SwiGLU(48, 96), lambda: _TorchSwiGLU(48, 96)),
+}
+
+
+def _randomize(m, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64).to(p.dtype) * 0.5 + 0.5)
+
+
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_state_dict_is_torch_s(name):
+    ours, theirs = (f() for f in PAIRS[name])
+    _randomize(theirs, 1)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    ours.load_state_dict(theirs.state_dict())  # strict
+    theirs.load_state_dict(ours.state_dict())
+    for (k, a), (_, b) in zip(ours.state_dict().items(), theirs.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(PAIRS))
+def test_forward_and_gradients_match_torch(name, device):
+    dtypes = [torch.float64] if device == "cpu" else [torch.float32] + ([torch.bfloat16] if A.BF16 else [])
+    for dtype in dtypes:
+        ours, theirs = (f().to(device=device, dtype=dtype) for f in PAIRS[name])
+        _randomize(theirs, 2)
+        ours.load_state_dict(theirs.state_dict())
+        shape = (4, 5, 6, 8) if "2d" in name else (4, 5, 48)
+        g = torch.Generator().manual_seed(3)
+        x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2).to(dtype).to(device)
+        xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        ya, yb = ours(xa), theirs(xb)
+        tol = TOL[dtype] if dtype != torch.float64 else (1e-10, 1e-10)
+        scale = max(1.0, float(yb.detach().abs().max()))
+        torch.testing.assert_close(ya, yb, rtol=tol[0] * 4, atol=tol[1] * 4 * scale)
+        dy = torch.randn(ya.shape, generator=g, dtype=torch.float64).to(dtype).to(device)
+        ya.backward(dy)
+        yb.backward(dy)
+        pairs = [("x", xa.grad, xb.grad)] + [(k, p.grad, q.grad) for (k, p), (_, q)
+                                            in zip(ours.named_parameters(), theirs.named_parameters())]
+        for k, a, b in pairs:
+            assert a is not None and a.dtype == b.dtype, (name, k)
+            s = max(1.0, float(b.abs().max()))
+            torch.testing.assert_close(a, b, rtol=tol[0] * 8, atol=tol[1] * 8 * s, msg=f"{name} {dtype}: {k}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_weights_under_16bit_input(device):
+    """Parameters kept in float32 (master weights) with a 16-bit input: cast
+    in the forward, gradients in float32."""
+    dt = torch.bfloat16 if A.BF16 is not None else torch.float16
+    if device == "cpu" and dt == torch.float16:
+        pytest.skip("float16 is checked on the GPU")
+    m = cnn.RMSNorm(32, eps=1e-6).to(device)
+    x = torch.randn(3, 32, device=device).to(dt).requires_grad_(True)
+    y = m(x)
+    assert y.dtype == dt
+    y.float().sum().backward()
+    assert m.weight.grad.dtype == torch.float32 and x.grad.dtype == dt
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gelu_dropout_module(device):
+    m = cnn.GELUDropout(0.25).to(device)
+    x = torch.randn(64, 128, device=device, requires_grad=True)
+    cufuse.manual_seed(5)
+    y = m(x)
+    kept = y != 0
+    assert 0.6 < kept.float().mean().item() < 0.9
+    y.backward(torch.ones_like(y))
+    assert torch.equal(x.grad != 0, kept)  # the gradient goes through exactly the kept elements
+    m.eval()
+    torch.testing.assert_close(m(x), nn.functional.gelu(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="p must be in"):
+        cnn.GELUDropout(1.0)
