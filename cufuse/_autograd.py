@@ -131,6 +131,47 @@ def fused_apply(fused, args):
     return _FUSED[0].apply(fused, *args)
 
 
+# ------------------------------------------------------------ reductions
+_REDUCTION: list = []
+
+
+def reduction_apply(red, x, axes, keepdims, dtype, out):
+    """sum_squared / mean_abs (``red``, a cufuse.ops.reduction._Reduction)
+    over ``axes`` (a tuple of non-negative ints) recorded for autograd: the
+    forward saves x; the backward is one generated kernel, 2 x g (sum_squared)
+    or sign(x) g / n (mean_abs), with g broadcast over the reduced axes, in
+    x's dtype."""
+    if out is not None:
+        raise RuntimeError(f"cufuse.{red.name}: out= does not support automatic differentiation (as torch's "
+                           "out= arguments); call it without out=, or under torch.no_grad()")
+    if not _REDUCTION:
+        torch = A.torch()
+
+        class ReductionFn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, red, axes, keepdims, dtype):
+                ctx.save_for_backward(x)
+                ctx.red, ctx.axes, ctx.keepdims = red, axes, keepdims
+                return red(x.detach(), axes, keepdims, dtype, None)
+
+            @staticmethod
+            @torch.autograd.function.once_differentiable
+            def backward(ctx, g):
+                (x,) = ctx.saved_tensors
+                R = _row_fns()
+                if not ctx.keepdims:
+                    g = g.reshape([1 if i in ctx.axes else n for i, n in enumerate(x.shape)])
+                if ctx.red.mean:
+                    n = math.prod(x.shape[i] for i in ctx.axes)
+                    dx = R["abs_grad"](g, x.detach(), float(n))
+                else:
+                    dx = R["sq_grad"](g, x.detach())
+                return dx.to(x.dtype), None, None, None, None
+
+        _REDUCTION.append(ReductionFn)
+    return _REDUCTION[0].apply(x, red, axes, keepdims, dtype)
+
+
 # ------------------------------------------------------------- row ops
 # Backward of the norms and softmax on rows of the last ``n`` elements, from
 # generated kernels: row statistics by fused trailing reductions, the input
@@ -155,6 +196,8 @@ def _row_fns():
         stats=Fused(lambda gxh, xh: ((gxh).mean(axis=-1, keepdims=True), (gxh * xh).mean(axis=-1, keepdims=True)),
                     name="row_grad_stats"),
         dx=Fused(lambda gxh, xh, s1, s2, rstd, center: rstd * (gxh - center * s1 - xh * s2), name="row_dx"),
+        sq_grad=Fused(lambda g, x: 2.0 * x * g, name="sum_squared_backward"),
+        abs_grad=Fused(lambda g, x, n: F.where(x > 0, g, F.where(x < 0, -g, 0.0)) / n, name="mean_abs_backward"),
         sm_sum=Fused(lambda g, y: (g * y).sum(axis=-1, keepdims=True), name="softmax_grad_sum"),
         sm_dx=Fused(lambda g, y, s: y * (g - s), name="softmax_dx"),
         lsm_sum=Fused(lambda g: g.sum(axis=-1, keepdims=True), name="log_softmax_grad_sum"),

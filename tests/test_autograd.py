@@ -355,3 +355,34 @@ def test_gelu_dropout_gradcheck(device):
     assert torch.autograd.gradcheck(lambda t: cufuse.gelu_dropout(t, 0.3, seed=77), (x,), eps=1e-6, atol=1e-6)
     with pytest.raises(RuntimeError, match="out="):
         cufuse.gelu_dropout(x, 0.3, seed=1, out=torch.empty_like(x))
+
+
+# ------------------------------------------------------------------ reductions
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op", ["sum_squared", "mean_abs"])
+@pytest.mark.parametrize("axis,keepdims", [(-1, False), (0, True), ((0, 2), False), (None, False)], ids=str)
+def test_reduction_gradients(device, op, axis, keepdims):
+    """gradcheck in float64; against torch's autograd of the same reduction
+    (float32, and bfloat16 with a float32 result)."""
+    fn = getattr(cufuse, op)
+    x = (torch.randn(4, 5, 6, dtype=torch.float64, device=device) + 0.05).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda t: fn(t, axis=axis, keepdims=keepdims), (x,), eps=1e-6, atol=1e-6)
+    dims = tuple(range(3)) if axis is None else axis
+
+    def ref(t):
+        if op == "sum_squared":
+            return (t * t).sum(dim=dims, keepdim=keepdims)
+        return t.abs().mean(dim=dims, keepdim=keepdims)
+    for dtype, kw in [(torch.float32, {})] + [(d, {"dtype": torch.float32}) for d in BF16]:
+        a = x.detach().to(dtype).requires_grad_(True)
+        b = x.detach().to(dtype).float().requires_grad_(True)
+        y = fn(a, axis=axis, keepdims=keepdims, **kw)
+        y_ref = ref(b)
+        g = torch.randn(y_ref.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(9)).to(device)
+        y.backward(g.to(y.dtype))
+        y_ref.backward(g.float())
+        assert a.grad.dtype == dtype
+        rtol, atol = TOL[dtype]
+        torch.testing.assert_close(a.grad.float(), b.grad, rtol=rtol * 4, atol=atol * 4)
+    with pytest.raises(RuntimeError, match="out="):
+        fn(x, axis=-1, out=torch.empty(4, 5, dtype=torch.float64, device=device))

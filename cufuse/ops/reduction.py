@@ -14,6 +14,7 @@ import numpy as np
 
 from .. import _arrays as A
 from .._arrays import Array, DType
+from .. import _autograd as AG
 from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
@@ -86,6 +87,12 @@ class _Reduction:
             _axes(name, axis, x.ndim)  # the same errors
             return DK.reduction(name, x, axis, bool(keepdims), odt, self.mean,
                                 lambda b, ax, kd, acc: self(b, ax, kd, acc, None), out)
+        if AG.wants_grad((x,)):  # recorded for backward (the axes and keepdims checked first)
+            if dtype is not None:
+                A.float_dtype_arg(name, dtype)
+            if not isinstance(keepdims, (bool, np.bool_)):
+                raise TypeError(f"cufuse.{name}: keepdims must be a bool, got {type(keepdims).__name__}")
+            return AG.reduction_apply(self, x, _axes(name, axis, x.dim()), bool(keepdims), dtype, out)
         kind, dt, dev = _rows.data_arg(name, x)
         odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
         shape = tuple(x.shape)
