@@ -21,6 +21,25 @@ from . import _arrays as A
 _GRADS: dict = {}   # op key -> (what to save, the fused backward)
 
 
+def no_out(name, out):
+    """A recorded call (autograd, torch.compile tracing) cannot take ``out=``,
+    as torch's out= arguments cannot: RuntimeError before anything runs."""
+    if out is not None:
+        raise RuntimeError(f"cufuse.{name}: out= does not support automatic differentiation or torch.compile "
+                           "tracing (as torch's out= arguments); call it without out=, or under torch.no_grad()")
+
+
+_CLASSES: dict = {}
+
+
+def _function_class(key, make):
+    """The torch.autograd.Function subclass ``make(torch)`` builds, made once."""
+    cls = _CLASSES.get(key)
+    if cls is None:
+        cls = _CLASSES[key] = make(A.torch())
+    return cls
+
+
 def wants_grad(args) -> bool:
     """A torch operand requires grad and grad mode is on."""
     t = None
@@ -68,36 +87,32 @@ def _grads():
 
 
 # ------------------------------------------------------------ gelu_dropout
-_DROPOUT: list = []
-
-
 def dropout_apply(fwd, bwd, x, params, np_params):
     """gelu_dropout recorded for autograd: the forward saves x only (and the
     seed and p, as numbers); the backward is ONE kernel that draws the mask
     again from the same Philox lanes (kernels/dropout.cu GeluDropoutGrad)."""
-    if not _DROPOUT:
-        torch = A.torch()
+    return _function_class("gelu_dropout", _dropout_class).apply(x, fwd, bwd, params, np_params)
 
-        class GeluDropoutFn(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, fwd, bwd, params, np_params):
-                ctx.save_for_backward(x)
-                ctx.bwd, ctx.params, ctx.np_params = bwd, params, np_params
-                return fwd.call((x.detach(),), None, params=params, np_params=np_params)
 
-            @staticmethod
-            @torch.autograd.function.once_differentiable
-            def backward(ctx, g):
-                (x,) = ctx.saved_tensors
-                dx = ctx.bwd.call((g, x.detach()), None, params=ctx.params, np_params=ctx.np_params)
-                return dx, None, None, None, None
+def _dropout_class(torch):
+    class GeluDropoutFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, fwd, bwd, params, np_params):
+            ctx.save_for_backward(x)
+            ctx.bwd, ctx.params, ctx.np_params = bwd, params, np_params
+            return fwd.call((x.detach(),), None, params=params, np_params=np_params)
 
-        _DROPOUT.append(GeluDropoutFn)
-    return _DROPOUT[0].apply(x, fwd, bwd, params, np_params)
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            dx = ctx.bwd.call((g, x.detach()), None, params=ctx.params, np_params=ctx.np_params)
+            return dx, None, None, None, None
+
+    return GeluDropoutFn
 
 
 # ------------------------------------------------------- cufuse.fuse
-_FUSED: list = []
 _TENSOR = object()  # where an argument was a tensor (saved for backward)
 
 
@@ -106,70 +121,64 @@ def fused_apply(fused, args):
     function itself on detached tensors; the backward ONE generated kernel
     per signature that recomputes the forward and writes the gradient of
     every argument that needs one (Fused._backward). Saved: the arguments."""
-    if not _FUSED:
-        torch = A.torch()
+    return _function_class("fuse", _fused_class).apply(fused, *args)
 
-        class FusedFn(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, fused, *args):
-                tensors = [a for a in args if A.is_torch_tensor(a)]
-                ctx.fused = fused
-                ctx.args = [_TENSOR if A.is_torch_tensor(a) else a for a in args]
-                ctx.save_for_backward(*tensors)
-                return fused(*[a.detach() if A.is_torch_tensor(a) else a for a in args])
 
-            @staticmethod
-            @torch.autograd.function.once_differentiable
-            def backward(ctx, *gouts):
-                it = iter(ctx.saved_tensors)
-                args = [next(it).detach() if a is _TENSOR else a for a in ctx.args]
-                need = [i for i, r in enumerate(ctx.needs_input_grad[1:]) if r and ctx.args[i] is _TENSOR]
-                grads = ctx.fused._backward(args, gouts, need)
-                return (None, *[grads.get(i) for i in range(len(args))])
+def _fused_class(torch):
+    class FusedFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, fused, *args):
+            tensors = [a for a in args if A.is_torch_tensor(a)]
+            ctx.fused = fused
+            ctx.args = [_TENSOR if A.is_torch_tensor(a) else a for a in args]
+            ctx.save_for_backward(*tensors)
+            return fused(*[a.detach() if A.is_torch_tensor(a) else a for a in args])
 
-        _FUSED.append(FusedFn)
-    return _FUSED[0].apply(fused, *args)
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, *gouts):
+            it = iter(ctx.saved_tensors)
+            args = [next(it).detach() if a is _TENSOR else a for a in ctx.args]
+            need = [i for i, r in enumerate(ctx.needs_input_grad[1:]) if r and ctx.args[i] is _TENSOR]
+            grads = ctx.fused._backward(args, gouts, need)
+            return (None, *[grads.get(i) for i in range(len(args))])
+
+    return FusedFn
 
 
 # ------------------------------------------------------------ reductions
-_REDUCTION: list = []
-
-
 def reduction_apply(red, x, axes, keepdims, dtype, out):
     """sum_squared / mean_abs (``red``, a cufuse.ops.reduction._Reduction)
     over ``axes`` (a tuple of non-negative ints) recorded for autograd: the
     forward saves x; the backward is one generated kernel, 2 x g (sum_squared)
     or sign(x) g / n (mean_abs), with g broadcast over the reduced axes, in
     x's dtype."""
-    if out is not None:
-        raise RuntimeError(f"cufuse.{red.name}: out= does not support automatic differentiation (as torch's "
-                           "out= arguments); call it without out=, or under torch.no_grad()")
-    if not _REDUCTION:
-        torch = A.torch()
+    no_out(red.name, out)
+    return _function_class("reduction", _reduction_class).apply(x, red, axes, keepdims, dtype)
 
-        class ReductionFn(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x, red, axes, keepdims, dtype):
-                ctx.save_for_backward(x)
-                ctx.red, ctx.axes, ctx.keepdims = red, axes, keepdims
-                return red(x.detach(), axes, keepdims, dtype, None)
 
-            @staticmethod
-            @torch.autograd.function.once_differentiable
-            def backward(ctx, g):
-                (x,) = ctx.saved_tensors
-                R = _row_fns()
-                if not ctx.keepdims:
-                    g = g.reshape([1 if i in ctx.axes else n for i, n in enumerate(x.shape)])
-                if ctx.red.mean:
-                    n = math.prod(x.shape[i] for i in ctx.axes)
-                    dx = R["abs_grad"](g, x.detach(), float(n))
-                else:
-                    dx = R["sq_grad"](g, x.detach())
-                return dx.to(x.dtype), None, None, None, None
+def _reduction_class(torch):
+    class ReductionFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, red, axes, keepdims, dtype):
+            ctx.save_for_backward(x)
+            ctx.red, ctx.axes, ctx.keepdims = red, axes, keepdims
+            return red(x.detach(), axes, keepdims, dtype, None)
 
-        _REDUCTION.append(ReductionFn)
-    return _REDUCTION[0].apply(x, red, axes, keepdims, dtype)
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            R = _row_fns()
+            if not ctx.keepdims:
+                g = g.reshape([1 if i in ctx.axes else n for i, n in enumerate(x.shape)])
+            if ctx.red.mean:
+                dx = R["abs_grad"](g, x.detach(), float(math.prod(x.shape[i] for i in ctx.axes)))
+            else:
+                dx = R["sq_grad"](g, x.detach())
+            return dx.to(x.dtype), None, None, None, None
+
+    return ReductionFn
 
 
 # ------------------------------------------------------------- row ops

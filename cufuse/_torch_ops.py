@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import sys
 
+from . import _autograd as AG
+
 _OPS: dict = {}   # name -> the custom op (torch.ops.cufuse.<name>)
 # distinct gradient tensors the backward operator returns, per op (default 1: shared by every operand)
 _DISTINCT = {"mul_tanh": 2, "fma": 2}
@@ -49,9 +51,7 @@ def _unpair(flat):
 def call(name, approximate, args, out=None):
     """``cufuse.<name>(*args)`` through the registered operator (``out=``
     cannot be recorded, as torch's out= arguments)."""
-    if out is not None:
-        raise RuntimeError(f"cufuse.{name}: out= does not support automatic differentiation or torch.compile "
-                           "tracing (as torch's out= arguments); call it without out=, or under torch.no_grad()")
+    AG.no_out(name, out)
     register()
     flat = _pairs(args)
     return _dispatch(_OPS[name], *flat) if approximate is None else _dispatch(_OPS[name], *flat, approximate)
@@ -67,13 +67,11 @@ def _dispatch(opdef, *inputs):
     return _eager_function().apply(opdef, *inputs)
 
 
-_EAGER: list = []
-
-
 def _eager_function():
-    if _EAGER:
-        return _EAGER[0]
-    import torch
+    return AG._function_class("eager", _eager_class)
+
+
+def _eager_class(torch):
     Tensor = torch.Tensor
 
     class EagerOp(torch.autograd.Function):
@@ -91,7 +89,6 @@ def _eager_function():
         def backward(ctx, *grads):
             return (None, *ctx.opdef._backward_fn(ctx, *grads))
 
-    _EAGER.append(EagerOp)
     return EagerOp
 
 

@@ -303,9 +303,7 @@ class Fused:
         if DK.any_dask(args):
             return self._dask(args, out)
         if AG.wants_grad(args):  # recorded for backward: cufuse/_autograd.py fused_apply
-            if out is not None:
-                raise RuntimeError(f"cufuse.{self._name}: out= does not support automatic differentiation (as "
-                                   "torch's out= arguments); call it without out=, or under torch.no_grad()")
+            AG.no_out(self._name, out)
             detached = [a.detach() if A.is_torch_tensor(a) else a for a in args]
             kind, spec, _, _ = self._classify(detached)
             grad.differentiable_inputs(self._signature(spec, len(args), kind).graph)  # raises for max / min

@@ -514,9 +514,7 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     np_params = {"approximate": approximate, "seed": seed, "threshold": int(threshold), "scale": scale,
                  "lanes16": lanes16}
     if AG.wants_grad((x,)):  # recorded: the backward draws the mask again from (seed, p)
-        if out is not None:
-            raise RuntimeError("cufuse.gelu_dropout: out= does not support automatic differentiation (as torch's "
-                               "out= arguments); call it without out=, or under torch.no_grad()")
+        AG.no_out("gelu_dropout", out)
         return AG.dropout_apply(_dropout_ops[tanh, lanes16], _dropout_grad_ops[tanh, lanes16], x, params, np_params)
     return _dropout_ops[tanh, lanes16].call((x,), out, params=params, np_params=np_params)
 

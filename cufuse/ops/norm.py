@@ -487,9 +487,7 @@ def _ns_list(normalized_shape):
 
 def _recorded(name, out, op, *args):
     """The call through torch.ops.cufuse (autograd, torch.compile); out= cannot be recorded."""
-    if out is not None:
-        raise RuntimeError(f"cufuse.{name}: out= does not support automatic differentiation or torch.compile "
-                           "tracing (as torch's out= arguments); call it without out=, or under torch.no_grad()")
+    AG.no_out(name, out)
     return TO.call_row(op, *args)
 
 
