@@ -16,11 +16,20 @@ __version__ = "0.1.0"
 
 import sys as _sys
 
+
+def patch(model):
+    """Swap cufuse's modules (cufuse.nn) into a torch model in place, e.g. a
+    Hugging Face Llama, GPT-2, BERT or ViT; returns what it replaced
+    (cufuse.nn.PatchReport). See cufuse/_patch.py and docs/pytorch.md."""
+    from ._patch import patch as _patch
+    return _patch(model)
+
+
 if "torch" in _sys.modules:  # torch.ops.cufuse now (else at the first call on a tensor)
     from . import _torch_ops as _to
     _to.register()
 
-__all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch",
+__all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch", "patch",
            "add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout",
            "quantize_int8", "dequantize_int8", "manual_seed", "sum_squared", "mean_abs",
            "layer_norm", "layer_norm_relu", "rms_norm", "softmax", "log_softmax",

@@ -17,6 +17,8 @@ the forward, a differentiable cast.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -24,7 +26,7 @@ from . import ops as _ops
 from ._fuse import functions as _F
 from ._fuse.api import fuse as _fuse
 
-__all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "swiglu"]
+__all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "swiglu", "PatchReport"]
 
 
 def _as(p, x):
@@ -92,3 +94,24 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+@dataclass
+class PatchReport:
+    """What ``cufuse.patch`` replaced: (module name, old type, new type) per
+    replacement, and the recognized modules it left alone, with why."""
+    replaced: list = field(default_factory=list)
+    skipped: list = field(default_factory=list)
+
+    def counts(self):
+        """{"old type -> new type": how many}."""
+        out: dict = {}
+        for _, old, new in self.replaced:
+            out[f"{old} -> {new}"] = out.get(f"{old} -> {new}", 0) + 1
+        return out
+
+    def __str__(self):
+        lines = [f"cufuse.patch: {len(self.replaced)} modules replaced"]
+        lines += [f"  {n} x {k}" for k, n in self.counts().items()]
+        lines += [f"  left alone: {name} ({why})" for name, why in self.skipped]
+        return "\n".join(lines)

@@ -1,0 +1,139 @@
+"""``cufuse.patch(model)``: swap cufuse's modules into a Hugging Face
+transformers model (or any torch model built from the same pieces), in place.
+
+Recognized, by module type and layout (not by model name):
+
+- RMSNorm layers of the Llama family (``LlamaRMSNorm``, ``MistralRMSNorm``,
+  ``Qwen2RMSNorm``, ...: a ``weight`` and a ``variance_epsilon``) ->
+  ``cufuse.nn.RMSNorm``;
+- ``torch.nn.LayerNorm`` (GPT-2, BERT, ViT) -> ``cufuse.nn.LayerNorm``, and
+  ``torch.nn.RMSNorm`` -> ``cufuse.nn.RMSNorm``;
+- GELU activations: ``torch.nn.GELU`` and transformers' ``GELUActivation``
+  (erf form), ``NewGELUActivation``, ``GELUTanh`` / ``PytorchGELUTanh``,
+  ``FastGELUActivation`` (tanh form) -> ``cufuse.nn.GELU``;
+- gated MLPs with a SiLU activation (``LlamaMLP``, ``MistralMLP``,
+  ``Qwen2MLP``: ``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) ->
+  ``cufuse.nn.SwiGLU``, its ``silu(gate) * up`` one fused kernel.
+
+The new modules take over the old ones' Parameter objects (and the MLP's
+Linear layers), so ``state_dict`` keys and tensors, and an optimizer built
+before the patch, are unchanged. Every replacement is planned before any is
+made: a model is patched whole or not at all. Modules of other types stay
+as they are.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import nn as cnn
+from .nn import PatchReport
+
+_GELU_ERF = {"GELUActivation"}
+_GELU_TANH = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
+_SILU = {"SiLU", "SiLUActivation"}
+
+
+class RMSNorm(cnn.RMSNorm):
+    """The Llama family's RMSNorm through cufuse.rms_norm: the output dtype is
+    torch's promotion of the weight's and the input's, as in Hugging Face's
+    ``self.weight * hidden_states.to(input_dtype)``."""
+
+    def forward(self, x):
+        y = super().forward(x)
+        dt = torch.promote_types(self.weight.dtype, x.dtype)
+        return y if y.dtype == dt else y.to(dt)
+
+
+def _rms(old):
+    w = old.weight
+    new = RMSNorm(tuple(w.shape), eps=float(old.variance_epsilon), device="meta")
+    new.weight = w
+    return new
+
+
+def _layer_norm(old):
+    new = cnn.LayerNorm(old.normalized_shape, eps=old.eps, elementwise_affine=old.elementwise_affine,
+                        bias=old.bias is not None, device="meta")
+    if old.elementwise_affine:
+        new.weight = old.weight
+        if old.bias is not None:
+            new.bias = old.bias
+    return new
+
+
+def _gelu(approximate):
+    return lambda old: cnn.GELU(approximate)
+
+
+def _torch_rms(old):
+    new = cnn.RMSNorm(old.normalized_shape, eps=old.eps, elementwise_affine=old.elementwise_affine, device="meta")
+    if old.elementwise_affine:
+        new.weight = old.weight
+    return new
+
+
+def _swiglu(old):
+    g = old.gate_proj
+    new = cnn.SwiGLU(g.in_features, g.out_features, bias=g.bias is not None, device="meta")
+    new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
+    return new
+
+
+def _plan(name, mod):
+    """(how to build the replacement, None) or (None, why it stays) or (None, None): not ours."""
+    t = type(mod).__name__
+    if type(mod) is nn.LayerNorm:  # (exactly: cufuse.nn's subclasses are not patched again)
+        return _layer_norm, None
+    if type(mod) is nn.RMSNorm:
+        return _torch_rms, None
+    if t.endswith("RMSNorm") and hasattr(mod, "variance_epsilon") and isinstance(getattr(mod, "weight", None),
+                                                                                 nn.Parameter):
+        if len(list(mod.children())) or len(list(mod.parameters(recurse=False))) != 1:
+            return None, "an RMSNorm with more than a weight"
+        return _rms, None
+    if type(mod) is nn.GELU:
+        return _gelu(mod.approximate), None
+    if t in _GELU_ERF and not isinstance(mod, nn.GELU):
+        return _gelu("none"), None
+    if t in _GELU_TANH:
+        return _gelu("tanh"), None
+    if all(isinstance(getattr(mod, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")) \
+            and hasattr(mod, "act_fn"):
+        if type(mod.act_fn).__name__ not in _SILU:
+            return None, f"a gated MLP whose activation is {type(mod.act_fn).__name__}, not SiLU"
+        return _swiglu, None
+    return None, None
+
+
+def patch(model):
+    """Replace, in place, the modules of ``model`` that cufuse has (see the
+    module doc) and return a ``PatchReport``. TypeError for anything but a
+    torch.nn.Module; ValueError when it holds none of those modules."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"cufuse.patch: expected a torch.nn.Module, got {type(model).__module__}."
+                        f"{type(model).__name__}")
+    report = PatchReport()
+    steps = []
+    done: set = set()  # a swapped MLP's own submodules are its old ones: not planned again
+    for name, mod in model.named_modules():
+        if any(name == d or name.startswith(d + ".") for d in done):
+            continue
+        make, why = _plan(name, mod)
+        if why:
+            report.skipped.append((name, why))
+        if make is None or not name:
+            continue
+        parent_name, _, attr = name.rpartition(".")
+        steps.append((model.get_submodule(parent_name), attr, name, mod, make))
+        if make is _swiglu:
+            done.add(name)
+    if not steps:
+        raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
+                         "gated SiLU MLP); nothing was changed")
+    built = [(parent, attr, name, mod, make(mod)) for parent, attr, name, mod, make in steps]  # all, then swap
+    for parent, attr, name, old, new in built:
+        new.train(old.training)
+        setattr(parent, attr, new)
+        report.replaced.append((name, type(old).__name__, type(new).__name__))
+    return report

@@ -1,0 +1,97 @@
+"""cufuse.patch on Hugging Face transformers models built from small random
+configs: what it replaces, state_dict unchanged (the same Parameter
+objects), outputs and gradients equal to the unpatched model's (float64 on
+the CPU; float32 on the GPU with tests/test_autograd.py's TOL), and clear
+errors. Skipped without transformers (not a test dependency)."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+T = pytest.importorskip("transformers")
+
+import cufuse  # noqa: E402
+
+from test_autograd import TOL  # noqa: E402
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+_LLAMA_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=100)
+_ENC_KW = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
+
+
+def _text(batch=2, n=9):
+    return {"input_ids": torch.randint(0, 100, (batch, n), generator=torch.Generator().manual_seed(1))}
+
+
+# family -> (model factory, inputs factory, expected replacements)
+MODELS = {
+    "llama": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW)), _text,
+              {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5}),
+    "mistral": (lambda: T.MistralForCausalLM(T.MistralConfig(**_LLAMA_KW)), _text,
+                {"MistralMLP -> SwiGLU": 2, "MistralRMSNorm -> RMSNorm": 5}),
+    "qwen2": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**_LLAMA_KW)), _text,
+              {"Qwen2MLP -> SwiGLU": 2, "Qwen2RMSNorm -> RMSNorm": 5}),
+    "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
+                                                    bos_token_id=0, eos_token_id=0)), _text,
+             {"LayerNorm -> LayerNorm": 5, "NewGELUActivation -> GELU": 2}),
+    "bert": (lambda: T.BertModel(T.BertConfig(vocab_size=100, **_ENC_KW)), _text,
+             {"LayerNorm -> LayerNorm": 5, "GELUActivation -> GELU": 2}),
+    "vit": (lambda: T.ViTModel(T.ViTConfig(image_size=32, patch_size=8, **_ENC_KW)),
+            lambda: {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(2))},
+            {"LayerNorm -> LayerNorm": 5, "GELUActivation -> GELU": 2}),
+}
+
+
+def _main(out):
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", list(MODELS))
+def test_patch_matches_the_model(family, device):
+    make, inputs, expected = MODELS[family]
+    torch.manual_seed(0)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    model = make().to(device=device, dtype=dtype).train()
+    ref = copy.deepcopy(model)
+    params = dict(model.named_parameters())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    report = cufuse.patch(model)
+    assert report.counts() == expected, str(report)
+    assert report.skipped == []
+    # state_dict: the same keys, tensors and Parameter objects
+    assert list(model.state_dict()) == list(state)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    assert all(p is params[k] for k, p in model.named_parameters())
+    model.eval()
+    ref.eval()
+    x = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in inputs().items()}
+    y, y_ref = _main(model(**x)), _main(ref(**x))
+    # HF's RMSNorm computes in float32 even for float64 models: the Llama family differs by that
+    rtol, atol = (1e-6, 1e-6) if dtype == torch.float64 else (TOL[dtype][0] * 10, TOL[dtype][1] * 10)
+    torch.testing.assert_close(y, y_ref, rtol=rtol, atol=atol)
+    y.float().square().mean().backward()
+    y_ref.float().square().mean().backward()
+    for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if q.grad is None:
+            assert p.grad is None, k
+            continue
+        s = max(1.0, float(q.grad.abs().max()))
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=atol * 10 * s, msg=f"{family}: {k}")
+
+
+def test_patch_errors_and_what_it_leaves():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        cufuse.patch({"not": "a model"})
+    with pytest.raises(ValueError, match="nothing was changed"):
+        cufuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_act="gelu", **_LLAMA_KW))
+    report = cufuse.patch(model)  # the norms and the activations; the GELU-gated MLPs stay (with why)
+    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, "GELUActivation -> GELU": 2}
+    assert [n for n, _ in report.skipped] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    assert "not SiLU" in report.skipped[0][1] and "left alone" in str(report)
+    with pytest.raises(ValueError, match="nothing was changed"):  # patched already: nothing left to do
+        cufuse.patch(model)
