@@ -6,6 +6,9 @@ errors. Skipped without transformers (not a test dependency)."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -95,3 +98,16 @@ def test_patch_errors_and_what_it_leaves():
     assert "not SiLU" in report.skipped[0][1] and "left alone" in str(report)
     with pytest.raises(ValueError, match="nothing was changed"):  # patched already: nothing left to do
         cufuse.patch(model)
+
+
+def test_transformer_integration_example():
+    """examples/transformer_integration.py at its tiny sizes: eager and
+    cufuse start from the same weights and batches, so their losses agree."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "transformer_integration.py"), "--steps", "2",
+                        "--small"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["llama"], ["gpt2"])]
+    assert [row[:2] for row in rows] == [["llama", "eager"], ["llama", "cufuse"], ["gpt2", "eager"], ["gpt2", "cufuse"]]
+    for eager, ours in (rows[0:2], rows[2:4]):
+        assert abs(float(eager[2]) - float(ours[2])) < 1e-3 and abs(float(eager[3]) - float(ours[3])) < 1e-3, rows
