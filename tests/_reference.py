@@ -27,6 +27,30 @@ TOL = {
 
 DTYPES = [np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)]
 
+# bfloat16 (ml_dtypes' dtype, where installed): one rounding of a float32
+# result, one ulp at most 2**-7 of the value; atol for float32's own error
+# where the result cancels (fma).
+try:
+    import ml_dtypes
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+    TOL[BF16] = (1e-2, 1e-5)
+except ImportError:  # pragma: no cover - depends on the machine
+    BF16 = None
+
+
+def promote(dtypes):
+    """The result dtype of float array operands (cufuse's spec, docs/ops.md):
+    numpy.result_type, with bfloat16 promoting as float16 does except that
+    bfloat16 with float16 gives float32."""
+    dtypes = [np.dtype(d) for d in dtypes]
+    if BF16 is None or BF16 not in dtypes:
+        return np.result_type(*dtypes)
+    f16 = np.dtype(np.float16)
+    r = np.result_type(*[f16 if d == BF16 else d for d in dtypes])
+    if r == f16:
+        return np.dtype(np.float32) if f16 in dtypes else BF16
+    return r
+
 # ------------------------------------------------------------------ reference
 _REF = {
     "add_relu": lambda a, b: np.maximum(a + b, 0.0),        # np.maximum propagates NaN

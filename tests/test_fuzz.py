@@ -21,7 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import cufuse  # noqa: E402
 
-from _reference import TOL, reference, scale_for  # noqa: E402
+from _reference import BF16, TOL, promote, reference, scale_for  # noqa: E402
 from _reference import assert_close as ew_close  # noqa: E402
 from _reference_fuse import FLOATS, TREE_TOL, TreeCase  # noqa: E402
 from _reference_fuse import assert_close as fuse_close  # noqa: E402
@@ -49,7 +49,10 @@ def to_kind(a, kind):
         import cupy as cp
         return cp.asarray(a)
     import torch
-    return torch.from_numpy(np.array(a, order="C")).cuda()  # (np.ascontiguousarray makes 0-d arrays 1-d)
+    a = np.array(a, order="C")  # (np.ascontiguousarray makes 0-d arrays 1-d)
+    if a.dtype == BF16:  # (torch.from_numpy does not take ml_dtypes' bfloat16)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16).cuda()
+    return torch.from_numpy(a).cuda()
 
 
 def to_numpy(a):
@@ -57,6 +60,9 @@ def to_numpy(a):
         return a
     if hasattr(a, "get"):
         return a.get()
+    import torch
+    if a.dtype == torch.bfloat16:
+        return a.cpu().view(torch.int16).numpy().view(BF16)
     return a.cpu().numpy()
 
 
@@ -99,11 +105,13 @@ def arrays(draw, dtype, ndim=None, min_dims=0, shape=None, scale=1.0):
 
 
 def _poison(shape, dtype, kind):
-    return to_kind(np.full(shape, np.nan if np.dtype(dtype).kind == "f" else 77, dtype), kind)
+    nan = np.dtype(dtype).kind == "f" or np.dtype(dtype) == BF16
+    return to_kind(np.full(shape, np.nan if nan else 77, dtype), kind)
 
 
 # ----------------------------------------------------------- elementwise ops
 EW = {"add_relu": 2, "mul_tanh": 2, "add_mul_exp": 2, "fma": 3}
+EW_FLOATS = list(FLOATS) + ([BF16] if BF16 is not None else [])  # bfloat16 beside them
 
 
 @fuzz
@@ -122,7 +130,7 @@ def test_fuzz_elementwise(data):
             vals.append(s)
             args.append(s)
             continue
-        dt = data.draw(st.sampled_from(FLOATS), f"dtype {k}")
+        dt = data.draw(st.sampled_from(EW_FLOATS), f"dtype {k}")
         sub = full[data.draw(st.integers(0, len(full)), f"trailing {k}"):]   # broadcasts against full
         v, lay = data.draw(arrays(dt, shape=sub, scale=scale_for(op)), f"array {k}")
         vals.append(v)
@@ -134,7 +142,7 @@ def test_fuzz_elementwise(data):
     arrs = [v for v in vals if isinstance(v, np.ndarray)]
     if kind == "torch_cuda":  # torch's rule: zero-dim tensors do not widen tensors with dimensions
         arrs = [v for v in arrs if v.ndim] or arrs
-    dtype = np.result_type(*[v.dtype for v in arrs])
+    dtype = promote([v.dtype for v in arrs])
     if kind == "torch_cuda":  # as torch: a wider zero-dim operand is rounded to the result type first
         vals = [v.astype(dtype) if isinstance(v, np.ndarray) and v.ndim == 0 else v for v in vals]
     ref = reference(op, vals, dtype)
