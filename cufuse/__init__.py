@@ -15,9 +15,10 @@ from .ops import (add_mul_exp, add_relu, bias_gelu, dequantize_int8, fma, gelu_d
 __version__ = "0.1.0"
 
 import sys as _sys
+from typing import Any as _Any
 
 
-def patch(model):
+def patch(model: _Any) -> _Any:
     """Swap cufuse's modules (cufuse.nn) into a torch model in place, e.g. a
     Hugging Face Llama, GPT-2, BERT or ViT; returns what it replaced
     (cufuse.nn.PatchReport). See cufuse/_patch.py and docs/pytorch.md."""
