@@ -216,6 +216,55 @@ def register():
     bias_gelu.register_autograd(grad_fn_gelu, setup_context=setup_gelu)
     _OPS.update(add_relu=add_relu, mul_tanh=mul_tanh, add_mul_exp=add_mul_exp, fma=fma, bias_gelu=bias_gelu)
     _register_rows(torch)
+    _register_dropout(torch)
+
+
+_U64 = (1 << 64) - 1
+
+
+def gelu_dropout(x, p, seed, approximate):
+    """gelu_dropout through its registered operator (torch.compile). The seed
+    travels as an int64 tensor: a given one as its two's complement, None as
+    one drawn by torch.randint inside the traced graph (a fresh mask every
+    call; torch.manual_seed makes it reproducible, cufuse.manual_seed does
+    not reach into a compiled graph)."""
+    import torch
+    register()
+    if seed is None:
+        s = torch.randint(-(1 << 62), 1 << 62, (), dtype=torch.int64)
+    else:
+        s = torch.tensor(seed - (1 << 64) if seed >= 1 << 63 else seed, dtype=torch.int64)
+    return _OPS["gelu_dropout"](x, p, s, approximate)
+
+
+def _register_dropout(torch):
+    """gelu_dropout and its backward (which draws the mask again from the seed)."""
+    from .ops import elementwise as E
+
+    @torch.library.custom_op("cufuse::gelu_dropout", mutates_args=(),
+                             schema="(Tensor x, float p, Tensor seed, str approximate) -> Tensor")
+    def gelu_dropout(x, p, seed, approximate):
+        return E.gelu_dropout(x, p, True, int(seed.item()) & _U64, approximate)
+
+    @torch.library.custom_op("cufuse::gelu_dropout_backward", mutates_args=(),
+                             schema="(Tensor g, Tensor x, float p, Tensor seed, str approximate) -> Tensor")
+    def gelu_dropout_backward(g, x, p, seed, approximate):
+        return E.gelu_dropout_grad(g, x, p, int(seed.item()) & _U64, approximate)
+
+    gelu_dropout.register_fake(lambda x, p, seed, approximate: torch.empty_like(x))
+    gelu_dropout_backward.register_fake(lambda g, x, p, seed, approximate: torch.empty_like(x))
+
+    def setup(ctx, inputs, output):
+        x, p, seed, approximate = inputs
+        ctx.p, ctx.approximate = p, approximate
+        ctx.save_for_backward(x, seed)  # x and the seed: nothing mask-sized
+
+    def grad(ctx, g):
+        x, seed = ctx.saved_tensors
+        return _direct(ctx, gelu_dropout_backward)(g, x, ctx.p, seed, ctx.approximate), None, None, None
+
+    gelu_dropout.register_autograd(grad, setup_context=setup)
+    _OPS["gelu_dropout"] = gelu_dropout
 
 
 def _register_rows(torch):

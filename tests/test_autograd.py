@@ -386,3 +386,28 @@ def test_reduction_gradients(device, op, axis, keepdims):
         torch.testing.assert_close(a.grad.float(), b.grad, rtol=rtol * 4, atol=atol * 4)
     with pytest.raises(RuntimeError, match="out="):
         fn(x, axis=-1, out=torch.empty(4, 5, dtype=torch.float64, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gelu_dropout_under_compile(device):
+    """torch.compile(fullgraph=True) traces gelu_dropout as its operator: a
+    given seed gives the eager mask bit for bit, forward and backward; seed=None
+    a fresh mask per call; opcheck passes."""
+    from cufuse import _torch_ops
+    _torch_ops.register()
+    torch._dynamo.reset()
+    x = torch.randn(64, 96, device=device)
+    f = torch.compile(lambda t: cufuse.gelu_dropout(t, 0.3, seed=1234), fullgraph=True)
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = f(xa), cufuse.gelu_dropout(xb, 0.3, seed=1234)
+    assert torch.equal(ya, yb)
+    ya.backward(torch.ones_like(ya))
+    yb.backward(torch.ones_like(yb))
+    assert torch.equal(xa.grad, xb.grad) and torch.equal(xa.grad != 0, ya != 0)
+    g = torch.compile(lambda t: cufuse.gelu_dropout(t, 0.3), fullgraph=True)
+    assert not torch.equal(g(x) != 0, g(x) != 0)  # a fresh seed per call
+    for seed in (5, 2 ** 64 - 3):  # (the largest seeds travel as negative int64)
+        s = torch.tensor(seed - 2 ** 64 if seed >= 2 ** 63 else seed)
+        torch.library.opcheck(torch.ops.cufuse.gelu_dropout, (x.clone().requires_grad_(True), 0.3, s, "tanh"))
+        assert torch.equal(torch.ops.cufuse.gelu_dropout(x, 0.3, s, "tanh"),
+                           cufuse.gelu_dropout(x, 0.3, seed=seed, approximate="tanh"))

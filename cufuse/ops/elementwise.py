@@ -505,7 +505,22 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
         raise ValueError(f"cufuse.gelu_dropout: p must be in [0, 1), got {p}")
     if not training or p == 0.0:
         return _bias_gelu[tanh](x, 0.0, out=out)
-    seed = _random.next_seed() if seed is None else _random.check_seed(seed, "cufuse.gelu_dropout")
+    if seed is not None:
+        seed = _random.check_seed(seed, "cufuse.gelu_dropout")
+    if TO.compiling():  # torch.compile: the registered operator; seed=None drawn by torch, in the graph
+        AG.no_out("gelu_dropout", out)
+        return TO.gelu_dropout(x, p, seed, approximate)
+    if seed is None:
+        seed = _random.next_seed()
+    fwd, bwd, params, np_params = _dropout_call(tanh, p, seed, approximate)
+    if AG.wants_grad((x,)):  # recorded: the backward draws the mask again from (seed, p)
+        AG.no_out("gelu_dropout", out)
+        return AG.dropout_apply(fwd, bwd, x, params, np_params)
+    return fwd.call((x,), out, params=params, np_params=np_params)
+
+
+def _dropout_call(tanh, p, seed, approximate):
+    """(forward op, backward op, kernel parameters, NumPy parameters) of gelu_dropout's p and seed."""
     c = _DROPOUT_P.get(p)
     if c is None:
         c = _dropout_constants(p)
@@ -513,10 +528,13 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     params = (np.uint64(seed), threshold, scale, scale_f, lift)
     np_params = {"approximate": approximate, "seed": seed, "threshold": int(threshold), "scale": scale,
                  "lanes16": lanes16}
-    if AG.wants_grad((x,)):  # recorded: the backward draws the mask again from (seed, p)
-        AG.no_out("gelu_dropout", out)
-        return AG.dropout_apply(_dropout_ops[tanh, lanes16], _dropout_grad_ops[tanh, lanes16], x, params, np_params)
-    return _dropout_ops[tanh, lanes16].call((x,), out, params=params, np_params=np_params)
+    return _dropout_ops[tanh, lanes16], _dropout_grad_ops[tanh, lanes16], params, np_params
+
+
+def gelu_dropout_grad(g, x, p, seed, approximate):
+    """gelu_dropout's gradient with respect to x (its custom operator's backward)."""
+    _, bwd, params, np_params = _dropout_call(approximate == "tanh", p, seed, approximate)
+    return bwd.call((g, x), None, params=params, np_params=np_params)
 
 
 _DROPOUT_P: dict = {}  # p -> its kernel constants (_dropout_constants)
