@@ -169,16 +169,22 @@ def _reduction_class(torch):
         @torch.autograd.function.once_differentiable
         def backward(ctx, g):
             (x,) = ctx.saved_tensors
-            R = _row_fns()
-            if not ctx.keepdims:
-                g = g.reshape([1 if i in ctx.axes else n for i, n in enumerate(x.shape)])
-            if ctx.red.mean:
-                dx = R["abs_grad"](g, x.detach(), float(math.prod(x.shape[i] for i in ctx.axes)))
-            else:
-                dx = R["sq_grad"](g, x.detach())
-            return dx.to(x.dtype), None, None, None, None
+            return reduction_grad(g, x.detach(), ctx.axes, ctx.keepdims, ctx.red.mean), None, None, None, None
 
     return ReductionFn
+
+
+def reduction_grad(g, x, axes, keepdims, mean):
+    """dx of sum_squared (``mean`` False) or mean_abs over ``axes`` from the
+    incoming gradient g: one generated kernel, in x's dtype."""
+    R = _row_fns()
+    if not keepdims:
+        g = g.reshape([1 if i in axes else n for i, n in enumerate(x.shape)])
+    if mean:
+        dx = R["abs_grad"](g, x, float(math.prod(x.shape[i] for i in axes)))
+    else:
+        dx = R["sq_grad"](g, x)
+    return dx.to(x.dtype)
 
 
 # ------------------------------------------------------------- row ops

@@ -217,6 +217,7 @@ def register():
     _OPS.update(add_relu=add_relu, mul_tanh=mul_tanh, add_mul_exp=add_mul_exp, fma=fma, bias_gelu=bias_gelu)
     _register_rows(torch)
     _register_dropout(torch)
+    _register_reductions(torch)
 
 
 _U64 = (1 << 64) - 1
@@ -265,6 +266,42 @@ def _register_dropout(torch):
 
     gelu_dropout.register_autograd(grad, setup_context=setup)
     _OPS["gelu_dropout"] = gelu_dropout
+
+
+def _register_reductions(torch):
+    """sum_squared (mean False) and mean_abs (True) over given axes, and their backward."""
+    from . import _autograd as AG
+    from .ops import reduction as RD
+
+    @torch.library.custom_op("cufuse::reduction", mutates_args=(),
+                             schema="(Tensor x, int[] axes, bool keepdims, ScalarType? dtype, bool mean) -> Tensor")
+    def reduction(x, axes, keepdims, dtype, mean):
+        return (RD.mean_abs if mean else RD.sum_squared)(x, tuple(axes), keepdims, dtype)
+
+    @torch.library.custom_op("cufuse::reduction_backward", mutates_args=(),
+                             schema="(Tensor g, Tensor x, int[] axes, bool keepdims, bool mean) -> Tensor")
+    def reduction_backward(g, x, axes, keepdims, mean):
+        return AG.reduction_grad(g, x, tuple(axes), keepdims, mean)
+
+    @reduction.register_fake
+    def _(x, axes, keepdims, dtype, mean):
+        shape = [1 if i in axes else n for i, n in enumerate(x.shape)] if keepdims else \
+            [n for i, n in enumerate(x.shape) if i not in axes]
+        return x.new_empty(shape, dtype=dtype or x.dtype)
+
+    reduction_backward.register_fake(lambda g, x, axes, keepdims, mean: torch.empty_like(x))
+
+    def setup(ctx, inputs, output):
+        x, axes, keepdims, _, mean = inputs
+        ctx.axes, ctx.keepdims, ctx.mean = list(axes), keepdims, mean
+        ctx.save_for_backward(x)
+
+    def grad(ctx, g):
+        (x,) = ctx.saved_tensors
+        return _direct(ctx, reduction_backward)(g, x, ctx.axes, ctx.keepdims, ctx.mean), None, None, None, None
+
+    reduction.register_autograd(grad, setup_context=setup)
+    _OPS["reduction"] = reduction
 
 
 def _register_rows(torch):

@@ -411,3 +411,25 @@ def test_gelu_dropout_under_compile(device):
         torch.library.opcheck(torch.ops.cufuse.gelu_dropout, (x.clone().requires_grad_(True), 0.3, s, "tanh"))
         assert torch.equal(torch.ops.cufuse.gelu_dropout(x, 0.3, s, "tanh"),
                            cufuse.gelu_dropout(x, 0.3, seed=seed, approximate="tanh"))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reductions_under_compile(device):
+    """torch.compile(fullgraph=True) traces sum_squared / mean_abs as the
+    operator cufuse::reduction: forward and backward equal eager; opcheck."""
+    from cufuse import _torch_ops
+    _torch_ops.register()
+    torch._dynamo.reset()
+    x = torch.randn(6, 5, 7, device=device)
+
+    def f(t):
+        return cufuse.sum_squared(t, axis=(0, 2)).sum() + cufuse.mean_abs(t, axis=-1, keepdims=True,
+                                                                           dtype=torch.float64).sum()
+    xa, xb = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    ya, yb = torch.compile(f, fullgraph=True)(xa), f(xb)
+    torch.testing.assert_close(ya, yb, rtol=1e-6, atol=1e-6)
+    ya.backward()
+    yb.backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-6, atol=1e-6)
+    for args in [(x, [0, 2], False, None, False), (x, [2], True, torch.float64, True)]:
+        torch.library.opcheck(torch.ops.cufuse.reduction, (x.clone().requires_grad_(True),) + args[1:])

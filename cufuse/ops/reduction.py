@@ -18,6 +18,7 @@ from .. import _autograd as AG
 from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
+from .. import _torch_ops as TO
 from . import _rows
 
 FAMILY = "reduction"
@@ -70,6 +71,12 @@ class _Reduction:
 
     def __call__(self, x, axis, keepdims, dtype, out):
         name = self.name
+        if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
+            AG.no_out(name, out)
+            if not isinstance(keepdims, (bool, np.bool_)):
+                raise TypeError(f"cufuse.{name}: keepdims must be a bool, got {type(keepdims).__name__}")
+            odt = None if dtype is None else A.numpy_to_torch_dtype(A.float_dtype_arg(name, dtype))
+            return TO.call_row("reduction", x, list(_axes(name, axis, x.dim())), bool(keepdims), odt, self.mean)
         key = None
         ak = _axis_key(axis)
         if ak is not None:
