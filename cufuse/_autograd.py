@@ -147,33 +147,6 @@ def _fused_class(torch):
 
 
 # ------------------------------------------------------------ reductions
-def reduction_apply(red, x, axes, keepdims, dtype, out):
-    """sum_squared / mean_abs (``red``, a cufuse.ops.reduction._Reduction)
-    over ``axes`` (a tuple of non-negative ints) recorded for autograd: the
-    forward saves x; the backward is one generated kernel, 2 x g (sum_squared)
-    or sign(x) g / n (mean_abs), with g broadcast over the reduced axes, in
-    x's dtype."""
-    no_out(red.name, out)
-    return _function_class("reduction", _reduction_class).apply(x, red, axes, keepdims, dtype)
-
-
-def _reduction_class(torch):
-    class ReductionFn(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, red, axes, keepdims, dtype):
-            ctx.save_for_backward(x)
-            ctx.red, ctx.axes, ctx.keepdims = red, axes, keepdims
-            return red(x.detach(), axes, keepdims, dtype, None)
-
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, g):
-            (x,) = ctx.saved_tensors
-            return reduction_grad(g, x.detach(), ctx.axes, ctx.keepdims, ctx.red.mean), None, None, None, None
-
-    return ReductionFn
-
-
 def reduction_grad(g, x, axes, keepdims, mean):
     """dx of sum_squared (``mean`` False) or mean_abs over ``axes`` from the
     incoming gradient g: one generated kernel, in x's dtype."""

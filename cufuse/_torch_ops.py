@@ -25,7 +25,6 @@ from . import _autograd as AG
 _OPS: dict = {}   # name -> the custom op (torch.ops.cufuse.<name>)
 # distinct gradient tensors the backward operator returns, per op (default 1: shared by every operand)
 _DISTINCT = {"mul_tanh": 2, "fma": 2}
-NAMES = ("add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu")
 
 
 def compiling() -> bool:
@@ -117,7 +116,6 @@ def register():
         return
     import torch
 
-    from . import _autograd as AG
     from .ops import elementwise as E
 
     # schemas written out (this module's annotations are strings): each operand a (tensor, number) pair
@@ -270,7 +268,6 @@ def _register_dropout(torch):
 
 def _register_reductions(torch):
     """sum_squared (mean False) and mean_abs (True) over given axes, and their backward."""
-    from . import _autograd as AG
     from .ops import reduction as RD
 
     @torch.library.custom_op("cufuse::reduction", mutates_args=(),
@@ -306,7 +303,6 @@ def _register_reductions(torch):
 
 def _register_rows(torch):
     """layer_norm (and its relu form), rms_norm, softmax / log_softmax."""
-    from . import _autograd as AG
     from .ops import norm as N
 
     @torch.library.custom_op("cufuse::layer_norm", mutates_args=(),
@@ -347,7 +343,7 @@ def _register_rows(torch):
                 x.new_empty((0,)) if w is None else torch.empty_like(w),
                 x.new_empty((0,)) if b is None else torch.empty_like(b)]
 
-    def norm_grads(kind, ctx, g, nw):
+    def norm_grads(kind, ctx, g):
         x, w, b = ctx.saved_tensors
         n = 1
         for d in ctx.ns:
@@ -361,7 +357,7 @@ def _register_rows(torch):
         ctx.save_for_backward(x, w, b)
 
     def ln_grad(ctx, g):
-        dx, dw, db = norm_grads("layer_relu" if ctx.relu else "layer", ctx, g, 2)
+        dx, dw, db = norm_grads("layer_relu" if ctx.relu else "layer", ctx, g)
         return dx, None, dw, db, None, None
 
     def rms_setup(ctx, inputs, output):
@@ -370,7 +366,7 @@ def _register_rows(torch):
         ctx.save_for_backward(x, w, None)
 
     def rms_grad(ctx, g):
-        dx, dw, _ = norm_grads("rms", ctx, g, 1)
+        dx, dw, _ = norm_grads("rms", ctx, g)
         return dx, None, dw, None
 
     def sm_setup(ctx, inputs, output):

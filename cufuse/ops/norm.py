@@ -273,35 +273,46 @@ def _bwd_plan(kind, tdt, n, dev):
     return plan
 
 
+def _bwd_setup(kind, x, g, n, *more):
+    """(kernel, threads, grid, acc dtype, rows, (x, g, *more) contiguous) of the
+    backward ``kind`` over rows of ``n`` elements of x, or None where
+    kernels/norm_backward.cu does not take them (dtypes that differ, a
+    partial pack, rows too long, misaligned data)."""
+    if g.dtype != x.dtype or any(a is not None and (a.dtype != x.dtype or a.numel() != n) for a in more):
+        return None
+    plan = _bwd_plan(kind, x.dtype, n, x.get_device())
+    if plan is None:
+        return None
+    fn, threads, most, acc = plan
+    ts = tuple(None if a is None else a.contiguous() for a in (x, g, *more))
+    if any(a is not None and a.data_ptr() % 16 for a in ts):
+        return None
+    rows = x.numel() // n if n else 0
+    return fn, threads, max(1, min(rows, most)), acc, rows, ts
+
+
+def _bwd_launch(fn, grid, threads, dev, ptrs, rows, n, *extra):
+    with R._cp.cuda.Device(dev):
+        fn((grid,), (threads,), (*[0 if a is None else a.data_ptr() for a in ptrs], np.int64(rows), np.int32(n),
+                                 *extra), stream=D.stream_for(A.TORCH_CUDA, dev))
+
+
 def backward_rows(kind, g, x, n, w, b, eps):
     """(dx, dw or None, db or None) of the norm ``kind`` ("layer",
     "layer_relu", "rms") over the last ``n`` elements of CUDA tensors, from
     kernels/norm_backward.cu on torch's current stream; None where the rows
     do not fit it (the caller then takes the generated kernels)."""
     import torch
-    if g.dtype != x.dtype or any(a is not None and (a.dtype != x.dtype or a.numel() != n) for a in (w, b)):
+    setup = _bwd_setup(kind, x, g, n, w, b)
+    if setup is None:
         return None
-    dev = x.get_device()
-    plan = _bwd_plan(kind, x.dtype, n, dev)
-    if plan is None:
-        return None
-    fn, threads, most, acc = plan
-    x, g = x.contiguous(), g.contiguous()
-    w = w.contiguous() if w is not None else None
-    b = b.contiguous() if b is not None else None
-    if any(a is not None and a.data_ptr() % 16 for a in (x, g, w, b)):
-        return None
-    rows = x.numel() // n
-    grid = max(1, min(rows, most))
+    fn, threads, grid, acc, rows, (x, g, w, b) = setup
     dx = torch.empty_like(x)
     part = torch.empty if rows else torch.zeros  # (no rows: nothing to add, zero gradients)
     pw = part((grid, n), dtype=acc, device=x.device) if w is not None else None
     pb = part((grid, n), dtype=acc, device=x.device) if b is not None else None
     if rows:
-        with R._cp.cuda.Device(dev):
-            fn((grid,), (threads,), (*[0 if a is None else a.data_ptr() for a in (dx, pw, pb, g, x, w, b)],
-                                     np.int64(rows), np.int32(n), float(eps)),
-               stream=D.stream_for(A.TORCH_CUDA, dev))
+        _bwd_launch(fn, grid, threads, x.get_device(), (dx, pw, pb, g, x, w, b), rows, n, float(eps))
     dw = pw.sum(0).to(w.dtype).reshape(w.shape) if w is not None else None  # the second stage: over the blocks
     db = pb.sum(0).to(b.dtype).reshape(b.shape) if b is not None else None
     return dx, dw, db
@@ -312,23 +323,16 @@ def softmax_backward_rows(g, y, log):
     CUDA tensors from the output ``y``, by kernels/norm_backward.cu; None where
     the rows do not fit it."""
     import torch
-    n = y.shape[-1] if y.dim() else 1
-    if g.dtype != y.dtype or y.dim() == 0:
+    if y.dim() == 0:
         return None
-    dev = y.get_device()
-    plan = _bwd_plan("log_softmax" if log else "softmax", y.dtype, n, dev)
-    if plan is None:
+    n = y.shape[-1]
+    setup = _bwd_setup("log_softmax" if log else "softmax", y, g, n)
+    if setup is None:
         return None
-    fn, threads, most, _ = plan
-    y, g = y.contiguous(), g.contiguous()
-    if y.data_ptr() % 16 or g.data_ptr() % 16:
-        return None
-    rows = y.numel() // n if n else 0
+    fn, threads, grid, _, rows, (y, g) = setup
     dx = torch.empty_like(y)
     if rows:
-        with R._cp.cuda.Device(dev):
-            fn((max(1, min(rows, most)),), (threads,), (dx.data_ptr(), g.data_ptr(), y.data_ptr(), np.int64(rows),
-                                                          np.int32(n)), stream=D.stream_for(A.TORCH_CUDA, dev))
+        _bwd_launch(fn, grid, threads, y.get_device(), (dx, g, y), rows, n)
     return dx
 
 
@@ -485,6 +489,13 @@ def _ns_list(normalized_shape):
     return [int(normalized_shape)] if isinstance(normalized_shape, (int, np.integer)) else [int(d) for d in normalized_shape]
 
 
+def _recorded_norm(name, x, normalized_shape, weight, bias, eps, out):
+    if name == "rms_norm":
+        return _recorded(name, out, "rms_norm", x, _ns_list(normalized_shape), weight, float(eps))
+    return _recorded(name, out, "layer_norm", x, _ns_list(normalized_shape), weight, bias, float(eps),
+                     name == "layer_norm_relu")
+
+
 def _recorded(name, out, op, *args):
     """The call through torch.ops.cufuse (autograd, torch.compile); out= cannot be recorded."""
     AG.no_out(name, out)
@@ -532,11 +543,8 @@ def rms_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | 
 def _norm(name, x, normalized_shape, weight, bias, eps, out):
     """The norms' one entry: the fast path, Dask arrays, then validation and
     the launch (or the NumPy path, _NUMPY_OF)."""
-    if TO.compiling() or AG.wants_grad((x, weight, bias)):  # torch.compile, or recorded for backward
-        if name == "rms_norm":
-            return _recorded(name, out, "rms_norm", x, _ns_list(normalized_shape), weight, float(eps))
-        return _recorded(name, out, "layer_norm", x, _ns_list(normalized_shape), weight, bias, float(eps),
-                         name == "layer_norm_relu")
+    if TO.compiling():  # torch.compile: the registered operator
+        return _recorded_norm(name, x, normalized_shape, weight, bias, eps, out)
     op = _OPS[name]
     sk = _shape_key(normalized_shape)
     key = None
@@ -544,6 +552,8 @@ def _norm(name, x, normalized_shape, weight, bias, eps, out):
         res, key = _fast(op, x, weight, bias, eps, out, sk)
         if res is not None:
             return res
+    if AG.wants_grad((x, weight, bias)):  # recorded for backward (never in the fast path: see _run's keep)
+        return _recorded_norm(name, x, normalized_shape, weight, bias, eps, out)
     if DK.is_dask(x):
         w, b = (DK._concrete(name, what, v) for what, v in (("weight", weight), ("bias", bias)))
         return DK.rows(name, lambda blk: _norm(name, blk, normalized_shape, w, b, eps, None), x,
@@ -569,7 +579,7 @@ def log_softmax(x: Array, axis: int = -1, *, out: Array | None = None) -> Array:
 
 
 def _softmax(name, x, axis, out):
-    if TO.compiling() or AG.wants_grad((x,)):
+    if TO.compiling():
         return _recorded(name, out, "softmax", x, int(axis), name == "log_softmax")
     op = _OPS[name]
     key = None
@@ -577,6 +587,8 @@ def _softmax(name, x, axis, out):
         res, key = _fast(op, x, None, None, 0.0, out, axis)
         if res is not None:
             return res
+    if AG.wants_grad((x,)):  # recorded for backward (never in the fast path)
+        return _recorded(name, out, "softmax", x, int(axis), name == "log_softmax")
     if DK.is_dask(x) and isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)) \
             and -max(x.ndim, 1) <= axis < max(x.ndim, 1):
         return DK.rows(name, lambda blk: _softmax(name, blk, axis, None), x, [axis] if x.ndim else [], x.dtype, out)

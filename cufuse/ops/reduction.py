@@ -69,14 +69,19 @@ class _Reduction:
                 return np.mean(np.abs(v), axis=axes, keepdims=keepdims)
             return np.sum(v * v, axis=axes, keepdims=keepdims)
 
+    def _recorded(self, x, axis, keepdims, dtype, out):
+        """The call through its registered operator (autograd, torch.compile)."""
+        name = self.name
+        AG.no_out(name, out)
+        if not isinstance(keepdims, (bool, np.bool_)):
+            raise TypeError(f"cufuse.{name}: keepdims must be a bool, got {type(keepdims).__name__}")
+        odt = None if dtype is None else A.numpy_to_torch_dtype(A.float_dtype_arg(name, dtype))
+        return TO.call_row("reduction", x, list(_axes(name, axis, x.dim())), bool(keepdims), odt, self.mean)
+
     def __call__(self, x, axis, keepdims, dtype, out):
         name = self.name
         if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
-            AG.no_out(name, out)
-            if not isinstance(keepdims, (bool, np.bool_)):
-                raise TypeError(f"cufuse.{name}: keepdims must be a bool, got {type(keepdims).__name__}")
-            odt = None if dtype is None else A.numpy_to_torch_dtype(A.float_dtype_arg(name, dtype))
-            return TO.call_row("reduction", x, list(_axes(name, axis, x.dim())), bool(keepdims), odt, self.mean)
+            return self._recorded(x, axis, keepdims, dtype, out)
         key = None
         ak = _axis_key(axis)
         if ak is not None:
@@ -94,12 +99,8 @@ class _Reduction:
             _axes(name, axis, x.ndim)  # the same errors
             return DK.reduction(name, x, axis, bool(keepdims), odt, self.mean,
                                 lambda b, ax, kd, acc: self(b, ax, kd, acc, None), out)
-        if AG.wants_grad((x,)):  # recorded for backward (the axes and keepdims checked first)
-            if dtype is not None:
-                A.float_dtype_arg(name, dtype)
-            if not isinstance(keepdims, (bool, np.bool_)):
-                raise TypeError(f"cufuse.{name}: keepdims must be a bool, got {type(keepdims).__name__}")
-            return AG.reduction_apply(self, x, _axes(name, axis, x.dim()), bool(keepdims), dtype, out)
+        if AG.wants_grad((x,)):  # recorded for backward (never in the fast path: see keep below)
+            return self._recorded(x, axis, keepdims, dtype, out)
         kind, dt, dev = _rows.data_arg(name, x)
         odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
         shape = tuple(x.shape)
