@@ -241,6 +241,17 @@ def float_dtype_arg(name, dtype, what="dtype"):
     return d
 
 
+def torch_float_dtype_arg(name, dtype):
+    """float_dtype_arg as a torch dtype. A torch dtype is checked without NumPy, so torch.compile
+    (whose older releases cannot hash NumPy dtypes) traces it."""
+    t = torch()
+    if isinstance(dtype, t.dtype) and dtype in (t.float16, t.bfloat16, t.float32, t.float64):
+        if dtype is t.bfloat16 and BF16 is None:
+            float_dtype_arg(name, dtype)  # raises, naming ml_dtypes
+        return dtype
+    return numpy_to_torch_dtype(float_dtype_arg(name, dtype))
+
+
 def check_grad(x, name):
     t = torch()
     if x.requires_grad and t.is_grad_enabled():

@@ -384,6 +384,11 @@ def _register_rows(torch):
     _OPS.update(layer_norm=layer_norm, rms_norm=rms_norm, softmax=softmax)
 
 
+# torch.compile runs register() at trace time instead of tracing it (torch.compiler.assume_constant_result,
+# spelled as its attribute so that defining it needs no torch): a first call inside a compiled function works
+register._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
 def call_row(name, *args):
     """A row op through its registered operator (see ``call``)."""
     register()

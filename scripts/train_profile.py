@@ -19,14 +19,17 @@ def main():
         x = torch.randn(rows, cols, device="cuda", dtype=dt, requires_grad=True)
         w = torch.randn(cols, device="cuda", dtype=dt, requires_grad=True)
         b = torch.randn(cols, device="cuda", dtype=dt, requires_grad=True)
+        y = torch.randn(rows, cols, device="cuda", dtype=dt, requires_grad=True)
         g = torch.randn(rows, cols, device="cuda", dtype=dt)
         cases = {"add_relu": lambda: cufuse.add_relu(x, b), "torch add_relu": lambda: torch.relu(x + b),
+                 "add_relu xy": lambda: cufuse.add_relu(x, y), "torch add_relu xy": lambda: torch.relu(x + y),
+                 "bias_gelu": lambda: cufuse.bias_gelu(x, b), "torch bias_gelu": lambda: F.gelu(x + b),
                  "layer_norm": lambda: cufuse.layer_norm(x, cols, w, b),
                  "torch layer_norm": lambda: F.layer_norm(x, (cols,), w, b),
                  "softmax": lambda: cufuse.softmax(x), "torch softmax": lambda: torch.softmax(x, -1)}
 
         def step(fn):
-            for t in (x, w, b):
+            for t in (x, w, b, y):
                 t.grad = None
             fn().backward(g)
         for name, fn in cases.items():
@@ -40,6 +43,15 @@ def main():
             torch.cuda.synchronize()
             t2 = time.perf_counter()
             print(f"{rows}x{cols} {name:18} host {1e6 * (t1 - t0) / 50:8.1f} us/step, with sync {1e6 * (t2 - t0) / 50:8.1f}")
+        if rows == 4096:
+            from torch.profiler import ProfilerActivity, profile
+            for name in ("add_relu xy", "torch add_relu xy", "bias_gelu", "layer_norm"):
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(10):
+                        step(cases[name])
+                    torch.cuda.synchronize()
+                print(f"==== CUDA kernels {name} {rows}x{cols}, 10 steps")
+                print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=8, max_name_column_width=70))
         if rows == 256:
             for name in ("add_relu", "layer_norm"):
                 pr = cProfile.Profile()

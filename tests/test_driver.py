@@ -223,8 +223,9 @@ def test_errors_on_a_kept_signature_torch():
         cufuse.layer_norm(xg, SHAPE[-1])
     assert cufuse.add_relu(xg, xg).grad_fn is not None       # differentiable: recorded, not the kept recipe
     assert cufuse.layer_norm(xg, SHAPE[-1]).grad_fn is not None    # recorded too (torch.ops.cufuse)
-    with pytest.raises(NotImplementedError, match="requires grad"):
-        cufuse.sum_squared(xg)
+    assert cufuse.sum_squared(xg).grad_fn is not None
+    with pytest.raises(NotImplementedError, match="requires grad"):     # quantize has no autograd
+        cufuse.quantize_int8(xg, 0.1)
 
 
 @pytest.mark.cuda

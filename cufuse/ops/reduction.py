@@ -75,7 +75,7 @@ class _Reduction:
         AG.no_out(name, out)
         if not isinstance(keepdims, (bool, np.bool_)):
             raise TypeError(f"cufuse.{name}: keepdims must be a bool, got {type(keepdims).__name__}")
-        odt = None if dtype is None else A.numpy_to_torch_dtype(A.float_dtype_arg(name, dtype))
+        odt = None if dtype is None else A.torch_float_dtype_arg(name, dtype)
         return TO.call_row("reduction", x, list(_axes(name, axis, x.dim())), bool(keepdims), odt, self.mean)
 
     def __call__(self, x, axis, keepdims, dtype, out):
