@@ -92,9 +92,21 @@ def _eager_class(torch):
 
 
 def _direct(ctx, opdef):
-    """A backward operator as a plain call where the forward ran eagerly
-    (EagerOp), else the registered operator (traced by torch.compile)."""
-    return opdef._init_fn if getattr(ctx, "eager", False) else opdef
+    """A backward operator as a plain call on detached tensors where the
+    forward ran eagerly (EagerOp), else the registered operator (traced by
+    torch.compile). Detached, because the saved tensors require grad and a
+    tensor that requires grad never takes an op's per-signature fast path
+    (about 0.3 ms more per backward on an H200 host)."""
+    if not getattr(ctx, "eager", False):
+        return opdef
+    fn = opdef._init_fn
+    return lambda *args: fn(*[_detached(a) for a in args])
+
+
+def _detached(a):
+    if type(a) is list:  # (Tensor?[] arguments)
+        return [_detached(v) for v in a]
+    return a.detach() if hasattr(a, "requires_grad") else a
 
 
 def _meta_result(*operands):

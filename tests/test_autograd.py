@@ -433,3 +433,35 @@ def test_reductions_under_compile(device):
     torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-6, atol=1e-6)
     for args in [(x, [0, 2], False, None, False), (x, [2], True, torch.float64, True)]:
         torch.library.opcheck(torch.ops.cufuse.reduction, (x.clone().requires_grad_(True),) + args[1:])
+
+
+@pytest.mark.cuda
+def test_backward_takes_the_fast_path():
+    """A repeated training step finds every kernel's recipe, forward and
+    backward (the saved tensors require grad; the backward must not take the
+    general path because of it): no fast-path miss on the third step."""
+    from cufuse import _driver as D
+    x = torch.randn(64, 96, device="cuda", requires_grad=True)
+    y = torch.randn(64, 96, device="cuda", requires_grad=True)
+    b = torch.randn(96, device="cuda", requires_grad=True)
+    w = torch.randn(96, device="cuda", requires_grad=True)
+    swiglu = cufuse.fuse(lambda a, c: a * cufuse.sigmoid(a) * c)
+    steps = {
+        "add_relu": lambda: cufuse.add_relu(x, y), "mul_tanh": lambda: cufuse.mul_tanh(x, b),
+        "add_mul_exp": lambda: cufuse.add_mul_exp(x * 0.1, b), "fma": lambda: cufuse.fma(x, y, b),
+        "bias_gelu": lambda: cufuse.bias_gelu(x, b), "layer_norm": lambda: cufuse.layer_norm(x, 96, w, b),
+        "rms_norm": lambda: cufuse.rms_norm(x, 96, w), "softmax": lambda: cufuse.softmax(x),
+        "log_softmax": lambda: cufuse.log_softmax(x), "gelu_dropout": lambda: cufuse.gelu_dropout(x, 0.1),
+        "sum_squared": lambda: cufuse.sum_squared(x, axis=-1), "fuse": lambda: swiglu(x, y),
+    }
+    g = torch.randn(64, 96, device="cuda")
+    for name, fn in steps.items():
+        for i in range(3):
+            if i == 2:
+                misses = sum(fp.misses for fp in D.fast_paths())
+            for t in (x, y, b, w):
+                t.grad = None
+            r = fn()
+            r.backward(g if r.dim() == 2 else g[:, 0])
+            assert x.grad is not None
+        assert sum(fp.misses for fp in D.fast_paths()) == misses, name
