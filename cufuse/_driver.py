@@ -42,12 +42,13 @@ except Exception:  # pragma: no cover - no CuPy
 # ----------------------------------------------------------------- torch
 class TorchAPI:
     """The torch names of the hot path (``Tensor`` is None until bound)."""
-    __slots__ = ("Tensor", "empty", "empty_like", "raw_stream", "float_dtypes", "np_dtypes", "devices")
+    __slots__ = ("Tensor", "empty", "empty_like", "raw_stream", "float_dtypes", "np_dtypes", "devices",
+                 "grad_enabled")
 
     def __init__(self):
         self.Tensor = None
         self.empty = self.empty_like = None
-        self.raw_stream = None
+        self.raw_stream = self.grad_enabled = None
         self.float_dtypes = {}  # torch float dtype -> NumPy dtype
         self.np_dtypes = {}     # NumPy dtype -> torch dtype
         self.devices = {}       # ordinal -> torch.device("cuda", ordinal)
@@ -66,7 +67,7 @@ def torch_api() -> TorchAPI:
                 TORCH.float_dtypes[t.bfloat16] = A.BF16
             TORCH.np_dtypes = {v: k for k, v in TORCH.float_dtypes.items()} | {np.dtype(np.int8): t.int8,
                                                                                np.dtype(np.uint8): t.uint8}
-            TORCH.empty, TORCH.empty_like = t.empty, t.empty_like
+            TORCH.empty, TORCH.empty_like, TORCH.grad_enabled = t.empty, t.empty_like, t.is_grad_enabled
             TORCH.raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None) or (
                 lambda dev: t.cuda.current_stream(dev).cuda_stream)
             TORCH.Tensor = t.Tensor
@@ -369,8 +370,10 @@ def signature(items):
     the general path, and so does anything to be rejected).
 
     Per array: its type, dtype, shape, strides, the low 4 bits of its address
-    (what alignment decisions read), its device and (tensors) requires_grad;
-    per other item its type. ``pointers`` lists the arrays' addresses."""
+    (what alignment decisions read) and its device; per other item its type.
+    ``pointers`` lists the arrays' addresses. A tensor that requires grad
+    with grad mode on gives None: the call is recorded for autograd (the
+    general path), so a kept recipe never skips that."""
     Cupy, Tensor = A.CupyArray, TORCH.Tensor
     key, ptrs = [], []
     for a in items:
@@ -384,8 +387,10 @@ def signature(items):
             d = a.get_device()  # -1 off the GPU
             if d < 0:
                 return None
+            if a.requires_grad and TORCH.grad_enabled():
+                return None
             p = a.data_ptr()
-            key.append((a.dtype, a.shape, a.stride(), p & 15, d, a.requires_grad))
+            key.append((a.dtype, a.shape, a.stride(), p & 15, d))
             ptrs.append(p)
         elif t in SCALAR_TYPES or a is None:
             key.append(t)  # a scalar's type fixes its dtype; its value is read at each call
@@ -393,10 +398,10 @@ def signature(items):
             torch_api()
             return signature(items)
         elif Tensor is not None and isinstance(a, Tensor):  # a subclass (nn.Parameter): as a tensor
-            if not a.is_cuda:
+            if not a.is_cuda or a.requires_grad and TORCH.grad_enabled():
                 return None
             p = a.data_ptr()
-            key.append((t, a.dtype, a.shape, a.stride(), p & 15, a.get_device(), a.requires_grad))
+            key.append((t, a.dtype, a.shape, a.stride(), p & 15, a.get_device()))
             ptrs.append(p)
         else:
             return None  # NumPy arrays, CuPy subclasses, anything to be rejected: the general path

@@ -3,12 +3,20 @@
 synchronized at the end, at a size where the GPU is never the bound."""
 from __future__ import annotations
 
+import cProfile
+import pstats
+import sys
 import time
 
 import torch
 
 import cufuse
 from cufuse import _autograd as AG
+from cufuse import _driver as D
+
+
+def misses():
+    return {fp.name: fp.misses for fp in D.fast_paths()}
 
 
 def wall(fn, n=300):
@@ -68,8 +76,22 @@ def main():
         "torch layer_norm fwd+bwd": bwd(lambda: torch.nn.functional.layer_norm(x, (768,))),
     }
     print(torch.cuda.get_device_name(), torch.__version__)
-    for name, fn in cases.items():
-        print(f"{name:36} {wall(fn):8.1f} us/call")
+    for threads in (True, False):
+        torch.autograd.set_multithreading_enabled(threads)
+        print("autograd multithreading", threads)
+        for name, fn in cases.items():
+            m0 = misses()
+            us = wall(fn)
+            m1 = misses()
+            missed = {k: v - m0.get(k, 0) for k, v in m1.items() if v != m0.get(k, 0)}
+            print(f"{name:36} {us:8.1f} us/call", f"fast-path misses {missed}" if missed else "")
+    for name in sys.argv[1:]:  # cProfile (in this thread: multithreading off)
+        pr = cProfile.Profile()
+        pr.enable()
+        wall(cases[name], 100)
+        pr.disable()
+        print(f"==== cProfile {name}, 120 calls")
+        pstats.Stats(pr).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":

@@ -401,7 +401,7 @@ class Fused:
                 return [o if o is not None else D.empty(s, dt, kind, dev)
                         for o, s, dt in zip(outs, out_shapes, sig.out_dtypes)]
             ins = [x for _, x in arrays]
-            keep = key is not None and not (kind == A.TORCH_CUDA and any(x.requires_grad for x in ins))
+            keep = key is not None
             targets = list(outs)
             for k, o in enumerate(outs):
                 if o is None:

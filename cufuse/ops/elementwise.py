@@ -224,8 +224,6 @@ class ElementwiseOp:
                 if x is not None:
                     if A.dtype_of(x, kind) != dt:  # mixed float dtypes: cast once
                         x, keep = D.astype(x, dt, kind), False
-                    elif kind == A.TORCH_CUDA and x.requires_grad:  # (grad mode is read at each call)
-                        keep = False
                 ins.append(x)
             target = out
             if out is not None and D.needs_temporary(out, odt, ins, [dt] * len(ins), kind, shape):

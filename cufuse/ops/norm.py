@@ -456,8 +456,6 @@ def _run(op, x, kind, dt, dev, lead, w, b, eps, out, np_impl, key):
             ws.append(a)
         w, b = ws
         ins = [a for a in (x, w, b) if a is not None]
-        if kind == A.TORCH_CUDA and any(a.requires_grad for a in ins):
-            keep = False  # (grad mode is read at each call)
         target, ldy = out, cols
         if out is not None:
             ldy = _rows.row_stride(out, kind, lead)

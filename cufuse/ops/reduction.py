@@ -128,7 +128,7 @@ class _Reduction:
             y = out if out is not None else D.empty(res_shape, odt, kind, dev)
             y[...] = float("nan") if self.mean else 0.0
             return y
-        keep = key is not None and not (kind == A.TORCH_CUDA and x.requires_grad)
+        keep = key is not None
         target = out
         if out is not None and (not A.is_c_contiguous(tuple(out.shape), A.strides_of(out, kind))
                                 or D.overlaps(out, x, kind)):
