@@ -111,3 +111,19 @@ def test_transformer_integration_example():
     assert [row[:2] for row in rows] == [["llama", "eager"], ["llama", "cufuse"], ["gpt2", "eager"], ["gpt2", "cufuse"]]
     for eager, ours in (rows[0:2], rows[2:4]):
         assert abs(float(eager[2]) - float(ours[2])) < 1e-3 and abs(float(eager[3]) - float(ours[3])) < 1e-3, rows
+
+
+def test_vit_example():
+    """examples/vit.py at its tiny sizes: eager and cufuse give the same
+    logits (to float32 rounding) and the same training losses."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", "vit.py"), "--steps", "2", "--small"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["eager"],
+                                                                                                   ["cufuse"])}
+    assert set(rows) == {"eager", "cufuse"}, r.stdout
+    eager, ours = rows["eager"], rows["cufuse"]
+    assert abs(float(eager[3]) - float(ours[3])) < 1e-3 and abs(float(eager[4]) - float(ours[4])) < 1e-3, rows
+    assert float(ours[6]) < 1e-3, rows
+    assert "LayerNorm -> LayerNorm" in r.stdout
