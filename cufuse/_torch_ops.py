@@ -18,7 +18,9 @@ torch's promotion rules (it never widens a tensor's float type).
 """
 from __future__ import annotations
 
+import itertools
 import sys
+import weakref
 
 from . import _autograd as AG
 
@@ -228,6 +230,7 @@ def register():
     _register_rows(torch)
     _register_dropout(torch)
     _register_reductions(torch)
+    _register_fused(torch)
 
 
 _U64 = (1 << 64) - 1
@@ -394,6 +397,136 @@ def _register_rows(torch):
     rms_norm.register_autograd(rms_grad, setup_context=rms_setup)
     softmax.register_autograd(sm_grad, setup_context=sm_setup)
     _OPS.update(layer_norm=layer_norm, rms_norm=rms_norm, softmax=softmax)
+
+
+# ------------------------------------------------------------ cufuse.fuse
+# A fused function under torch.compile is one operator for all of them,
+# cufuse::fused, told which by a key; its arguments travel as a layout string
+# ("t" tensor, "f" float, "i" int, "b" bool per argument) and a list per type.
+_FUSED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> Fused
+_COUNT = itertools.count()
+_CODES = {float: "f", int: "i", bool: "b"}
+
+
+def fused_key(fused):
+    key = f"{fused.__name__}#{next(_COUNT)}"
+    _FUSED[key] = fused
+    return key
+
+
+def _fused(key):
+    f = _FUSED.get(key)
+    if f is None:
+        raise RuntimeError(f"cufuse.fuse: the fused function {key.split('#')[0]!r} of a compiled graph no longer "
+                           "exists (keep a reference to it while the compiled function is in use)")
+    return f
+
+
+def _pack_fused(fused, args):
+    layout, tensors, nums = [], [], {"f": [], "i": [], "b": []}
+    Tensor = sys.modules["torch"].Tensor
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor):
+            layout.append("t")
+            tensors.append(a)
+            continue
+        c = _CODES.get(type(a))
+        if c is None:
+            raise TypeError(f"cufuse.{fused._name}: under torch.compile, a fused function takes tensors and Python "
+                            f"int, float and bool; argument {i + 1} is {type(a).__module__}.{type(a).__name__}")
+        layout.append(c)
+        nums[c].append(a)
+    return "".join(layout), tensors, nums["f"], nums["i"], nums["b"]
+
+
+def _unpack_fused(layout, tensors, floats, ints, bools):
+    its = {"t": iter(tensors), "f": iter(floats), "i": iter(ints), "b": iter(bools)}
+    return [next(its[c]) for c in layout]
+
+
+def fused_call(fused, args, out):
+    """A cufuse.fuse function through torch.ops.cufuse.fused (torch.compile)."""
+    AG.no_out(fused._name, out)
+    register()
+    layout, tensors, floats, ints, bools = _pack_fused(fused, args)
+    res = _OPS["fused"](fused._op_key, layout, tensors, floats, ints, bools)
+    tuple_out = _fused_tuple_out(fused._op_key, layout, tuple(t.dtype for t in tensors),
+                                 tuple(t.dim() for t in tensors))
+    return tuple(res) if tuple_out else res[0]
+
+
+def _fused_tuple_out(key, layout, dtypes, ndims):
+    """Whether the fused function returns a tuple for these argument types
+    (run by torch.compile at trace time, as a constant)."""
+    import torch
+    ts = [torch.empty((1,) * n, dtype=dt, device="meta") for dt, n in zip(dtypes, ndims)]
+    args = _unpack_fused(layout, ts, [1.0] * layout.count("f"), [1] * layout.count("i"), [True] * layout.count("b"))
+    return _fused(key)._result_meta(args)[1]
+
+
+_fused_tuple_out._dynamo_marked_constant = True  # type: ignore[attr-defined]
+
+
+def _register_fused(torch):
+    """cufuse::fused (any fused function, by key) and its backward: ONE
+    generated kernel per signature recomputing the forward (Fused._backward)."""
+    from . import _arrays as A
+
+    def detached(tensors):
+        return [t.detach() for t in tensors]
+
+    @torch.library.custom_op("cufuse::fused", mutates_args=(),
+                             schema="(str key, str layout, Tensor[] tensors, float[] floats, int[] ints, "
+                                    "bool[] bools) -> Tensor[]")
+    def fused(key, layout, tensors, floats, ints, bools):
+        res = _fused(key)(*_unpack_fused(layout, detached(tensors), floats, ints, bools))
+        return list(res) if isinstance(res, tuple) else [res]
+
+    @fused.register_fake
+    def _(key, layout, tensors, floats, ints, bools):
+        args = _unpack_fused(layout, detached(tensors), floats, ints, bools)
+        metas, _ = _fused(key)._result_meta(args, torch.broadcast_shapes)
+        dev = tensors[0].device
+        return [torch.empty(shape, dtype=A.numpy_to_torch_dtype(dt), device=dev) for shape, dt in metas]
+
+    @torch.library.custom_op("cufuse::fused_backward", mutates_args=(),
+                             schema="(str key, str layout, Tensor[] tensors, float[] floats, int[] ints, "
+                                    "bool[] bools, Tensor[] gouts, int[] need) -> Tensor[]")
+    def fused_backward(key, layout, tensors, floats, ints, bools, gouts, need):
+        ts = detached(tensors)
+        args = _unpack_fused(layout, ts, floats, ints, bools)
+        pos = [i for i, c in enumerate(layout) if c == "t"]  # argument position of each tensor
+        grads = _fused(key)._backward(args, detached(gouts), [pos[k] for k in need])
+        out = []
+        for k in need:  # an argument the outputs do not depend on gets zeros
+            gr = grads.get(pos[k])
+            out.append(torch.zeros_like(ts[k]) if gr is None else gr.to(ts[k].dtype))
+        return out
+
+    fused_backward.register_fake(lambda key, layout, tensors, floats, ints, bools, gouts, need:
+                                 [torch.empty_like(tensors[k]) for k in need])
+
+    def setup(ctx, inputs, output):
+        key, layout, tensors, floats, ints, bools = inputs
+        ctx.args = (key, layout, floats, ints, bools)
+        ctx.need = [k for k, t in enumerate(tensors) if t.requires_grad]
+        if ctx.need:  # max / min reductions have no gradient: say so while tracing, as eager calls do
+            _fused(key)._differentiable(_unpack_fused(layout, detached(tensors), floats, ints, bools))
+        ctx.metas = [(o.shape, o.dtype, o.device) for o in output]
+        ctx.save_for_backward(*tensors)
+
+    def grad(ctx, gouts):
+        key, layout, floats, ints, bools = ctx.args
+        tensors = list(ctx.saved_tensors)
+        gouts = [g if g is not None else torch.zeros(s, dtype=dt, device=dev) for g, (s, dt, dev) in
+                 zip(gouts, ctx.metas)]
+        got = iter(fused_backward(key, layout, tensors, floats, ints, bools, gouts, ctx.need) if ctx.need else [])
+        grads = [next(got) if k in ctx.need else None for k in range(len(tensors))]
+        # the inputs' structure, as torch.library flattens it: None for a list of numbers, [] for an empty list
+        return None, None, grads, *[None if v else [] for v in (floats, ints, bools)]
+
+    fused.register_autograd(grad, setup_context=setup)
+    _OPS["fused"] = fused
 
 
 # torch.compile runs register() at trace time instead of tracing it (torch.compiler.assume_constant_result,

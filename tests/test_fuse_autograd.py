@@ -154,3 +154,68 @@ def test_one_backward_kernel(launches):
     (torch.tanh(ref[0] + ref[1]) * ref[2]).backward(torch.ones_like(y))
     for t, r in zip((x, b, w), ref):
         torch.testing.assert_close(t.grad, r.grad, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------ torch.compile
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_functions_under_compile(device):
+    """torch.compile(fullgraph=True) traces fused functions (torch.ops.cufuse.fused)
+    with one output and with a tuple of trailing reductions, int / float / bool
+    scalars, a broadcast operand and an operand that needs no gradient: values
+    and gradients equal eager ones."""
+    torch._dynamo.reset()
+    swish = cufuse.fuse(lambda a, b: a * cufuse.sigmoid(a) * b)
+    stats = cufuse.fuse(lambda a, s, k, on: ((a * s + k).sum(axis=-1), np.where(on, a, 0.0).mean(axis=-1,
+                                                                                                   keepdims=True)))
+
+    def f(x, w, c):
+        m, v = stats(x, 0.5, 3, True)
+        return (swish(x, w) * c).sum() + m.sum() + (v * v).sum()
+
+    g = torch.Generator().manual_seed(5)
+    x0, w0, c0 = (torch.randn(s, generator=g, dtype=torch.float64).float().to(device) for s in ((6, 10), (10,), (6, 1)))
+    ins = [[x0.clone().requires_grad_(True), w0.clone().requires_grad_(True), c0.clone()] for _ in range(2)]
+    y_c = torch.compile(f, fullgraph=True)(*ins[0])
+    y_e = f(*ins[1])
+    torch.testing.assert_close(y_c, y_e, rtol=1e-6, atol=1e-6)
+    y_c.backward()
+    y_e.backward()
+    for a, b in zip(ins[0][:2], ins[1][:2]):
+        assert a.grad is not None and a.grad.abs().max() > 0
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_operator_opcheck_and_errors(device):
+    from cufuse import _torch_ops
+    _torch_ops.register()
+    torch._dynamo.reset()
+    f = cufuse.fuse(lambda a, b: a * b + 1.0)
+    x = torch.randn(3, 5, device=device)
+    y = torch.randn(5, device=device)
+    for args in ((x, y), (x.clone().requires_grad_(True), y.clone().requires_grad_(True))):
+        torch.library.opcheck(torch.ops.cufuse.fused, (f._op_key, "tt", list(args), [], [], []))
+    with pytest.raises(Exception, match="Python int, float and bool"):  # a NumPy scalar: told, not guessed
+        torch.compile(lambda t: f(t, np.float32(2.0)), fullgraph=True)(x)
+    with pytest.raises(Exception, match="out= does not support"):
+        torch.compile(lambda t: f(t, 2.0, out=torch.empty_like(t)), fullgraph=True)(x)
+    top = cufuse.fuse(lambda a: a.max(axis=-1))
+    with pytest.raises(Exception, match="max / min reduction is not supported"):
+        torch.compile(lambda t: top(t).sum(), fullgraph=True)(x.clone().requires_grad_(True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_swiglu_module_under_compile(device):
+    """cufuse.nn.SwiGLU (its gate a fused function) compiles with fullgraph=True."""
+    import cufuse.nn as cnn
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    m = cnn.SwiGLU(16, 24).to(device)
+    x = torch.randn(4, 16, device=device, requires_grad=True)
+    y_c = torch.compile(m, fullgraph=True)(x)
+    x2 = x.detach().clone().requires_grad_(True)
+    y_e = m(x2)
+    torch.testing.assert_close(y_c, y_e, rtol=1e-5, atol=1e-6)
+    y_c.sum().backward()
+    y_e.sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)

@@ -21,6 +21,7 @@ from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
 from .. import _autograd as AG
+from .. import _torch_ops as TO
 from . import codegen, grad, graph as G
 from .numpy_eval import evaluate
 
@@ -148,6 +149,7 @@ class Fused:
         self._sigs: dict = {}
         self.fast = D.FastPath(f"fuse({self.__name__})")
         self._plans: dict = {}
+        self._op_key = TO.fused_key(self)  # its name for torch.ops.cufuse.fused (torch.compile)
 
     def __repr__(self):
         return f"<cufuse.fuse of {getattr(self.fn, '__qualname__', self.fn)!r}>"
@@ -232,6 +234,8 @@ class Fused:
         return self._signature(spec, len(args), kind).source
 
     def __call__(self, *args: Any, out: Any = None) -> Any:
+        if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
+            return TO.fused_call(self, args, out)
         # Fast path: a signature seen before (arrays' dtypes, shapes, strides,
         # alignment, devices; scalars' types; out's) launches its recipe with
         # this call's pointers and scalar values.
@@ -256,10 +260,12 @@ class Fused:
         self.stats["launches"] += len(rec.steps)
         return tuple(res) if rec.extra.graph.tuple_out else res[0]
 
-    def _shapes(self, arrays, sig):
+    def _shapes(self, arrays, sig, broadcast=np.broadcast_shapes):
+        """(the broadcast shape, the outputs' shapes); ``broadcast``: how to
+        broadcast the arrays' shapes (torch's for symbolic shapes)."""
         try:
-            shape = tuple(np.broadcast_shapes(*[tuple(x.shape) for _, x in arrays]))
-        except ValueError:
+            shape = tuple(broadcast(*[tuple(x.shape) for _, x in arrays]))
+        except (ValueError, RuntimeError):
             shapes = ", ".join(f"{tuple(x.shape)} (argument {i + 1})" for i, x in arrays)
             raise ValueError(f"cufuse.{self._name}: argument shapes {shapes} do not broadcast together") from None
         g = sig.graph
@@ -304,9 +310,7 @@ class Fused:
             return self._dask(args, out)
         if AG.wants_grad(args):  # recorded for backward: cufuse/_autograd.py fused_apply
             AG.no_out(self._name, out)
-            detached = [a.detach() if A.is_torch_tensor(a) else a for a in args]
-            kind, spec, _, _ = self._classify(detached)
-            grad.differentiable_inputs(self._signature(spec, len(args), kind).graph)  # raises for max / min
+            self._differentiable([a.detach() if A.is_torch_tensor(a) else a for a in args])
             return AG.fused_apply(self, args)
         kind, spec, arrays, device = self._classify(args)
         sig = self._signature(spec, len(args), kind)
@@ -319,7 +323,22 @@ class Fused:
             res = self._run_numpy(sig, kind, arrays, params, shape, outs)
         return tuple(res) if sig.graph.tuple_out else res[0]
 
+    def _result_meta(self, args, broadcast=np.broadcast_shapes):
+        """[(shape, NumPy dtype)] of the outputs of a call on ``args`` (tensors
+        may be fake: only their dtypes, ranks, shapes and devices are read),
+        and whether the function returns a tuple."""
+        kind, spec, arrays, _ = self._classify(args)
+        sig = self._signature(spec, len(args), kind)
+        _, shapes = self._shapes(arrays, sig, broadcast)
+        return list(zip(shapes, sig.out_dtypes)), sig.graph.tuple_out
+
     # ------------------------------------------------------------ autograd
+    def _differentiable(self, args):
+        """NotImplementedError where the function of these argument types has
+        no gradient (max / min reductions), before anything runs."""
+        kind, spec, _, _ = self._classify(args)
+        grad.differentiable_inputs(self._signature(spec, len(args), kind).graph)
+
     def _backward(self, args, gouts, need):
         """{argument position: gradient} for the positions in ``need`` that
         the outputs depend on, from the incoming gradients ``gouts`` (one per
