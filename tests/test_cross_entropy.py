@@ -1,0 +1,215 @@
+"""cufuse.cross_entropy (kernels/cross_entropy.cu): the loss against a
+float64 reference written here (log-sum-exp by a max shift, torch's label
+smoothing, the z-loss), for every dtype and array kind, odd class counts
+around the 16-byte pack, misaligned, strided and broadcast rows, ignored and
+out-of-range targets and infinities; the gradient against torch's autograd
+of the same loss and gradcheck, reductions, the in-place backward; errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufuse
+from _reference import BF16, DTYPES, TOL, rand
+
+DTYPES_ALL = DTYPES + ([BF16] if BF16 is not None else [])
+SHAPES = [(1, 1), (5, 7), (3, 8), (17, 33), (9, 1000), (4, 4096 + 3), (2, 32768)]
+IGNORE = -100
+
+
+def _reference(x, t, ignore=IGNORE, eps=0.0, z=0.0, reduction="mean"):
+    """float64: loss per row, then the reduction (a mean over rows not ignored)."""
+    x = np.asarray(x, dtype=np.float64)
+    rows, cols = x.shape
+    m = x.max(axis=1, keepdims=True) if cols else np.zeros((rows, 1))
+    with np.errstate(all="ignore"):
+        shift = np.where(m == -np.inf, 0.0, m)
+        lse = np.log(np.exp(x - shift).sum(axis=1)) + shift[:, 0]
+        loss = np.zeros(rows)
+        for r in range(rows):
+            if t[r] == ignore:
+                continue
+            xt = x[r, t[r]] if 0 <= t[r] < cols else np.nan
+            loss[r] = (1 - eps) * (lse[r] - xt)  # (as torch: no smoothing term without smoothing)
+            loss[r] += eps * (lse[r] - x[r].mean()) if eps else 0.0
+            loss[r] += z * lse[r] ** 2 if z else 0.0
+        if reduction == "none":
+            return loss
+        if reduction == "sum":
+            return loss.sum()
+        return loss.sum() / np.count_nonzero(t != ignore)
+
+
+def _targets(rows, cols, seed, ignored=True):
+    t = np.random.default_rng(seed).integers(0, cols, rows).astype(np.int64)
+    if ignored and rows > 2:
+        t[1] = IGNORE
+    return t
+
+
+def _tol(dt, cols):
+    rtol, atol = TOL[dt]
+    # the loss is lse - x_t: float32 sums of `cols` exponentials, then one rounding to dt
+    return max(rtol, 4e-6 * np.sqrt(cols)), max(atol, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES_ALL, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_loss_against_reference(backend, shape, dtype):
+    rows, cols = shape
+    x = rand(shape, dtype, 3, scale=3.0)
+    t = _targets(rows, cols, 4)
+    xa, ta = backend.asarray(x), backend.asarray(t)
+    for eps, z in ((0.0, 0.0), (0.1, 1e-3)):
+        for reduction in ("mean", "sum", "none"):
+            got = cufuse.cross_entropy(xa, ta, label_smoothing=eps, z_loss=z, reduction=reduction)
+            want = _reference(x, t, eps=eps, z=z, reduction=reduction)
+            g = backend.to_numpy(got)
+            assert g.dtype == dtype and g.shape == np.shape(want), (g.dtype, g.shape)
+            rtol, atol = _tol(dtype, cols)
+            np.testing.assert_allclose(g.astype(np.float64), want, rtol=rtol, atol=atol * (rows if reduction == "sum"
+                                                                                             else 1),
+                                       err_msg=f"eps {eps} z {z} {reduction}")
+
+
+def test_views_misaligned_strided_broadcast(backend):
+    rows, cols = 6, 67
+    base = rand((rows, cols + 5), np.float32, 5, scale=2.0)
+    src = backend.asarray(base)
+    cases = {  # name: (the view on the backend, the same values in NumPy)
+        "offset": (src[:, 1:cols + 1], base[:, 1:cols + 1]),
+        "columns strided": (src[:, : 2 * (cols // 2): 2], base[:, : 2 * (cols // 2): 2]),
+        "column-major": (backend.asarray(np.ascontiguousarray(base[:, :cols].T)).T, base[:, :cols]),
+    }
+    row = rand((1, cols), np.float32, 7)
+    b = backend.asarray(row)
+    cases["broadcast row"] = (b.expand(rows, cols) if backend.is_torch else (
+        backend.cp.broadcast_to(b, (rows, cols)) if backend.name == "cupy" else np.broadcast_to(b, (rows, cols))),
+        np.broadcast_to(row, (rows, cols)))
+    for name, (view, values) in cases.items():
+        t = _targets(rows, values.shape[1], 6, ignored=False)
+        got = backend.to_numpy(cufuse.cross_entropy(view, backend.asarray(t), reduction="none"))
+        np.testing.assert_allclose(got, _reference(values, t, reduction="none"), rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_edge_values(backend):
+    """-inf logits other than the target's, large logits, an out-of-range
+    target (NaN for its row), a NaN logit (NaN), every row ignored (a mean of
+    nothing: NaN, as torch), no rows."""
+    x = rand((5, 40), np.float32, 8, scale=1.0)
+    x[0, :] = -np.inf
+    x[0, 3] = 2.0
+    x[1] *= 1e4
+    x[3, 7] = np.nan
+    t = np.array([3, 5, 41, 2, 0], dtype=np.int64)
+    got = backend.to_numpy(cufuse.cross_entropy(backend.asarray(x), backend.asarray(t), reduction="none"))
+    want = _reference(x, t, reduction="none")
+    assert np.isnan(got[2]) and np.isnan(got[3]) and np.isnan(want[2]) and np.isnan(want[3])
+    np.testing.assert_allclose(got[[0, 1, 4]], want[[0, 1, 4]], rtol=1e-5, atol=1e-4)
+    assert got[0] == pytest.approx(0.0, abs=1e-6)
+    allign = backend.asarray(np.full(5, IGNORE, dtype=np.int64))
+    assert np.isnan(backend.to_numpy(cufuse.cross_entropy(backend.asarray(x), allign)))
+    none = cufuse.cross_entropy(backend.asarray(x[:0]), backend.asarray(t[:0]), reduction="none")
+    assert backend.to_numpy(none).shape == (0,)
+    assert backend.to_numpy(cufuse.cross_entropy(backend.asarray(x[:0]), backend.asarray(t[:0]),
+                                                 reduction="sum")) == 0
+
+
+def test_int32_targets(backend):
+    x = rand((6, 9), np.float32, 9)
+    t = _targets(6, 9, 10)
+    got = cufuse.cross_entropy(backend.asarray(x), backend.asarray(t.astype(np.int32)))
+    assert backend.to_numpy(got) == pytest.approx(_reference(x, t), rel=1e-5)
+
+
+# ---------------------------------------------------------------- autograd
+torch = pytest.importorskip("torch")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _torch_loss(x, t, eps, z, reduction):
+    """The same loss from torch's own ops (its autograd: the reference gradient)."""
+    per = torch.nn.functional.cross_entropy(x, t, ignore_index=IGNORE, label_smoothing=eps, reduction="none")
+    lse = torch.logsumexp(x, dim=1)
+    per = per + torch.where(t != IGNORE, z * lse * lse, torch.zeros_like(lse))
+    if reduction == "none":
+        return per
+    return per.sum() if reduction == "sum" else per.sum() / (t != IGNORE).sum()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_gradient_against_torch(device, reduction):
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(24, 16, generator=g, dtype=torch.float64)
+    h0 = torch.randn(13, 24, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 513, (13,), generator=g)
+    t[4] = IGNORE
+    up = torch.randn(13, dtype=torch.float64, generator=g) if reduction == "none" else torch.tensor(0.7,
+                                                                                                    dtype=torch.float64)
+    proj = torch.randn(16, 513, generator=g, dtype=torch.float64)
+    for dt in ([torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if device == "cuda" else [])):
+        for eps, z in ((0.0, 0.0), (0.1, 1e-2)):
+            ours, ref = [h0.clone().to(device, dt).requires_grad_(True) for _ in range(2)]
+            # logits as an intermediate (an lm_head's output): the gradient in place
+            lo = (ours @ w.to(device, dt)) @ proj.to(device, dt)
+            lr = (ref.double() @ w.to(device)) @ proj.to(device)
+            seen = {}
+            lo.register_hook(lambda gr: seen.update(ptr=gr.data_ptr()))
+            loss = cufuse.cross_entropy(lo, t.to(device), label_smoothing=eps, z_loss=z, reduction=reduction)
+            want = _torch_loss(lr, t.to(device), eps, z, reduction)
+            tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}[dt]
+            torch.testing.assert_close(loss.double(), want, rtol=tol, atol=tol * 10)
+            (loss.double() * up.to(device)).sum().backward()
+            (want * up.to(device)).sum().backward()
+            torch.testing.assert_close(ours.grad.double(), ref.grad.double(), rtol=tol * 4, atol=tol * 4)
+            if device == "cuda":  # the gradient went into the logits' own memory
+                assert seen["ptr"] == lo.data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_and_leaf_logits_kept(device):
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(6, 19, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    t = torch.tensor([0, 18, IGNORE, 5, 7, 2]).to(device)
+    for red in ("mean", "none"):
+        assert torch.autograd.gradcheck(
+            lambda v: cufuse.cross_entropy(v, t, label_smoothing=0.2, z_loss=0.05, reduction=red), (x,))
+    keep = x.detach().clone()
+    cufuse.cross_entropy(x, t).backward()  # a leaf: never overwritten
+    assert torch.equal(x.detach(), keep) and x.grad is not None
+    x2 = x.detach().clone().requires_grad_(True)
+    mid = x2 * 1.0
+    cufuse.cross_entropy(mid, t, inplace_backward=False).backward()
+    assert torch.equal(mid.detach(), keep)  # asked to keep them
+
+
+def test_errors():
+    x = np.zeros((4, 5), np.float32) + 0.5
+    t = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="must be 2-D"):
+        cufuse.cross_entropy(x[None], t)
+    with pytest.raises(TypeError, match="accepted dtypes"):
+        cufuse.cross_entropy(x.astype(np.int32), t)
+    with pytest.raises(TypeError, match="int64"):
+        cufuse.cross_entropy(x, t.astype(np.float32))
+    with pytest.raises(ValueError, match="need \\(4,\\)"):
+        cufuse.cross_entropy(x, t[:3])
+    with pytest.raises(TypeError, match="array kind"):
+        cufuse.cross_entropy(x, torch.from_numpy(t))
+    with pytest.raises(TypeError, match="array kind"):
+        cufuse.cross_entropy(x, 3)
+    with pytest.raises(ValueError, match="reduction"):
+        cufuse.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="label_smoothing"):
+        cufuse.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="z_loss"):
+        cufuse.cross_entropy(x, t, z_loss=-1.0)
+    with pytest.raises(ValueError, match="z_loss must be finite"):
+        cufuse.cross_entropy(x, t, z_loss=float("inf"))
+    with pytest.raises(TypeError, match="ignore_index"):
+        cufuse.cross_entropy(x, t, ignore_index=1.5)
+    with pytest.raises(ValueError, match="no classes"):
+        cufuse.cross_entropy(x[:, :0], t)
+    with pytest.raises(TypeError, match="array kind"):  # requires grad: the same checks
+        cufuse.cross_entropy(torch.from_numpy(x).requires_grad_(True), t)
