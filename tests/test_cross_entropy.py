@@ -151,9 +151,10 @@ def test_gradient_against_torch(device, reduction):
     for dt in ([torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if device == "cuda" else [])):
         for eps, z in ((0.0, 0.0), (0.1, 1e-2)):
             ours, ref = [h0.clone().to(device, dt).requires_grad_(True) for _ in range(2)]
-            # logits as an intermediate (an lm_head's output): the gradient in place
+            # logits as an intermediate (an lm_head's output): the gradient in place. The reference
+            # takes the same logits (the same matmuls in dt) into float64: only the losses differ
             lo = (ours @ w.to(device, dt)) @ proj.to(device, dt)
-            lr = (ref.double() @ w.to(device)) @ proj.to(device)
+            lr = ((ref @ w.to(device, dt)) @ proj.to(device, dt)).double()
             seen = {}
             lo.register_hook(lambda gr: seen.update(ptr=gr.data_ptr()))
             loss = cufuse.cross_entropy(lo, t.to(device), label_smoothing=eps, z_loss=z, reduction=reduction)
