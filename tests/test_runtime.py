@@ -79,7 +79,8 @@ _CTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "floa
                 "signed char": "int8"}
 FLOATS = {d.name for d in A.FLOAT_DTYPES}  # bfloat16 among them where ml_dtypes is installed
 # kernels without a functor: the backward of the row ops (kernels/norm_backward.cu), storage type first
-_BWD_EXPR = re.compile(r"(norm_backward|softmax_backward)<([\w ]+), (\d+)(?:, (?:true|false))+>")
+_BWD_EXPR = re.compile(r"(norm_backward|softmax_backward)<([\w ]+), (\d+)(?:, (?:true|false))+>"
+                       r"|(cross_entropy_forward|cross_entropy_backward)<([\w ]+)>")
 
 
 # Constants held both by the host and by the kernels: (module, attribute,
@@ -113,9 +114,10 @@ def test_registry_has_every_op_and_dtype():
         src = R.load_source(family)
         for expr, (label, dtype) in entries.items():
             m = _BWD_EXPR.fullmatch(expr)
-            if m:
-                assert re.search(rf"__global__ void [^;{{]*?\b{m.group(1)}\(", src), expr
-                assert names[m.group(2)] == dtype, expr
+            if m:  # kernels templated on the dtype (and flags): no functor
+                kernel, ctype = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(5))
+                assert re.search(rf"__global__ void [^;{{]*?\b{kernel}\(", src), expr
+                assert names[ctype] == dtype, expr
                 labels.setdefault(label, set()).add(dtype)
                 continue
             m = _EXPR.fullmatch(expr)
