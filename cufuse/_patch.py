@@ -13,7 +13,12 @@ Recognized, by module type and layout (not by model name):
   ``FastGELUActivation`` (tanh form) -> ``cufuse.nn.GELU``;
 - gated MLPs with a SiLU activation (``LlamaMLP``, ``MistralMLP``,
   ``Qwen2MLP``: ``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) ->
-  ``cufuse.nn.SwiGLU``, its ``silu(gate) * up`` one fused kernel.
+  ``cufuse.nn.SwiGLU``, its ``silu(gate) * up`` one fused kernel;
+- the causal language-model loss (a model whose ``loss_function`` is
+  transformers' ``ForCausalLMLoss``: Llama, Mistral, Qwen2, GPT-2, ...) ->
+  ``causal_lm_loss``, the same loss through ``cufuse.cross_entropy``: no
+  float32 copy of the logits, the gradient written in place of them (after
+  ``loss.backward()`` the model output's ``logits`` hold their gradient).
 
 The new modules take over the old ones' Parameter objects (and the MLP's
 Linear layers), so ``state_dict`` keys and tensors, and an optimizer built
@@ -80,6 +85,45 @@ def _swiglu(old):
     return new
 
 
+def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100, shift_labels=None,
+                   **kwargs):
+    """transformers' ``ForCausalLMLoss`` (labels shifted by one, a mean over
+    the tokens not ignored, or a sum divided by ``num_items_in_batch``)
+    through ``cufuse.cross_entropy``: the logits read in their own dtype
+    (computed in float32, as the float32 copy transformers makes), a float32
+    loss."""
+    from .ops.cross_entropy import cross_entropy
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    logits = logits.reshape(-1, vocab_size)
+    shift_labels = shift_labels.reshape(-1).to(logits.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction, dtype=torch.float32)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+def _plan_loss(model):
+    """Whether the model is a causal language model (loss type "ForCausalLM",
+    or a ``...LMHeadModel`` as GPT-2's) whose loss is transformers'
+    ``ForCausalLMLoss`` (then swapped). transformers gives that loss to every
+    model as a default, so the type is what tells."""
+    fn = getattr(type(model), "loss_function", None)
+    if not isinstance(fn, property) or fn.fset is None:
+        return False
+    if getattr(model, "loss_type", None) != "ForCausalLM" and not type(model).__name__.endswith("LMHeadModel"):
+        return False
+    try:
+        current = model.loss_function
+    except Exception:  # noqa: BLE001 - a model whose loss type is unknown: left alone
+        return False
+    return getattr(current, "__name__", "") == "ForCausalLMLoss"
+
+
 def _plan(name, mod):
     """(how to build the replacement, None) or (None, why it stays) or (None, None): not ours."""
     t = type(mod).__name__
@@ -128,12 +172,16 @@ def patch(model):
         steps.append((model.get_submodule(parent_name), attr, name, mod, make))
         if make is _swiglu:
             done.add(name)
-    if not steps:
+    loss = _plan_loss(model)
+    if not steps and not loss:
         raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
-                         "gated SiLU MLP); nothing was changed")
+                         "gated SiLU MLP, causal-LM loss); nothing was changed")
     built = [(parent, attr, name, mod, make(mod)) for parent, attr, name, mod, make in steps]  # all, then swap
     for parent, attr, name, old, new in built:
         new.train(old.training)
         setattr(parent, attr, new)
         report.replaced.append((name, type(old).__name__, type(new).__name__))
+    if loss:
+        model.loss_function = causal_lm_loss
+        report.replaced.append(("loss_function", "ForCausalLMLoss", "cufuse.cross_entropy"))
     return report

@@ -231,6 +231,7 @@ def register():
     _register_dropout(torch)
     _register_reductions(torch)
     _register_fused(torch)
+    _register_cross_entropy(torch)
 
 
 _U64 = (1 << 64) - 1
@@ -527,6 +528,74 @@ def _register_fused(torch):
 
     fused.register_autograd(grad, setup_context=setup)
     _OPS["fused"] = fused
+
+
+# ------------------------------------------------------------ cross entropy
+_CE_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reduction, dtype):
+    """cufuse.cross_entropy through its registered operator (torch.compile):
+    checked with torch's attributes only (Dynamo traces this), then the
+    operator, whose backward writes a new gradient (no in-place write in a
+    compiled graph)."""
+    import torch
+    name = "cufuse.cross_entropy"
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError(f"{name}: under torch.compile, logits and target must be torch tensors")
+    if str(logits.dtype).split(".")[-1] not in _CE_DTYPES:
+        raise TypeError(f"{name}: logits have dtype {logits.dtype}; accepted dtypes are {_CE_DTYPES}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: target must hold int64 (or int32) class indices, got dtype {target.dtype}")
+    if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
+        raise ValueError(f"{name}: logits must be (rows, classes) and target (rows,); got {tuple(logits.shape)} "
+                         f"and {tuple(target.shape)}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{name}: reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise TypeError(f"{name}: under torch.compile, dtype must be a torch float dtype, got {dtype!r}")
+    register()
+    return _OPS["cross_entropy"](logits, target.to(torch.int64), int(ignore_index), float(label_smoothing),
+                                 float(z_loss), reduction, dtype)[0]
+
+
+def _register_cross_entropy(torch):
+    from .ops.cross_entropy import backward_rows, forward_rows
+
+    @torch.library.custom_op("cufuse::cross_entropy", mutates_args=(),
+                             schema="(Tensor logits, Tensor target, int ignore, float eps, float z, str reduction, "
+                                    "ScalarType? dtype) -> (Tensor, Tensor, Tensor)")
+    def ce(logits, target, ignore, eps, z, reduction, dtype):
+        return forward_rows(logits, target, ignore, eps, z, reduction, dtype)
+
+    @ce.register_fake
+    def _(logits, target, ignore, eps, z, reduction, dtype):
+        rows = logits.shape[0]
+        acc = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        loss = logits.new_empty((rows,) if reduction == "none" else (), dtype=dtype or logits.dtype)
+        return loss, logits.new_empty((rows,), dtype=acc), target.new_empty(())
+
+    @torch.library.custom_op("cufuse::cross_entropy_backward", mutates_args=(),
+                             schema="(Tensor g, Tensor logits, Tensor target, Tensor lse, Tensor count, int ignore, "
+                                    "float eps, float z, str reduction) -> Tensor")
+    def ce_backward(g, logits, target, lse, count, ignore, eps, z, reduction):
+        return backward_rows(g, logits, target, lse, count, ignore, eps, z, reduction)
+
+    ce_backward.register_fake(lambda g, logits, target, lse, count, ignore, eps, z, reduction:
+                              torch.empty_like(logits, memory_format=torch.contiguous_format))
+
+    def setup(ctx, inputs, output):
+        logits, target, ignore, eps, z, reduction, _ = inputs
+        ctx.args = (ignore, eps, z, reduction)
+        ctx.save_for_backward(logits, target, output[1], output[2])
+        ctx.mark_non_differentiable(output[1], output[2])
+
+    def grad(ctx, g, _lse, _count):
+        logits, target, lse, count = ctx.saved_tensors
+        return ce_backward(g, logits, target, lse, count, *ctx.args), None, None, None, None, None, None
+
+    ce.register_autograd(grad, setup_context=setup)
+    _OPS["cross_entropy"] = ce
 
 
 # torch.compile runs register() at trace time instead of tracing it (torch.compiler.assume_constant_result,

@@ -14,6 +14,8 @@ the forward, a differentiable cast.
 - ``SwiGLU``: the gated MLP of Llama-family models (Hugging Face's
   ``LlamaMLP``: ``gate_proj``, ``up_proj``, ``down_proj``), with
   ``silu(gate) * up`` as one fused kernel forward and one backward.
+- ``CrossEntropyLoss``: ``torch.nn.CrossEntropyLoss`` (class indices, no
+  class weights) through ``cufuse.cross_entropy``, plus a z-loss.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from . import ops as _ops
 from ._fuse import functions as _F
 from ._fuse.api import fuse as _fuse
 
-__all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "swiglu", "PatchReport"]
+__all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "swiglu", "CrossEntropyLoss", "PatchReport"]
 
 
 def _as(p, x):
@@ -94,6 +96,31 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class CrossEntropyLoss(nn.Module):
+    """``torch.nn.CrossEntropyLoss`` over (rows, classes) logits and (rows,)
+    class indices through ``cufuse.cross_entropy`` (one kernel forward, one
+    backward, the gradient in place of non-leaf logits), with a ``z_loss``
+    term; class ``weight`` and probability targets are not supported."""
+
+    def __init__(self, weight=None, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, inplace_backward: bool = True):
+        super().__init__()
+        if weight is not None:
+            raise NotImplementedError("cufuse.nn.CrossEntropyLoss: class weights are not supported; use "
+                                      "torch.nn.CrossEntropyLoss for them")
+        self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
+        self.z_loss, self.inplace_backward = z_loss, inplace_backward
+
+    def forward(self, logits, target):
+        return _ops.cross_entropy(logits, target, ignore_index=self.ignore_index,
+                                  label_smoothing=self.label_smoothing, z_loss=self.z_loss,
+                                  reduction=self.reduction, inplace_backward=self.inplace_backward)
+
+    def extra_repr(self):
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, z_loss={self.z_loss}")
 
 
 @dataclass

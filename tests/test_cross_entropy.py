@@ -214,3 +214,42 @@ def test_errors():
         cufuse.cross_entropy(x[:, :0], t)
     with pytest.raises(TypeError, match="array kind"):  # requires grad: the same checks
         cufuse.cross_entropy(torch.from_numpy(x).requires_grad_(True), t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_compile(device):
+    """torch.compile(fullgraph=True) traces it (torch.ops.cufuse.cross_entropy):
+    loss and gradient equal eager's; opcheck passes; bad input still says so."""
+    from cufuse import _torch_ops
+    _torch_ops.register()
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(13)
+    x0 = torch.randn(9, 70, generator=g).to(device)
+    t = torch.randint(0, 70, (9,), generator=g).to(device)
+    t[3] = IGNORE
+    for red in ("mean", "none"):
+        def f(x, tt):
+            return cufuse.cross_entropy(x * 2.0, tt, label_smoothing=0.1, z_loss=1e-3, reduction=red).sum()
+        xa, xb = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+        ya, yb = torch.compile(f, fullgraph=True)(xa, t), f(xb, t)
+        torch.testing.assert_close(ya, yb, rtol=1e-6, atol=1e-6)
+        ya.backward()
+        yb.backward()
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-6, atol=1e-7)
+    for args in ((x0, t, IGNORE, 0.1, 0.01, "mean", None),
+                 (x0.clone().requires_grad_(True), t, IGNORE, 0.0, 0.0, "none", torch.float64)):
+        torch.library.opcheck(torch.ops.cufuse.cross_entropy, args)
+    with pytest.raises(Exception, match="must be \\(rows, classes\\)"):
+        torch.compile(lambda x: cufuse.cross_entropy(x, t), fullgraph=True)(x0[None])
+
+
+def test_dtype_of_the_loss(backend):
+    """dtype=float32 of 16-bit logits: the float32 sum rounded once to float32
+    (not to the logits' dtype); a bad dtype says so."""
+    x = rand((12, 300), np.float16, 14, scale=3.0)
+    t = _targets(12, 300, 15)
+    got = backend.to_numpy(cufuse.cross_entropy(backend.asarray(x), backend.asarray(t), dtype=np.float32))
+    assert got.dtype == np.float32
+    assert float(got) == pytest.approx(_reference(x, t), rel=2e-6)
+    with pytest.raises(TypeError, match="dtype"):
+        cufuse.cross_entropy(backend.asarray(x), backend.asarray(t), dtype=np.int32)

@@ -118,3 +118,26 @@ def test_gelu_dropout_module(device):
     torch.testing.assert_close(m(x), nn.functional.gelu(x), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="p must be in"):
         cnn.GELUDropout(1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cross_entropy_loss_module(device):
+    """cufuse.nn.CrossEntropyLoss against torch.nn.CrossEntropyLoss (the same
+    arguments), loss and the gradient of logits that are an intermediate."""
+    g = torch.Generator().manual_seed(21)
+    h0 = torch.randn(10, 32, generator=g, dtype=torch.float64)
+    proj = torch.randn(32, 77, generator=g, dtype=torch.float64).to(device)
+    t = torch.randint(0, 77, (10,), generator=g).to(device)
+    t[2] = -1
+    for red in ("mean", "sum", "none"):
+        ours, ref = cnn.CrossEntropyLoss(ignore_index=-1, reduction=red, label_smoothing=0.05), \
+            nn.CrossEntropyLoss(ignore_index=-1, reduction=red, label_smoothing=0.05)
+        a, b = (h0.clone().to(device).requires_grad_(True) for _ in range(2))
+        la, lb = ours(a @ proj, t), ref(b @ proj, t)
+        torch.testing.assert_close(la, lb, rtol=1e-10, atol=1e-12)
+        la.sum().backward()
+        lb.sum().backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-10, atol=1e-12)
+    assert "ignore_index=-1" in repr(ours)
+    with pytest.raises(NotImplementedError, match="class weights"):
+        cnn.CrossEntropyLoss(weight=torch.ones(77))

@@ -25,6 +25,9 @@ _LLAMA_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num
 _ENC_KW = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)
 
 
+_LOSS = "ForCausalLMLoss -> cufuse.cross_entropy"
+
+
 def _text(batch=2, n=9):
     return {"input_ids": torch.randint(0, 100, (batch, n), generator=torch.Generator().manual_seed(1))}
 
@@ -32,14 +35,14 @@ def _text(batch=2, n=9):
 # family -> (model factory, inputs factory, expected replacements)
 MODELS = {
     "llama": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW)), _text,
-              {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5}),
+              {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5, _LOSS: 1}),
     "mistral": (lambda: T.MistralForCausalLM(T.MistralConfig(**_LLAMA_KW)), _text,
-                {"MistralMLP -> SwiGLU": 2, "MistralRMSNorm -> RMSNorm": 5}),
+                {"MistralMLP -> SwiGLU": 2, "MistralRMSNorm -> RMSNorm": 5, _LOSS: 1}),
     "qwen2": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**_LLAMA_KW)), _text,
-              {"Qwen2MLP -> SwiGLU": 2, "Qwen2RMSNorm -> RMSNorm": 5}),
+              {"Qwen2MLP -> SwiGLU": 2, "Qwen2RMSNorm -> RMSNorm": 5, _LOSS: 1}),
     "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
                                                     bos_token_id=0, eos_token_id=0)), _text,
-             {"LayerNorm -> LayerNorm": 5, "NewGELUActivation -> GELU": 2}),
+             {"LayerNorm -> LayerNorm": 5, "NewGELUActivation -> GELU": 2, _LOSS: 1}),
     "bert": (lambda: T.BertModel(T.BertConfig(vocab_size=100, **_ENC_KW)), _text,
              {"LayerNorm -> LayerNorm": 5, "GELUActivation -> GELU": 2}),
     "vit": (lambda: T.ViTModel(T.ViTConfig(image_size=32, patch_size=8, **_ENC_KW)),
@@ -93,7 +96,7 @@ def test_patch_errors_and_what_it_leaves():
         cufuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
     model = T.LlamaForCausalLM(T.LlamaConfig(hidden_act="gelu", **_LLAMA_KW))
     report = cufuse.patch(model)  # the norms and the activations; the GELU-gated MLPs stay (with why)
-    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, "GELUActivation -> GELU": 2}
+    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, "GELUActivation -> GELU": 2, _LOSS: 1}
     assert [n for n, _ in report.skipped] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert "not SiLU" in report.skipped[0][1] and "left alone" in str(report)
     with pytest.raises(ValueError, match="nothing was changed"):  # patched already: nothing left to do
@@ -127,3 +130,30 @@ def test_vit_example():
     assert abs(float(eager[3]) - float(ours[3])) < 1e-3 and abs(float(eager[4]) - float(ours[4])) < 1e-3, rows
     assert float(ours[6]) < 1e-3, rows
     assert "LayerNorm -> LayerNorm" in r.stdout
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_patched_causal_lm_loss(family, device):
+    """The causal-LM loss through cufuse.cross_entropy: the same loss and
+    gradients as transformers' own, with and without num_items_in_batch."""
+    make, inputs, _ = MODELS[family]
+    torch.manual_seed(0)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    model = make().to(device=device, dtype=dtype).eval()  # (eval: GPT-2's dropout off, gradients still flow)
+    ref = copy.deepcopy(model)
+    cufuse.patch(model)
+    ids = inputs()["input_ids"].to(device)
+    labels = ids.clone()
+    labels[0, 3] = -100
+    rtol = 1e-6 if dtype == torch.float64 else 1e-4
+    for extra in ({}, {"num_items_in_batch": torch.tensor(11, device=device)}):
+        a, b = model(input_ids=ids, labels=labels, **extra), ref(input_ids=ids, labels=labels, **extra)
+        assert a.loss.dtype == b.loss.dtype
+        torch.testing.assert_close(a.loss, b.loss, rtol=rtol, atol=rtol)
+        a.loss.backward()
+        b.loss.backward()
+        for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=f"{family}: {k}")
+        model.zero_grad()
+        ref.zero_grad()

@@ -19,6 +19,7 @@ from .. import _autograd as AG
 from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
+from .. import _torch_ops as TO
 from . import _rows
 
 FAMILY = "cross_entropy"
@@ -195,14 +196,16 @@ def _reduce(kind, loss, t, ignore, reduction, dt):
 
 # --------------------------------------------------------------- the call
 def cross_entropy(logits: Array, target: Array, /, *, ignore_index: int = -100, label_smoothing: float = 0.0,
-                  z_loss: float = 0.0, reduction: str = "mean", inplace_backward: bool = True) -> Array:
+                  z_loss: float = 0.0, reduction: str = "mean", dtype=None, inplace_backward: bool = True) -> Array:
     """Cross entropy of ``logits`` [rows, classes] against integer class
     indices ``target`` [rows], as ``torch.nn.functional.cross_entropy``
     (``ignore_index``, ``label_smoothing``, ``reduction`` "mean", "sum" or
     "none"; a mean over the rows not ignored), plus a z-loss
     ``z_loss * logsumexp(logits)**2`` per row (0: none). float16, bfloat16,
     float32 or float64 logits, computed in float32 (float64 for float64);
-    the result has the logits' dtype and kind.
+    the result has the logits' kind, and their dtype unless ``dtype`` (a
+    float NumPy or torch dtype) says otherwise: a float32 loss of bfloat16
+    logits is rounded once, from the float32 sum.
 
     Differentiable for torch tensors: the backward is one kernel. Where the
     logits are an intermediate of the autograd graph (the output of an
@@ -215,23 +218,46 @@ def cross_entropy(logits: Array, target: Array, /, *, ignore_index: int = -100, 
     its row (checking would take a host synchronization).
     """
     name = "cross_entropy"
+    if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
+        return TO.cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reduction, dtype)
     if AG.wants_grad((logits,)):
         args = _args(name, logits.detach(), target, ignore_index, label_smoothing, z_loss, reduction)
+        odt = args[1] if dtype is None else A.float_dtype_arg(name, dtype)
         inplace = bool(inplace_backward) and not logits.is_leaf
-        return AG._function_class("cross_entropy", _function).apply(logits, args, reduction, inplace)
+        return AG._function_class("cross_entropy", _function).apply(logits, args, reduction, odt, inplace)
     kind, dt, dev, rows, cols, t, ignore, eps, z = _args(name, logits, target, ignore_index, label_smoothing,
                                                          z_loss, reduction)
+    odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
     loss, _ = _forward(kind, dt, dev, logits, t, ignore, eps, z)
-    return _reduce(kind, loss, t, ignore, reduction, dt)[0]
+    return _reduce(kind, loss, t, ignore, reduction, odt)[0]
+
+
+def forward_rows(logits, target, ignore_index, label_smoothing, z_loss, reduction, dtype):
+    """(the loss, the per-row lse, the count of rows not ignored) of torch
+    tensors: the registered operator's forward (``dtype``: a torch dtype or None)."""
+    kind, dt, dev, rows, cols, t, ignore, eps, z = _args("cross_entropy", logits, target, ignore_index,
+                                                         label_smoothing, z_loss, reduction)
+    loss, lse = _forward(kind, dt, dev, logits, t, ignore, eps, z)
+    res, count = _reduce(kind, loss, t, ignore, reduction, dt if dtype is None else A.torch_to_numpy_dtype(dtype))
+    return res, lse, count
+
+
+def backward_rows(g, logits, target, lse, count, ignore_index, label_smoothing, z_loss, reduction):
+    """The gradient with respect to the logits (a new tensor): the registered operator's backward."""
+    kind, dt, dev, rows, cols, t, ignore, eps, z = _args("cross_entropy", logits, target, ignore_index,
+                                                         label_smoothing, z_loss, reduction)
+    cdt = lse.dtype
+    scale = g.to(cdt) / count.to(cdt) if reduction == "mean" else g.to(cdt).contiguous()
+    return _backward(kind, dt, dev, logits, t, lse, scale, ignore, eps, z)
 
 
 def _function(torch):
     class CrossEntropyFn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, logits, args, reduction, inplace):
+        def forward(ctx, logits, args, reduction, odt, inplace):
             kind, dt, dev, rows, cols, t, ignore, eps, z = args
             loss, lse = _forward(kind, dt, dev, logits.detach(), t, ignore, eps, z)
-            res, count = _reduce(kind, loss, t, ignore, reduction, dt)
+            res, count = _reduce(kind, loss, t, ignore, reduction, odt)
             ctx.args, ctx.reduction, ctx.inplace = args, reduction, inplace
             ctx.save_for_backward(logits, lse, count)
             return res
@@ -247,6 +273,6 @@ def _function(torch):
             dx = _backward(kind, dt, dev, x, t, lse, scale, ignore, eps, z, ctx.inplace)
             if dx is x:  # the logits now hold their gradient: a backward that saved them must say so
                 torch.autograd.graph.increment_version(logits)
-            return dx, None, None, None
+            return dx, None, None, None, None
 
     return CrossEntropyFn
