@@ -14,6 +14,10 @@ Recognized, by module type and layout (not by model name):
 - gated MLPs with a SiLU activation (``LlamaMLP``, ``MistralMLP``,
   ``Qwen2MLP``: ``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) ->
   ``cufuse.nn.SwiGLU``, its ``silu(gate) * up`` one fused kernel;
+- Hugging Face's ``apply_rotary_pos_emb`` of the model's modeling module
+  (Llama, Mistral, Qwen2: a module function, so every model of that module
+  in the process gets it) -> ``cufuse.rope`` (one kernel per tensor each
+  way, computed in float32);
 - the causal language-model loss (a model whose ``loss_function`` is
   transformers' ``ForCausalLMLoss``: Llama, Mistral, Qwen2, GPT-2, ...) ->
   ``causal_lm_loss``, the same loss through ``cufuse.cross_entropy``: no
@@ -124,6 +128,24 @@ def _plan_loss(model):
     return getattr(current, "__name__", "") == "ForCausalLMLoss"
 
 
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """Hugging Face's ``apply_rotary_pos_emb`` (``position_ids``: unused there
+    too) through ``cufuse.rope``."""
+    from .ops.rope import rope
+    return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
+
+
+def _plan_rope(model):
+    """The model's modeling module, if it applies rotary embeddings with
+    Hugging Face's ``apply_rotary_pos_emb`` and ``rotate_half`` (not patched yet)."""
+    import sys
+    module = sys.modules.get(type(model).__module__)
+    fn = getattr(module, "apply_rotary_pos_emb", None)
+    if fn is None or fn is apply_rotary_pos_emb or not callable(getattr(module, "rotate_half", None)):
+        return None
+    return module
+
+
 def _plan(name, mod):
     """(how to build the replacement, None) or (None, why it stays) or (None, None): not ours."""
     t = type(mod).__name__
@@ -173,14 +195,19 @@ def patch(model):
         if make is _swiglu:
             done.add(name)
     loss = _plan_loss(model)
-    if not steps and not loss:
+    rope_module = _plan_rope(model)
+    if not steps and not loss and rope_module is None:
         raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
-                         "gated SiLU MLP, causal-LM loss); nothing was changed")
+                         "gated SiLU MLP, rotary embedding, causal-LM loss); nothing was changed")
     built = [(parent, attr, name, mod, make(mod)) for parent, attr, name, mod, make in steps]  # all, then swap
     for parent, attr, name, old, new in built:
         new.train(old.training)
         setattr(parent, attr, new)
         report.replaced.append((name, type(old).__name__, type(new).__name__))
+    if rope_module is not None:
+        rope_module.apply_rotary_pos_emb = apply_rotary_pos_emb
+        report.replaced.append((f"{rope_module.__name__}.apply_rotary_pos_emb", "apply_rotary_pos_emb",
+                                "cufuse.rope"))
     if loss:
         model.loss_function = causal_lm_loss
         report.replaced.append(("loss_function", "ForCausalLMLoss", "cufuse.cross_entropy"))

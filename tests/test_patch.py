@@ -26,6 +26,18 @@ _ENC_KW = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, inter
 
 
 _LOSS = "ForCausalLMLoss -> cufuse.cross_entropy"
+_ROPE = "apply_rotary_pos_emb -> cufuse.rope"
+_ROPE_MODULES = [T.models.llama.modeling_llama, T.models.mistral.modeling_mistral, T.models.qwen2.modeling_qwen2]
+
+
+@pytest.fixture(autouse=True)
+def _original_rotary():
+    """cufuse.patch replaces a modeling module's apply_rotary_pos_emb (a
+    module function): each test starts from, and leaves, transformers' own."""
+    saved = [m.apply_rotary_pos_emb for m in _ROPE_MODULES]
+    yield saved
+    for m, fn in zip(_ROPE_MODULES, saved):
+        m.apply_rotary_pos_emb = fn
 
 
 def _text(batch=2, n=9):
@@ -35,11 +47,11 @@ def _text(batch=2, n=9):
 # family -> (model factory, inputs factory, expected replacements)
 MODELS = {
     "llama": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW)), _text,
-              {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5, _LOSS: 1}),
+              {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
     "mistral": (lambda: T.MistralForCausalLM(T.MistralConfig(**_LLAMA_KW)), _text,
-                {"MistralMLP -> SwiGLU": 2, "MistralRMSNorm -> RMSNorm": 5, _LOSS: 1}),
+                {"MistralMLP -> SwiGLU": 2, "MistralRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
     "qwen2": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**_LLAMA_KW)), _text,
-              {"Qwen2MLP -> SwiGLU": 2, "Qwen2RMSNorm -> RMSNorm": 5, _LOSS: 1}),
+              {"Qwen2MLP -> SwiGLU": 2, "Qwen2RMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
     "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
                                                     bos_token_id=0, eos_token_id=0)), _text,
              {"LayerNorm -> LayerNorm": 5, "NewGELUActivation -> GELU": 2, _LOSS: 1}),
@@ -96,7 +108,7 @@ def test_patch_errors_and_what_it_leaves():
         cufuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
     model = T.LlamaForCausalLM(T.LlamaConfig(hidden_act="gelu", **_LLAMA_KW))
     report = cufuse.patch(model)  # the norms and the activations; the GELU-gated MLPs stay (with why)
-    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, "GELUActivation -> GELU": 2, _LOSS: 1}
+    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, "GELUActivation -> GELU": 2, _ROPE: 1, _LOSS: 1}
     assert [n for n, _ in report.skipped] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert "not SiLU" in report.skipped[0][1] and "left alone" in str(report)
     with pytest.raises(ValueError, match="nothing was changed"):  # patched already: nothing left to do
@@ -157,3 +169,27 @@ def test_patched_causal_lm_loss(family, device):
             torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=f"{family}: {k}")
         model.zero_grad()
         ref.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patched_rotary_matches_transformers(device, _original_rotary):
+    """The patched apply_rotary_pos_emb against transformers' own, values and
+    gradients (the model tests cannot tell: both models share the module)."""
+    original = _original_rotary[0]
+    model = T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW))
+    cufuse.patch(model)
+    patched = T.models.llama.modeling_llama.apply_rotary_pos_emb
+    assert patched is not original
+    g = torch.Generator().manual_seed(3)
+    q0, k0 = torch.randn(2, 4, 7, 16, generator=g), torch.randn(2, 2, 7, 16, generator=g)
+    ang = torch.rand(2, 7, 8, generator=g) * 6
+    cos, sin = torch.cat((ang, ang), -1).cos(), torch.cat((ang, ang), -1).sin()
+    ins = [[v.double().to(device).requires_grad_(True) for v in (q0, k0)] for _ in range(2)]
+    cs = [v.double().to(device) for v in (cos, sin)]
+    outs = [fn(*i, *cs) for fn, i in zip((patched, original), ins)]
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    for o in outs:
+        (o[0].square().sum() + o[1].sum()).backward()
+    for a, b in zip(*ins):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,181 @@
+"""cufuse.rope: rotary position embedding of q and k against a float64
+reference written here (Hugging Face's rotate_half, GPT-J's interleaved
+pairs, partial rotary dims), every dtype and array kind, transposed views,
+grouped-query k, both head layouts, (tokens, r) tables and position ids;
+gradients by gradcheck and against torch's autograd of the reference;
+torch.compile; errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufuse
+from _reference import BF16, DTYPES, TOL, rand
+
+DTYPES_ALL = DTYPES + ([BF16] if BF16 is not None else [])
+
+
+def _rotate(x, r, interleaved):
+    """rotate_half (or the interleaved form) of the first r dims, float64."""
+    x = x[..., :r]
+    if interleaved:
+        out = np.empty_like(x)
+        out[..., 0::2], out[..., 1::2] = -x[..., 1::2], x[..., 0::2]
+        return out
+    return np.concatenate([-x[..., r // 2:], x[..., : r // 2]], -1)
+
+
+def _reference(x, cos, sin, interleaved):
+    """x * cos + rotate(x) * sin on the first r = cos.shape[-1] dims (cos and
+    sin already broadcastable against x's rotary dims), the rest unchanged."""
+    x = np.asarray(x, np.float64)
+    r = cos.shape[-1]
+    out = x.copy()
+    out[..., :r] = x[..., :r] * cos + _rotate(x, r, interleaved) * sin
+    return out
+
+
+def _tables(b, t, r, dt, seed, interleaved=False):
+    """HF-style cos / sin (batch, tokens, r): each frequency twice (halves, or pairs when interleaved)."""
+    ang = np.random.default_rng(seed).uniform(0, 6.3, (b, t, r // 2))
+    emb = np.repeat(ang, 2, axis=-1) if interleaved else np.concatenate([ang, ang], -1)
+    return np.cos(emb).astype(dt), np.sin(emb).astype(dt)
+
+
+CASES = {  # name: (q shape, k heads, r, unsqueeze_dim, interleaved)
+    "bhtd": ((2, 4, 7, 16), 2, 16, 1, False),
+    "bthd": ((2, 7, 4, 16), 1, 16, 2, False),
+    "partial": ((1, 3, 5, 24), 3, 8, 1, False),
+    "interleaved": ((2, 2, 3, 8), 1, 8, 1, True),
+    "head64": ((1, 2, 33, 64), 2, 64, 1, False),
+    "odd_half": ((1, 2, 3, 6), 1, 6, 1, False),
+}
+
+
+def _k_shape(q_shape, heads, unsqueeze_dim):
+    s = list(q_shape)
+    s[unsqueeze_dim] = heads
+    return tuple(s)
+
+
+@pytest.mark.parametrize("dtype", DTYPES_ALL, ids=str)
+@pytest.mark.parametrize("case", list(CASES))
+def test_against_reference(backend, case, dtype):
+    shape, kh, r, ud, inter = CASES[case]
+    q = rand(shape, dtype, 1)
+    k = rand(_k_shape(shape, kh, ud), dtype, 2)
+    b, t = shape[0], shape[3 - ud]
+    cos, sin = _tables(b, t, r, dtype, 3, inter)
+    qo, ko = cufuse.rope(backend.asarray(q), backend.asarray(k), backend.asarray(cos), backend.asarray(sin),
+                         unsqueeze_dim=ud, interleaved=inter)
+    c, s = (np.expand_dims(v.astype(np.float64), ud) for v in (cos, sin))
+    for got, x in ((qo, q), (ko, k)):
+        g = backend.to_numpy(got)
+        assert g.dtype == dtype and g.shape == x.shape
+        want = _reference(x, c, s, inter).astype(dtype).astype(np.float64)
+        np.testing.assert_allclose(g.astype(np.float64), want, rtol=TOL[dtype][0], atol=TOL[dtype][1] * 4)
+
+
+def test_views_tables_positions_and_no_k(backend):
+    """q as a transposed view ((batch, tokens, heads, dim) -> heads first, as
+    attention code makes it), float32 tables cast to q's dtype, (tokens, r)
+    tables, position ids into a (positions, r) table, k None."""
+    b, t, h, d = 2, 5, 3, 16
+    q_bthd = rand((b, t, h, d), np.float32, 4)
+    cos, sin = _tables(1, 40, d, np.float64, 5)
+    cos, sin = cos[0], sin[0]                                    # (positions, r) tables
+    pos = np.array([[3, 4, 5, 6, 7], [0, 1, 2, 30, 39]], dtype=np.int64)
+    qa = backend.asarray(q_bthd)
+    qv = qa.transpose(1, 2) if backend.is_torch else qa.transpose(0, 2, 1, 3)
+    got, none = cufuse.rope(qv, None, backend.asarray(cos), backend.asarray(sin), position_ids=backend.asarray(pos))
+    assert none is None
+    want = _reference(q_bthd.transpose(0, 2, 1, 3), cos[pos][:, None], sin[pos][:, None], False)
+    np.testing.assert_allclose(backend.to_numpy(got), want, rtol=1e-5, atol=1e-6)
+    got2, _ = cufuse.rope(qv, None, backend.asarray(cos[:t]), backend.asarray(sin[:t]))  # (tokens, r)
+    np.testing.assert_allclose(backend.to_numpy(got2), _reference(q_bthd.transpose(0, 2, 1, 3), cos[:t], sin[:t],
+                                                                  False), rtol=1e-5, atol=1e-6)
+
+
+def test_errors():
+    q = np.ones((1, 2, 3, 8), np.float32)
+    cos = np.ones((1, 3, 8), np.float32)
+    with pytest.raises(ValueError, match="must be even"):
+        cufuse.rope(q, None, cos[..., :7], cos[..., :7])
+    with pytest.raises(ValueError, match="at most q's head dim"):
+        cufuse.rope(q, None, np.ones((1, 3, 10), np.float32), np.ones((1, 3, 10), np.float32))
+    with pytest.raises(TypeError, match="same dtype"):
+        cufuse.rope(q, q.astype(np.float64), cos, cos)
+    with pytest.raises(ValueError, match="head dim"):
+        cufuse.rope(q, np.ones((1, 2, 3, 6), np.float32), cos, cos)
+    with pytest.raises(ValueError, match="unsqueeze_dim"):
+        cufuse.rope(q, None, cos, cos, unsqueeze_dim=3)
+    with pytest.raises(ValueError, match="cos has shape"):
+        cufuse.rope(q, None, cos, cos[:, :2])
+    with pytest.raises(TypeError, match="accepted dtypes"):
+        cufuse.rope(q.astype(np.int32), None, cos, cos)
+    with pytest.raises(TypeError, match="integers"):
+        cufuse.rope(q, None, cos[0], cos[0], position_ids=np.zeros((1, 3), np.float32))
+    with pytest.raises(ValueError, match="tables"):
+        cufuse.rope(q, None, cos, cos, position_ids=np.zeros((1, 3), np.int64))
+
+
+# ---------------------------------------------------------------- autograd
+torch = pytest.importorskip("torch")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _torch_rope(x, cos, sin, r, ud, inter):
+    """The reference in torch ops (its autograd is the reference gradient)."""
+    c, s = cos.unsqueeze(ud), sin.unsqueeze(ud)
+    xr = x[..., :r]
+    if inter:
+        rot = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
+    else:
+        rot = torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), -1)
+    return torch.cat((xr * c + rot * s, x[..., r:]), -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["bhtd", "partial", "interleaved", "bthd"])
+def test_gradients(device, case):
+    shape, kh, r, ud, inter = CASES[case]
+    g = torch.Generator().manual_seed(6)
+    cos, sin = (torch.from_numpy(v).to(device) for v in _tables(shape[0], shape[3 - ud], r, np.float64, 7, inter))
+    q = torch.randn(shape, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    k = torch.randn(_k_shape(shape, kh, ud), generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a, b: cufuse.rope(a, b, cos, sin, unsqueeze_dim=ud, interleaved=inter),
+                                    (q, k))
+    for dt in [torch.float32] + ([torch.bfloat16] if device == "cuda" else []):
+        qa, ka = (v.detach().to(dt).requires_grad_(True) for v in (q, k))
+        qb, kb = (v.detach().to(dt).requires_grad_(True) for v in (q, k))
+        oq, ok = cufuse.rope(qa, ka, cos, sin, unsqueeze_dim=ud, interleaved=inter)
+        rq, rk = (_torch_rope(v, cos.to(dt), sin.to(dt), r, ud, inter) for v in (qb, kb))
+        tol = 1e-5 if dt == torch.float32 else 2e-2
+        torch.testing.assert_close(oq, rq, rtol=tol, atol=tol)
+        (oq.float().square().sum() + ok.float().sum()).backward()
+        (rq.float().square().sum() + rk.float().sum()).backward()
+        torch.testing.assert_close(qa.grad, qb.grad, rtol=tol, atol=tol)
+        torch.testing.assert_close(ka.grad, kb.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_under_compile(device):
+    shape, kh, r, ud, inter = CASES["partial"]
+    torch._dynamo.reset()
+    cos, sin = (torch.from_numpy(v).float().to(device) for v in _tables(shape[0], shape[2], r, np.float64, 8))
+    g = torch.Generator().manual_seed(9)
+    q0 = torch.randn(shape, generator=g).to(device)
+    k0 = torch.randn(_k_shape(shape, kh, ud), generator=g).to(device)
+
+    def f(q, k):
+        a, b = cufuse.rope(q, k, cos, sin)
+        return (a * a).sum() + b.sum()
+    qa, ka, qb, kb = (v.clone().requires_grad_(True) for v in (q0, k0, q0, k0))
+    ya, yb = torch.compile(f, fullgraph=True)(qa, ka), f(qb, kb)
+    torch.testing.assert_close(ya, yb, rtol=1e-5, atol=1e-5)
+    ya.backward()
+    yb.backward()
+    torch.testing.assert_close(qa.grad, qb.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ka.grad, kb.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        cufuse.rope(qa, None, cos.clone().requires_grad_(True), sin)
