@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from .. import _arrays as A
-from .._arrays import Array
+from .._arrays import Array, DType
 from .. import _autograd as AG
 from .. import _dask as DK
 from .. import _driver as D
@@ -196,7 +196,8 @@ def _reduce(kind, loss, t, ignore, reduction, dt):
 
 # --------------------------------------------------------------- the call
 def cross_entropy(logits: Array, target: Array, /, *, ignore_index: int = -100, label_smoothing: float = 0.0,
-                  z_loss: float = 0.0, reduction: str = "mean", dtype=None, inplace_backward: bool = True) -> Array:
+                  z_loss: float = 0.0, reduction: str = "mean", dtype: DType | None = None,
+                  inplace_backward: bool = True) -> Array:
     """Cross entropy of ``logits`` [rows, classes] against integer class
     indices ``target`` [rows], as ``torch.nn.functional.cross_entropy``
     (``ignore_index``, ``label_smoothing``, ``reduction`` "mean", "sum" or

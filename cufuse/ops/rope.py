@@ -107,7 +107,7 @@ def _apply(fn, x, cos, sin, r, interleaved, kind, dt, dev):
 
 
 def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: Array | None = None,
-         unsqueeze_dim: int = 1, interleaved: bool = False):
+         unsqueeze_dim: int = 1, interleaved: bool = False) -> tuple[Array, Array | None]:
     """Rotary position embedding of ``q`` and ``k`` (``k`` may be None):
     ``x * cos + rotate(x) * sin`` over the first ``r = cos.shape[-1]`` dims
     of the last axis (partial rotary: the rest pass through), with
@@ -147,7 +147,8 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
     interleaved = bool(interleaved)
     if grad and AG.wants_grad((q, k)):
         return AG._function_class("rope", _function).apply(q, k, cos, sin, r, interleaved)
-    return tuple(None if x is None else _apply(_ROT, x, cos, sin, r, interleaved, kind, dt, dev) for x in (q, k))
+    return (_apply(_ROT, q, cos, sin, r, interleaved, kind, dt, dev),
+            None if k is None else _apply(_ROT, k, cos, sin, r, interleaved, kind, dt, dev))
 
 
 def _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
