@@ -11,9 +11,10 @@ Recognized, by module type and layout (not by model name):
 - GELU activations: ``torch.nn.GELU`` and transformers' ``GELUActivation``
   (erf form), ``NewGELUActivation``, ``GELUTanh`` / ``PytorchGELUTanh``,
   ``FastGELUActivation`` (tanh form) -> ``cufuse.nn.GELU``;
-- gated MLPs with a SiLU activation (``LlamaMLP``, ``MistralMLP``,
-  ``Qwen2MLP``: ``gate_proj``, ``up_proj``, ``down_proj``, ``act_fn``) ->
-  ``cufuse.nn.SwiGLU``, its ``silu(gate) * up`` one fused kernel;
+- gated MLPs with a SiLU or GELU activation (``LlamaMLP``, ``MistralMLP``,
+  ``Qwen2MLP``, Gemma's: ``gate_proj``, ``up_proj``, ``down_proj``,
+  ``act_fn``) -> ``cufuse.nn.SwiGLU``, its ``act(gate) * up`` one fused
+  kernel;
 - Hugging Face's ``apply_rotary_pos_emb`` of the model's modeling module
   (Llama, Mistral, Qwen2: a module function, so every model of that module
   in the process gets it) -> ``cufuse.rope`` (one kernel per tensor each
@@ -41,6 +42,20 @@ from .nn import PatchReport
 _GELU_ERF = {"GELUActivation"}
 _GELU_TANH = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
 _SILU = {"SiLU", "SiLUActivation"}
+
+
+def _gate_activation(act):
+    """The SwiGLU activation name of a gated MLP's ``act_fn``, or None."""
+    t = type(act).__name__
+    if t in _SILU:
+        return "silu"
+    if type(act) is nn.GELU:
+        return "gelu" if act.approximate == "none" else "gelu_tanh"
+    if t in _GELU_ERF:
+        return "gelu"
+    if t in _GELU_TANH:
+        return "gelu_tanh"
+    return None
 
 
 class RMSNorm(cnn.RMSNorm):
@@ -84,7 +99,8 @@ def _torch_rms(old):
 
 def _swiglu(old):
     g = old.gate_proj
-    new = cnn.SwiGLU(g.in_features, g.out_features, bias=g.bias is not None, device="meta")
+    new = cnn.SwiGLU(g.in_features, g.out_features, bias=g.bias is not None, device="meta",
+                     activation=_gate_activation(old.act_fn))
     new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
     return new
 
@@ -166,8 +182,8 @@ def _plan(name, mod):
         return _gelu("tanh"), None
     if all(isinstance(getattr(mod, a, None), nn.Linear) for a in ("gate_proj", "up_proj", "down_proj")) \
             and hasattr(mod, "act_fn"):
-        if type(mod.act_fn).__name__ not in _SILU:
-            return None, f"a gated MLP whose activation is {type(mod.act_fn).__name__}, not SiLU"
+        if _gate_activation(mod.act_fn) is None:
+            return None, f"a gated MLP whose activation is {type(mod.act_fn).__name__}, not SiLU or GELU"
         return _swiglu, None
     return None, None
 
@@ -198,7 +214,7 @@ def patch(model):
     rope_module = _plan_rope(model)
     if not steps and not loss and rope_module is None:
         raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
-                         "gated SiLU MLP, rotary embedding, causal-LM loss); nothing was changed")
+                         "gated SiLU or GELU MLP, rotary embedding, causal-LM loss); nothing was changed")
     built = [(parent, attr, name, mod, make(mod)) for parent, attr, name, mod, make in steps]  # all, then swap
     for parent, attr, name, old, new in built:
         new.train(old.training)

@@ -13,7 +13,8 @@ the forward, a differentiable cast.
   one kernel, whose backward keeps no mask (eval mode: GELU alone).
 - ``SwiGLU``: the gated MLP of Llama-family models (Hugging Face's
   ``LlamaMLP``: ``gate_proj``, ``up_proj``, ``down_proj``), with
-  ``silu(gate) * up`` as one fused kernel forward and one backward.
+  ``silu(gate) * up`` as one fused kernel forward and one backward;
+  ``GeGLU``: the same with a GELU gate (Gemma's MLP).
 - ``CrossEntropyLoss``: ``torch.nn.CrossEntropyLoss`` (class indices, no
   class weights) through ``cufuse.cross_entropy``, plus a z-loss.
 """
@@ -28,7 +29,8 @@ from . import ops as _ops
 from ._fuse import functions as _F
 from ._fuse.api import fuse as _fuse
 
-__all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "swiglu", "CrossEntropyLoss", "PatchReport"]
+__all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "GeGLU", "swiglu", "geglu", "geglu_tanh",
+           "CrossEntropyLoss", "PatchReport"]
 
 
 def _as(p, x):
@@ -82,20 +84,52 @@ def swiglu(gate, up):
     return gate * _F.sigmoid(gate) * up
 
 
-class SwiGLU(nn.Module):
-    """The gated MLP of Llama-family models: down_proj(silu(gate_proj(x)) *
-    up_proj(x)), with parameter names of Hugging Face's ``LlamaMLP``."""
+@_fuse
+def geglu(gate, up):
+    """gelu(gate) * up (the erf GELU), fused; differentiable (one backward kernel)."""
+    return _F.gelu(gate) * up
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None):
+
+@_fuse
+def geglu_tanh(gate, up):
+    """gelu(gate, approximate="tanh") * up, fused; differentiable."""
+    return _F.gelu(gate, "tanh") * up
+
+
+_GATES = {"silu": swiglu, "gelu": geglu, "gelu_tanh": geglu_tanh}
+
+
+class SwiGLU(nn.Module):
+    """The gated MLP of Llama-family models: down_proj(act(gate_proj(x)) *
+    up_proj(x)), with parameter names of Hugging Face's ``LlamaMLP``;
+    ``activation`` "silu" (SwiGLU), "gelu" or "gelu_tanh" (GeGLU, as
+    Gemma's), the gate one fused kernel forward and one backward."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None,
+                 activation: str = "silu"):
         super().__init__()
+        if activation not in _GATES:
+            raise ValueError(f"cufuse.nn.{type(self).__name__}: activation must be one of {tuple(_GATES)}, "
+                             f"got {activation!r}")
         kw = {"bias": bias, "device": device, "dtype": dtype}
-        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(_GATES[self.activation](self.gate_proj(x), self.up_proj(x)))
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}"
+
+
+class GeGLU(SwiGLU):
+    """``SwiGLU`` with a GELU gate (``activation`` "gelu" or "gelu_tanh")."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None,
+                 activation: str = "gelu"):
+        super().__init__(hidden_size, intermediate_size, bias, device, dtype, activation)
 
 
 class CrossEntropyLoss(nn.Module):

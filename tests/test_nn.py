@@ -19,14 +19,15 @@ nn = torch.nn
 
 
 class _TorchSwiGLU(nn.Module):  # Hugging Face's LlamaMLP, written out
-    def __init__(self, hidden, inter):
+    def __init__(self, hidden, inter, act=nn.functional.silu):
         super().__init__()
         self.gate_proj = nn.Linear(hidden, inter, bias=False)
         self.up_proj = nn.Linear(hidden, inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.act = act
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 # name -> (cufuse module, torch module): the same constructor arguments
@@ -41,6 +42,9 @@ PAIRS = {
     "GELU": (lambda: cnn.GELU(), lambda: nn.GELU()),
     "GELU_tanh": (lambda: cnn.GELU("tanh"), lambda: nn.GELU("tanh")),
     "SwiGLU": (lambda: cnn.SwiGLU(48, 96), lambda: _TorchSwiGLU(48, 96)),
+    "GeGLU": (lambda: cnn.GeGLU(48, 96), lambda: _TorchSwiGLU(48, 96, nn.functional.gelu)),
+    "GeGLU_tanh": (lambda: cnn.GeGLU(48, 96, activation="gelu_tanh"),
+                   lambda: _TorchSwiGLU(48, 96, lambda v: nn.functional.gelu(v, approximate="tanh"))),
 }
 
 

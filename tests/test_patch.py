@@ -52,6 +52,8 @@ MODELS = {
                 {"MistralMLP -> SwiGLU": 2, "MistralRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
     "qwen2": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**_LLAMA_KW)), _text,
               {"Qwen2MLP -> SwiGLU": 2, "Qwen2RMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
+    "llama_geglu": (lambda: T.LlamaForCausalLM(T.LlamaConfig(hidden_act="gelu_pytorch_tanh", **_LLAMA_KW)), _text,
+                    {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
     "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
                                                     bos_token_id=0, eos_token_id=0)), _text,
              {"LayerNorm -> LayerNorm": 5, "NewGELUActivation -> GELU": 2, _LOSS: 1}),
@@ -106,11 +108,11 @@ def test_patch_errors_and_what_it_leaves():
         cufuse.patch({"not": "a model"})
     with pytest.raises(ValueError, match="nothing was changed"):
         cufuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
-    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_act="gelu", **_LLAMA_KW))
-    report = cufuse.patch(model)  # the norms and the activations; the GELU-gated MLPs stay (with why)
-    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, "GELUActivation -> GELU": 2, _ROPE: 1, _LOSS: 1}
+    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_act="relu", **_LLAMA_KW))
+    report = cufuse.patch(model)  # the norms and the rest; the ReLU-gated MLPs stay (with why)
+    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}
     assert [n for n, _ in report.skipped] == ["model.layers.0.mlp", "model.layers.1.mlp"]
-    assert "not SiLU" in report.skipped[0][1] and "left alone" in str(report)
+    assert "not SiLU or GELU" in report.skipped[0][1] and "left alone" in str(report)
     with pytest.raises(ValueError, match="nothing was changed"):  # patched already: nothing left to do
         cufuse.patch(model)
 
