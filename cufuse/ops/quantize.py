@@ -15,9 +15,12 @@ import numpy as np
 
 from .. import _arrays as A
 from .._arrays import Array, DType, Operand
+from .. import _autograd as AG
 from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
+from .._fuse import functions as _F
+from .._fuse.api import Fused
 from .elementwise import ElementwiseOp, pack_width
 
 _F16, _F32, _F64, _I8 = A.F16, A.F32, A.F64, np.dtype(np.int8)
@@ -368,3 +371,90 @@ def dequantize_int8(q: Array, /, scale: Operand, zero_point: Operand = 0.0, axis
 
 
 _DTYPES: dict = {}  # dequantize_int8's dtype arguments seen -> the NumPy dtype they name
+
+
+# ------------------------------------------------------------ fake quantization
+def _fq(x, s, z):
+    # clamp(rint(x / s + z), -128, 127) in the parameters' dtype (float32, float64 for float64
+    # data), back to real values, rounded once to x's dtype; NaN stays NaN (as torch's)
+    return ((_F.clip(np.rint(x / s + z), -128.0, 127.0) - z) * s).astype(x.dtype)
+
+
+def _fq_grad(g, x, s, z):
+    # straight-through: the gradient where the code was not clamped, 0 where it was
+    v = np.rint(x / s + z)
+    return _F.where((v >= -128.0) & (v <= 127.0), g, 0.0).astype(g.dtype)
+
+
+_FQ = Fused(_fq, name="fake_quantize_int8")
+_FQ_GRAD = Fused(_fq_grad, name="fake_quantize_int8_backward")
+
+
+def _fq_params(name, x, kind, scale, zero_point, axis):
+    """scale and zero point as arrays of x's kind in the compute dtype, shaped
+    to broadcast against x (along ``axis``, or (1,) * ndim per tensor)."""
+    in_dt = A.dtype_of(x, kind)
+    real = _real(in_dt)
+    nd = len(x.shape)
+    if axis is None:
+        vals = [np.full((1,) * nd, _scalar_param(name, what, v, pos, real), dtype=real)
+                for what, v, pos in (("scale", scale, True), ("zero_point", zero_point, False))]
+        shape = (1,) * nd
+    else:
+        axis = _channel_axis(name, axis, nd)
+        vals = [_channel_param(name, what, v, x, kind, axis, real, pos)
+                for what, v, pos in (("scale", scale, True), ("zero_point", zero_point, False))]
+        shape = tuple(x.shape[axis] if i == axis else 1 for i in range(nd))
+    out = []
+    for v in vals:
+        if isinstance(v, np.ndarray) and kind in A.GPU_KINDS:
+            v = D.uploaded(np.ascontiguousarray(v), kind, A.device_of(x, kind), "a fake-quantization parameter")
+            if kind == A.TORCH_CUDA:
+                v = A.torch().as_tensor(v, device=x.device)
+        elif isinstance(v, np.ndarray) and kind == A.TORCH_CPU:
+            v = A.torch_from_numpy(v)
+        out.append(v.reshape(shape))
+    return out
+
+
+def fake_quantize_int8(x: Array, /, scale: Operand, zero_point: Operand = 0.0, axis: int | None = None) -> Array:
+    """dequantize_int8(quantize_int8(x, ...), ...) in one pass, in x's dtype:
+    (clamp(rint(x / scale + zero_point), -128, 127) - zero_point) * scale,
+    computed in float32 (float64 for float64 data) and rounded once, for
+    quantization-aware training. ``scale``, ``zero_point`` and ``axis`` as in
+    ``quantize_int8`` (per tensor, or per channel along ``axis``). Equal to
+    the round trip bit for bit for finite values and ±inf; NaN stays NaN (as
+    torch's fake quantization; the int8 code of NaN is 0).
+
+    Differentiable for torch tensors with the straight-through estimator:
+    the gradient passes where the code was not clamped and is 0 where it was
+    (torch's ``fake_quantize_per_tensor_affine``); one kernel. scale and
+    zero point get no gradient (NotImplementedError if they require one).
+    """
+    name = "fake_quantize_int8"
+    if DK.is_dask(x):
+        raise TypeError(f"cufuse.{name}: Dask arrays are not supported; use quantize_int8 and dequantize_int8")
+    kind = A.array_kind(name, x, "the data")
+    if A.dtype_of(x, kind) not in _FLOATS:
+        raise TypeError(f"cufuse.{name}: the data is {A.describe(x, kind)}; accepted dtypes are {A.FLOAT_NAMES}")
+    grad = AG.wants_grad((x,))
+    s, z = _fq_params(name, x.detach() if grad else x, kind, scale, zero_point, axis)
+    if grad:
+        return AG._function_class("fake_quantize", _fq_function).apply(x, s, z)
+    return _FQ(x, s, z)
+
+
+def _fq_function(torch):
+    class FakeQuantizeFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, s, z):
+            ctx.save_for_backward(x, s, z)
+            return _FQ(x.detach(), s, z)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            x, s, z = ctx.saved_tensors
+            return _FQ_GRAD(g, x.detach(), s, z), None, None
+
+    return FakeQuantizeFn

@@ -1,0 +1,90 @@
+"""cufuse.fake_quantize_int8: equal bit for bit to the int8 round trip
+(dequantize_int8(quantize_int8(x))) for every dtype, array kind, per tensor
+and per channel (first, middle and last axis), with infinities and odd
+sizes; NaN stays NaN; the straight-through gradient against a mask computed
+here; errors."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cufuse
+from _reference import BF16, DTYPES, rand
+
+DTYPES_ALL = DTYPES + ([BF16] if BF16 is not None else [])
+
+
+def _data(shape, dtype, seed):
+    x = rand(shape, dtype, seed, scale=6.0)
+    flat = x.reshape(-1)
+    if flat.size > 3:
+        flat[1], flat[2] = np.inf, -np.inf
+    return x
+
+
+def _params(shape, axis, seed):
+    g = np.random.default_rng(seed)
+    if axis is None:
+        return 0.04, 3.0
+    n = shape[axis]
+    return g.uniform(0.02, 0.1, n).astype(np.float32), np.round(g.uniform(-5, 5, n)).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES_ALL, ids=str)
+@pytest.mark.parametrize("shape,axis", [((37,), None), ((6, 33), None), ((6, 33), 0), ((6, 33), 1),
+                                        ((4, 5, 9), 1), ((1,), 0)], ids=str)
+def test_equals_the_int8_round_trip(backend, shape, axis, dtype):
+    x = _data(shape, dtype, 1)
+    s, z = _params(shape, axis, 2)
+    xa = backend.asarray(x)
+    sa, za = (v if axis is None else backend.asarray(v) for v in (s, z))
+    got = backend.to_numpy(cufuse.fake_quantize_int8(xa, sa, za, axis=axis))
+    q = cufuse.quantize_int8(xa, sa, za, axis=axis)
+    want = backend.to_numpy(cufuse.dequantize_int8(q, sa, za, axis=axis, dtype=dtype))
+    assert got.dtype == dtype and got.shape == x.shape
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_nan_stays_nan(backend):
+    x = np.array([0.5, np.nan, -1.0], dtype=np.float32)
+    got = backend.to_numpy(cufuse.fake_quantize_int8(backend.asarray(x), 0.1))
+    assert np.isnan(got[1]) and got[0] == pytest.approx(0.5) and got[2] == pytest.approx(-1.0)
+
+
+torch = pytest.importorskip("torch")
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("axis", [None, 1])
+def test_straight_through_gradient(device, axis):
+    """The gradient is the incoming one where rint(x / scale + zero_point) is
+    in [-128, 127] (float32 arithmetic, as the forward) and 0 elsewhere."""
+    shape = (5, 40)
+    x = _data(shape, np.float32, 3)
+    s, z = _params(shape, axis, 4)
+    g = rand(shape, np.float32, 5)
+    xt = torch.from_numpy(x).to(device).requires_grad_(True)
+    sa, za = (v if axis is None else torch.from_numpy(v).to(device) for v in (s, z))
+    y = cufuse.fake_quantize_int8(xt, sa, za, axis=axis)
+    y.backward(torch.from_numpy(g).to(device))
+    sb, zb = (np.float32(s), np.float32(z)) if axis is None else (s[None, :], z[None, :])
+    with np.errstate(invalid="ignore"):
+        v = np.rint(x / sb + zb)
+    want = np.where((v >= -128) & (v <= 127), g, 0.0).astype(np.float32)
+    assert 0 < np.count_nonzero(want == 0) < want.size  # both sides of the clamp occur
+    np.testing.assert_array_equal(xt.grad.cpu().numpy(), want)
+    with pytest.raises(NotImplementedError, match="requires grad"):
+        cufuse.fake_quantize_int8(xt, torch.full((40,), 0.1, device=device, requires_grad=True), 0.0, axis=1)
+
+
+def test_errors():
+    x = np.ones((3, 4), np.float32)
+    with pytest.raises(ValueError, match="scale must be finite and > 0"):
+        cufuse.fake_quantize_int8(x, 0.0)
+    with pytest.raises(TypeError, match="accepted dtypes"):
+        cufuse.fake_quantize_int8(x.astype(np.int8), 0.1)
+    with pytest.raises(ValueError, match="\\(4,\\) is needed"):
+        cufuse.fake_quantize_int8(x, np.ones(3, np.float32), axis=1)
+    with pytest.raises(TypeError, match="per channel"):
+        cufuse.fake_quantize_int8(x, 0.1, axis=0)
