@@ -232,6 +232,8 @@ def register():
     _register_reductions(torch)
     _register_fused(torch)
     _register_cross_entropy(torch)
+    from .ops import quantize as Q
+    AG._function_class("fake_quantize", Q._fq_function)  # made now: torch.compile cannot trace a class body
 
 
 _U64 = (1 << 64) - 1

@@ -19,6 +19,7 @@ from .. import _autograd as AG
 from .. import _dask as DK
 from .. import _driver as D
 from .. import _runtime as R
+from .. import _torch_ops as TO
 from .._fuse import functions as _F
 from .._fuse.api import Fused
 from .elementwise import ElementwiseOp, pack_width
@@ -417,6 +418,36 @@ def _fq_params(name, x, kind, scale, zero_point, axis):
     return out
 
 
+def _fq_params_traced(name, x, scale, zero_point, axis):
+    """_fq_params for a torch tensor under torch.compile: Python numbers (per
+    tensor) or 1-D tensors (per channel), no NumPy."""
+    import torch
+    real = torch.float64 if x.dtype == torch.float64 else torch.float32
+    nd = x.dim()
+    if axis is None:
+        out = []
+        for what, v, positive in (("scale", scale, True), ("zero_point", zero_point, False)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"cufuse.{name}: under torch.compile, {what} must be a Python number per tensor")
+            if not math.isfinite(v) or (positive and v <= 0):
+                raise ValueError(f"cufuse.{name}: {what} must be finite{' and > 0' if positive else ''}, got {v!r}")
+            out.append(torch.full((1,) * nd, float(v), dtype=real, device=x.device))
+        return out
+    axis = axis % nd
+    shape = [1] * nd
+    shape[axis] = x.shape[axis]
+    out = []
+    for what, v in (("scale", scale), ("zero_point", zero_point)):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and what == "zero_point":
+            out.append(torch.full(shape, float(v), dtype=real, device=x.device))
+            continue
+        if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.shape[0] != x.shape[axis]:
+            raise TypeError(f"cufuse.{name}: under torch.compile, a per-channel {what} must be a 1-D tensor of "
+                            f"length {x.shape[axis]}")
+        out.append(v.detach().to(device=x.device, dtype=real).reshape(shape))
+    return out
+
+
 def fake_quantize_int8(x: Array, /, scale: Operand, zero_point: Operand = 0.0, axis: int | None = None) -> Array:
     """dequantize_int8(quantize_int8(x, ...), ...) in one pass, in x's dtype:
     (clamp(rint(x / scale + zero_point), -128, 127) - zero_point) * scale,
@@ -432,6 +463,12 @@ def fake_quantize_int8(x: Array, /, scale: Operand, zero_point: Operand = 0.0, a
     zero point get no gradient (NotImplementedError if they require one).
     """
     name = "fake_quantize_int8"
+    if TO.compiling():  # torch.compile: checked with torch's attributes only (Dynamo traces this)
+        s, z = _fq_params_traced(name, x, scale, zero_point, axis)
+        TO.register()  # (its Function class with the operators)
+        if x.requires_grad:
+            return AG._function_class("fake_quantize", _fq_function).apply(x, s, z)
+        return _FQ(x, s, z)
     if DK.is_dask(x):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported; use quantize_int8 and dequantize_int8")
     kind = A.array_kind(name, x, "the data")
