@@ -253,3 +253,29 @@ def test_dtype_of_the_loss(backend):
     assert float(got) == pytest.approx(_reference(x, t), rel=2e-6)
     with pytest.raises(TypeError, match="dtype"):
         cufuse.cross_entropy(backend.asarray(x), backend.asarray(t), dtype=np.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_in_place_never_into_a_leaf(device):
+    """A view of a leaf (a slice of a Parameter) is not a leaf itself, but its
+    memory is the leaf's: the gradient goes into a new tensor there. A view of
+    an intermediate (the reshape a language model's loss makes) keeps the
+    in-place backward (GPU)."""
+    g = torch.Generator().manual_seed(17)
+    w = torch.randn(12, 30, generator=g).to(device).requires_grad_(True)
+    keep = w.detach().clone()
+    t = torch.randint(0, 30, (8,), generator=g).to(device)
+    cufuse.cross_entropy(w[2:10], t).backward()
+    assert torch.equal(w.detach(), keep)
+    want = torch.zeros_like(keep)
+    ref = keep.clone().requires_grad_(True)
+    torch.nn.functional.cross_entropy(ref[2:10], t).backward()
+    torch.testing.assert_close(w.grad, ref.grad, rtol=1e-5, atol=1e-6)
+    assert torch.equal(w.grad[:2], want[:2])
+    h = torch.randn(2, 4, 5, generator=g).to(device).requires_grad_(True)
+    logits = (h @ torch.randn(5, 30, generator=g).to(device)).reshape(-1, 30)  # a view of an intermediate
+    seen = {}
+    logits.register_hook(lambda gr: seen.update(ptr=gr.data_ptr()))
+    cufuse.cross_entropy(logits, t).backward()
+    if device == "cuda":
+        assert seen["ptr"] == logits.data_ptr()

@@ -210,7 +210,7 @@ def cross_entropy(logits: Array, target: Array, /, *, ignore_index: int = -100, 
 
     Differentiable for torch tensors: the backward is one kernel. Where the
     logits are an intermediate of the autograd graph (the output of an
-    ``lm_head``, not a leaf) and ``inplace_backward`` is true, it writes the
+    ``lm_head``, not a leaf nor a view of one) and ``inplace_backward`` is true, it writes the
     gradient into the logits' own memory (no second vocabulary-sized buffer);
     the logits then hold their gradient, and another backward that saved
     them raises torch's in-place error rather than reading the gradient.
@@ -224,7 +224,10 @@ def cross_entropy(logits: Array, target: Array, /, *, ignore_index: int = -100, 
     if AG.wants_grad((logits,)):
         args = _args(name, logits.detach(), target, ignore_index, label_smoothing, z_loss, reduction)
         odt = args[1] if dtype is None else A.float_dtype_arg(name, dtype)
-        inplace = bool(inplace_backward) and not logits.is_leaf
+        # in place only into an intermediate's memory: a view's root (its _base) decides, so that a
+        # slice of a leaf (user data, a Parameter) is never overwritten
+        root = logits._base if logits._is_view() else logits
+        inplace = bool(inplace_backward) and not root.is_leaf
         return AG._function_class("cross_entropy", _function).apply(logits, args, reduction, odt, inplace)
     kind, dt, dev, rows, cols, t, ignore, eps, z = _args(name, logits, target, ignore_index, label_smoothing,
                                                          z_loss, reduction)
