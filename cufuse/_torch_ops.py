@@ -483,7 +483,8 @@ def _register_fused(torch):
                                     "bool[] bools) -> Tensor[]")
     def fused(key, layout, tensors, floats, ints, bools):
         res = _fused(key)(*_unpack_fused(layout, detached(tensors), floats, ints, bools))
-        return list(res) if isinstance(res, tuple) else [res]
+        # contiguous, as the fake results say (the engine may give strided inputs' layout to its results)
+        return [r.contiguous() for r in (res if isinstance(res, tuple) else (res,))]
 
     @fused.register_fake
     def _(key, layout, tensors, floats, ints, bools):
@@ -503,11 +504,13 @@ def _register_fused(torch):
         out = []
         for k in need:  # an argument the outputs do not depend on gets zeros
             gr = grads.get(pos[k])
-            out.append(torch.zeros_like(ts[k]) if gr is None else gr.to(ts[k].dtype))
+            gr = torch.zeros_like(ts[k]) if gr is None else gr.to(ts[k].dtype)
+            out.append(gr.contiguous())  # (as the fake results)
         return out
 
     fused_backward.register_fake(lambda key, layout, tensors, floats, ints, bools, gouts, need:
-                                 [torch.empty_like(tensors[k]) for k in need])
+                                 [torch.empty_like(tensors[k], memory_format=torch.contiguous_format)
+                                  for k in need])
 
     def setup(ctx, inputs, output):
         key, layout, tensors, floats, ints, bools = inputs

@@ -193,7 +193,9 @@ def test_fused_operator_opcheck_and_errors(device):
     f = cufuse.fuse(lambda a, b: a * b + 1.0)
     x = torch.randn(3, 5, device=device)
     y = torch.randn(5, device=device)
-    for args in ((x, y), (x.clone().requires_grad_(True), y.clone().requires_grad_(True))):
+    xt = torch.randn(5, 3, device=device).t()  # a transposed input: results are contiguous all the same
+    for args in ((x, y), (x.clone().requires_grad_(True), y.clone().requires_grad_(True)),
+                 (xt.clone().t().t().requires_grad_(True), y.clone().requires_grad_(True))):
         torch.library.opcheck(torch.ops.cufuse.fused, (f._op_key, "tt", list(args), [], [], []))
     with pytest.raises(Exception, match="Python int, float and bool"):  # a NumPy scalar: told, not guessed
         torch.compile(lambda t: f(t, np.float32(2.0)), fullgraph=True)(x)
