@@ -45,6 +45,14 @@ def test_equals_the_int8_round_trip(backend, shape, axis, dtype):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+def test_no_negative_zero(backend):
+    """A small negative value rounds to the code 0, whose value is +0.0 (the
+    int8 round trip's bits), not rint's -0.0."""
+    x = np.array([-0.01, 0.01, -0.3], dtype=np.float32)
+    got = backend.to_numpy(cufuse.fake_quantize_int8(backend.asarray(x), 1.0))
+    assert got.tolist() == [0.0, 0.0, 0.0] and not np.signbit(got).any()
+
+
 def test_nan_stays_nan(backend):
     x = np.array([0.5, np.nan, -1.0], dtype=np.float32)
     got = backend.to_numpy(cufuse.fake_quantize_int8(backend.asarray(x), 0.1))

@@ -282,6 +282,68 @@ def test_fuzz_quantize_round_trip(data):
     back = cufuse.dequantize_int8(q, args_s, args_z, axis=axis, dtype=dt)
     ref = (want.astype(np.float64) - zc) * sc
     ew_close(to_numpy(back), ref, dt, TOL[np.dtype(dt)])
+    fake = to_numpy(cufuse.fake_quantize_int8(xa, args_s, args_z, axis=axis))  # the round trip in one pass
+    np.testing.assert_array_equal(fake.view(np.uint8), to_numpy(back).view(np.uint8))
+
+
+# ------------------------------------------------------ cross entropy, rope
+@fuzz
+@given(data=st.data())
+def test_fuzz_cross_entropy(data):
+    """cross_entropy of random rows x classes in any layout, targets with some
+    ignored, label smoothing, z-loss, each reduction: against a float64
+    reference (log-sum-exp by a max shift)."""
+    kind = data.draw(st.sampled_from(KINDS), "kind")
+    dt = data.draw(st.sampled_from(EW_FLOATS), "dtype")
+    rows = data.draw(st.sampled_from(DIMS), "rows")
+    cols = data.draw(st.sampled_from([d for d in DIMS if d] + [1000, 4099]), "classes")
+    x, xl = data.draw(arrays(dt, shape=(rows, cols), scale=3.0), "logits")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    t = rng.integers(0, cols, rows).astype(np.int64)
+    t[rng.random(rows) < 0.2] = -100
+    eps = data.draw(st.sampled_from([0.0, 0.1]), "label smoothing")
+    z = data.draw(st.sampled_from([0.0, 1e-3]), "z loss")
+    red = data.draw(st.sampled_from(["none", "sum", "mean"]), "reduction")
+    got = to_numpy(cufuse.cross_entropy(view(x, kind, xl), to_kind(t, kind), label_smoothing=eps, z_loss=z,
+                                        reduction=red))
+    xv = x.astype(np.float64)
+    with np.errstate(all="ignore"):
+        m = xv.max(axis=1, keepdims=True) if rows else np.zeros((0, 1))
+        lse = np.log(np.exp(xv - m).sum(axis=1)) + m[:, 0]
+        xt = xv[np.arange(rows), np.clip(t, 0, cols - 1)]
+        per = (1 - eps) * (lse - xt) + (eps * (lse - xv.mean(axis=1)) if eps else 0) + (z * lse ** 2 if z else 0)
+        per = np.where(t != -100, per, 0.0)
+        ref = per if red == "none" else per.sum() if red == "sum" else per.sum() / np.count_nonzero(t != -100)
+    rtol, atol = TOL[np.dtype(dt)]
+    np.testing.assert_allclose(got.astype(np.float64), ref, rtol=max(rtol, 1e-5),
+                               atol=max(atol, 1e-5) * (max(rows, 1) if red == "sum" else 1))
+
+
+@fuzz
+@given(data=st.data())
+def test_fuzz_rope(data):
+    """rope of q in any layout with random (batch, heads, tokens, dim) and a
+    partial rotary width, both pair layouts: against a float64 reference."""
+    kind = data.draw(st.sampled_from(KINDS), "kind")
+    dt = data.draw(st.sampled_from(EW_FLOATS), "dtype")
+    b, h, t = (data.draw(st.sampled_from([1, 2, 3, 5]), n) for n in ("batch", "heads", "tokens"))
+    d = data.draw(st.sampled_from([2, 4, 6, 8, 16, 34]), "head dim")
+    r = data.draw(st.sampled_from([k for k in range(2, d + 1, 2)]), "rotary dims")
+    inter = data.draw(st.booleans(), "interleaved")
+    q, ql = data.draw(arrays(dt, shape=(b, h, t, d)), "q")
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    cos, sin = (rng.uniform(-1, 1, (b, t, r)).astype(dt) for _ in range(2))
+    got, _ = cufuse.rope(view(q, kind, ql), None, to_kind(cos, kind), to_kind(sin, kind), interleaved=inter)
+    qv, c, s_ = q.astype(np.float64), cos.astype(np.float64)[:, None], sin.astype(np.float64)[:, None]
+    x = qv[..., :r]
+    if inter:
+        rot = np.empty_like(x)
+        rot[..., 0::2], rot[..., 1::2] = -x[..., 1::2], x[..., 0::2]
+    else:
+        rot = np.concatenate([-x[..., r // 2:], x[..., : r // 2]], -1)
+    ref = qv.copy()
+    ref[..., :r] = x * c + rot * s_
+    ew_close(to_numpy(got), ref, dt, TOL[np.dtype(dt)])
 
 
 # ----------------------------------------------------------- fused programs
