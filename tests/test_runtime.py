@@ -163,7 +163,7 @@ def _need_nvrtc():
 # Every family is compiled by CI itself (.ci/run: python -m cufuse build --arch
 # sm_80,sm_90, which exits non-zero on any failure); here the CLI's output is
 # checked on the families of one kind, which compile in seconds, not minutes.
-@pytest.mark.parametrize("archs,family", [("sm_90", "dropout"), ("sm_80,sm_90", "reduction:final")])
+@pytest.mark.parametrize("archs,family", [("sm_90", "cross_entropy"), ("sm_80,sm_90", "reduction:final")])
 def test_build_cli_compiles_every_kernel(archs, family):
     _need_nvrtc()
     p = run_py(["-m", "cufuse", "build", "--arch", archs, "--family", family, "-v"])
@@ -183,13 +183,13 @@ def test_build_cli_compiles_every_kernel(archs, family):
 def test_build_cli_prints_a_summary_without_v():
     """Without -v: a line per family and architecture and a summary, no line per kernel."""
     _need_nvrtc()
-    p = run_py(["-m", "cufuse", "build", "--arch", "sm_90", "--family", "dropout"])
+    p = run_py(["-m", "cufuse", "build", "--arch", "sm_90", "--family", "cross_entropy"])
     assert p.returncode == 0, p.stdout + p.stderr
-    fams = sorted(f for f in R.registry() if f.startswith("dropout"))
+    fams = sorted(f for f in R.registry() if f.startswith("cross_entropy"))
     n = sum(len(R.registry()[f]) for f in fams)
     lines = p.stdout.splitlines()
     assert not [line for line in lines if line.startswith("ok ")]
-    assert len([line for line in lines if " sm_90 dropout" in line and "kernels, " in line]) == len(fams)
+    assert len([line for line in lines if " sm_90 cross_entropy" in line and "kernels, " in line]) == len(fams)
     assert f"all kernels compiled: {n} kernel builds of {len(fams)} families for sm_90" in lines[-1]
 
 
