@@ -14,7 +14,8 @@ the forward, a differentiable cast.
 - ``SwiGLU``: the gated MLP of Llama-family models (Hugging Face's
   ``LlamaMLP``: ``gate_proj``, ``up_proj``, ``down_proj``), with
   ``silu(gate) * up`` as one fused kernel forward and one backward;
-  ``GeGLU``: the same with a GELU gate (Gemma's MLP).
+  ``GeGLU``: the same with a GELU gate (Gemma's MLP); ``gated(x)``: the
+  gate from one fused ``gate_up`` projection's output.
 - ``CrossEntropyLoss``: ``torch.nn.CrossEntropyLoss`` (class indices, no
   class weights) through ``cufuse.cross_entropy``, plus a z-loss.
 """
@@ -30,7 +31,7 @@ from ._fuse import functions as _F
 from ._fuse.api import fuse as _fuse
 
 __all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "GeGLU", "swiglu", "geglu", "geglu_tanh",
-           "CrossEntropyLoss", "PatchReport"]
+           "gated", "CrossEntropyLoss", "PatchReport"]
 
 
 def _as(p, x):
@@ -97,6 +98,19 @@ def geglu_tanh(gate, up):
 
 
 _GATES = {"silu": swiglu, "gelu": geglu, "gelu_tanh": geglu_tanh}
+
+
+def gated(x, activation: str = "silu"):
+    """act(gate) * up from one fused projection's output ``x`` (its last dim:
+    gate, then up, as ``gate_up_proj`` layers give): one fused kernel over
+    the two halves (strided views, no copy), differentiable."""
+    fn = _GATES.get(activation)
+    if fn is None:
+        raise ValueError(f"cufuse.nn.gated: activation must be one of {tuple(_GATES)}, got {activation!r}")
+    n = x.shape[-1]
+    if n % 2:
+        raise ValueError(f"cufuse.nn.gated: the last dim holds gate and up, so it must be even; got {n}")
+    return fn(x[..., : n // 2], x[..., n // 2:])
 
 
 class SwiGLU(nn.Module):

@@ -145,3 +145,26 @@ def test_cross_entropy_loss_module(device):
     assert "ignore_index=-1" in repr(ours)
     with pytest.raises(NotImplementedError, match="class weights"):
         cnn.CrossEntropyLoss(weight=torch.ones(77))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
+def test_gated_from_one_projection(device, activation):
+    """cufuse.nn.gated: act(gate) * up of the two halves of one tensor (a
+    fused gate_up projection), values and gradient against torch's chunk."""
+    acts = {"silu": nn.functional.silu, "gelu": nn.functional.gelu,
+            "gelu_tanh": lambda v: nn.functional.gelu(v, approximate="tanh")}
+    g = torch.Generator().manual_seed(31)
+    x0 = torch.randn(5, 3, 2 * 24, generator=g, dtype=torch.float64).to(device)
+    a, b = x0.clone().requires_grad_(True), x0.clone().requires_grad_(True)
+    ya = cnn.gated(a, activation)
+    gate, up = b.chunk(2, dim=-1)
+    yb = acts[activation](gate) * up
+    torch.testing.assert_close(ya, yb, rtol=1e-12, atol=1e-12)
+    (ya * ya).sum().backward()
+    (yb * yb).sum().backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="must be even"):
+        cnn.gated(x0[..., :5])
+    with pytest.raises(ValueError, match="activation"):
+        cnn.gated(x0, "relu")
