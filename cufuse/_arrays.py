@@ -241,11 +241,18 @@ def float_dtype_arg(name, dtype, what="dtype"):
     return d
 
 
+def torch_floats():
+    """torch's float dtypes that cufuse takes, for checks that torch.compile
+    traces (no NumPy dtypes, which torch 2.11's Dynamo cannot hash)."""
+    t = torch()
+    return (t.float16, t.bfloat16, t.float32, t.float64)
+
+
 def torch_float_dtype_arg(name, dtype):
     """float_dtype_arg as a torch dtype. A torch dtype is checked without NumPy, so torch.compile
     (whose older releases cannot hash NumPy dtypes) traces it."""
     t = torch()
-    if isinstance(dtype, t.dtype) and dtype in (t.float16, t.bfloat16, t.float32, t.float64):
+    if isinstance(dtype, t.dtype) and dtype in torch_floats():
         if dtype is t.bfloat16 and BF16 is None:
             float_dtype_arg(name, dtype)  # raises, naming ml_dtypes
         return dtype

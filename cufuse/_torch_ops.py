@@ -22,6 +22,7 @@ import itertools
 import sys
 import weakref
 
+from . import _arrays as A
 from . import _autograd as AG
 
 _OPS: dict = {}   # name -> the custom op (torch.ops.cufuse.<name>)
@@ -473,7 +474,6 @@ _fused_tuple_out._dynamo_marked_constant = True  # type: ignore[attr-defined]
 def _register_fused(torch):
     """cufuse::fused (any fused function, by key) and its backward: ONE
     generated kernel per signature recomputing the forward (Fused._backward)."""
-    from . import _arrays as A
 
     def detached(tensors):
         return [t.detach() for t in tensors]
@@ -536,7 +536,6 @@ def _register_fused(torch):
 
 
 # ------------------------------------------------------------ cross entropy
-_CE_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reduction, dtype):
@@ -548,8 +547,8 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reducti
     name = "cufuse.cross_entropy"
     if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
         raise TypeError(f"{name}: under torch.compile, logits and target must be torch tensors")
-    if str(logits.dtype).split(".")[-1] not in _CE_DTYPES:
-        raise TypeError(f"{name}: logits have dtype {logits.dtype}; accepted dtypes are {_CE_DTYPES}")
+    if logits.dtype not in A.torch_floats():
+        raise TypeError(f"{name}: logits have dtype {logits.dtype}; accepted dtypes are {A.torch_floats()}")
     if target.dtype not in (torch.int64, torch.int32):
         raise TypeError(f"{name}: target must hold int64 (or int32) class indices, got dtype {target.dtype}")
     if logits.dim() != 2 or target.dim() != 1 or target.shape[0] != logits.shape[0]:
@@ -557,7 +556,7 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reducti
                          f"and {tuple(target.shape)}")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"{name}: reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
-    if dtype is not None and dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    if dtype is not None and dtype not in A.torch_floats():
         raise TypeError(f"{name}: under torch.compile, dtype must be a torch float dtype, got {dtype!r}")
     register()
     return _OPS["cross_entropy"](logits, target.to(torch.int64), int(ignore_index), float(label_smoothing),

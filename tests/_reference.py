@@ -97,6 +97,28 @@ def assert_close(got, ref, dtype, tol=None):
 
 
 # ---------------------------------------------------------------------- inputs
+def compiled_matches_eager(f, args, rtol, atol, grad_rtol=None, grad_atol=None):
+    """``f`` compiled with ``torch.compile(fullgraph=True)`` against ``f``
+    eager, each on its own copies of ``args``: the results (a scalar, which
+    is then back-propagated) and the gradients of the tensors that require
+    grad agree. Returns the compiled run's arguments (with their ``.grad``)."""
+    import torch
+
+    def copies():
+        return [a.detach().clone().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+                for a in args]
+    ca, ea = copies(), copies()
+    yc, ye = torch.compile(f, fullgraph=True)(*ca), f(*ea)
+    torch.testing.assert_close(yc, ye, rtol=rtol, atol=atol)
+    yc.backward()
+    ye.backward()
+    for a, b in zip(ca, ea):
+        if isinstance(a, torch.Tensor) and a.requires_grad:
+            torch.testing.assert_close(a.grad, b.grad, rtol=rtol if grad_rtol is None else grad_rtol,
+                                       atol=atol if grad_atol is None else grad_atol)
+    return ca
+
+
 def scale_for(op):
     """Keep exp's argument small enough that float16 does not overflow."""
     return 0.5 if op == "add_mul_exp" else 1.0

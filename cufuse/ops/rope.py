@@ -156,9 +156,8 @@ def _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
     operator (its backward generated), the halves joined by torch."""
     import torch
     name = "cufuse.rope"
-    floats = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
-        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in floats):
+        if t is not None and (not isinstance(t, torch.Tensor) or t.dtype not in A.torch_floats()):
             raise TypeError(f"{name}: under torch.compile, {what} must be a float tensor")
     if k is not None and (k.dtype != q.dtype or k.shape[-1] != q.shape[-1] or k.dim() != q.dim()):
         raise ValueError(f"{name}: k must have q's dtype, head dim and number of dims")
