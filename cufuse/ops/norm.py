@@ -550,7 +550,7 @@ def _norm(name, x, normalized_shape, weight, bias, eps, out):
         res, key = _fast(op, x, weight, bias, eps, out, sk)
         if res is not None:
             return res
-    if AG.wants_grad((x, weight, bias)):  # recorded for backward (never in the fast path: see _run's keep)
+    if AG.wants_grad((x, weight, bias)):  # recorded (no fast-path signature: _driver.signature)
         return _recorded_norm(name, x, normalized_shape, weight, bias, eps, out)
     if DK.is_dask(x):
         w, b = (DK._concrete(name, what, v) for what, v in (("weight", weight), ("bias", bias)))
@@ -585,7 +585,7 @@ def _softmax(name, x, axis, out):
         res, key = _fast(op, x, None, None, 0.0, out, axis)
         if res is not None:
             return res
-    if AG.wants_grad((x,)):  # recorded for backward (never in the fast path)
+    if AG.wants_grad((x,)):  # recorded (no fast-path signature: _driver.signature)
         return _recorded(name, out, "softmax", x, int(axis), name == "log_softmax")
     if DK.is_dask(x) and isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)) \
             and -max(x.ndim, 1) <= axis < max(x.ndim, 1):

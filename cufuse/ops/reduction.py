@@ -99,7 +99,7 @@ class _Reduction:
             _axes(name, axis, x.ndim)  # the same errors
             return DK.reduction(name, x, axis, bool(keepdims), odt, self.mean,
                                 lambda b, ax, kd, acc: self(b, ax, kd, acc, None), out)
-        if AG.wants_grad((x,)):  # recorded for backward (never in the fast path: see keep below)
+        if AG.wants_grad((x,)):  # recorded (no fast-path signature: _driver.signature)
             return self._recorded(x, axis, keepdims, dtype, out)
         kind, dt, dev = _rows.data_arg(name, x)
         odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
