@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole test suite on the device machine in one call, as parallel shards
+# (one GPU is shared; 16 cores). Logs go to $OUT/suite-<n>.log; prints each
+# shard's summary line and every FAILED/ERROR line. Exit status 1 if any shard
+# failed. Usage: bash scripts/device_suite.sh [extra pytest args]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/suite}; mkdir -p "$OUT"
+SHARDS=(
+  "tests/test_fuse.py"
+  "tests/test_norm.py"
+  "tests/test_autograd.py tests/test_driver.py tests/test_cross_entropy.py tests/test_rope.py tests/test_fake_quantize.py tests/test_fuse_autograd.py tests/test_nn.py tests/test_patch.py tests/test_distributed.py"
+  "tests/test_errors.py tests/test_quantize.py"
+  "tests/test_elementwise.py tests/test_interop.py"
+  "tests/test_reduction.py tests/test_dropout.py tests/test_tiles.py tests/test_bfloat16.py tests/test_gelu.py"
+  "tests/test_fuzz.py tests/test_dask.py tests/test_runtime.py tests/test_fuse_build.py tests/test_packaging.py tests/test_bench_tool.py"
+)
+# every test file is in exactly one shard
+listed=" ${SHARDS[*]} "
+for f in tests/test_*.py; do
+  case "$listed" in *" $f "*) ;; *) SHARDS+=("$f");; esac
+done
+pids=()
+for i in "${!SHARDS[@]}"; do
+  python3 -m pytest -q -x -p no:cacheprovider ${SHARDS[$i]} "$@" >"$OUT/suite-$i.log" 2>&1 &
+  pids+=($!)
+done
+fail=0
+for i in "${!pids[@]}"; do
+  wait "${pids[$i]}" || fail=1
+  echo "shard $i (${SHARDS[$i]}): $(tail -n 1 "$OUT/suite-$i.log")"
+done
+grep -hE "^(FAILED|ERROR) " "$OUT"/suite-*.log | head -n 40
+exit $fail
