@@ -22,7 +22,7 @@ for f in tests/test_*.py; do
 done
 pids=()
 for i in "${!SHARDS[@]}"; do
-  python3 -m pytest -q -x -p no:cacheprovider ${SHARDS[$i]} "$@" >"$OUT/suite-$i.log" 2>&1 &
+  python3 -m pytest -q --maxfail=10 -p no:cacheprovider ${SHARDS[$i]} "$@" >"$OUT/suite-$i.log" 2>&1 &
   pids+=($!)
 done
 fail=0
