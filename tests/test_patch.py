@@ -205,7 +205,10 @@ def test_patched_llama_compiles_whole(device):
     torch._dynamo.reset()
     torch.manual_seed(0)
     dtype = torch.float64 if device == "cpu" else torch.float32
-    model = T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW)).to(device=device, dtype=dtype)
+    # eager attention: torch 2.11's compiled CPU flash-attention backward fails on float64
+    # ("expected scalar type Double but found Float") with or without cufuse; attention is not patched
+    cfg = T.LlamaConfig(**_LLAMA_KW, attn_implementation="eager")
+    model = T.LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
     cufuse.patch(model)
     twin = copy.deepcopy(model)
     ids = _text()["input_ids"].to(device)
