@@ -233,6 +233,7 @@ def register():
     _register_reductions(torch)
     _register_fused(torch)
     _register_cross_entropy(torch)
+    _register_rope(torch)
     from .ops import quantize as Q
     AG._function_class("fake_quantize", Q._fq_function)  # made now: torch.compile cannot trace a class body
 
@@ -600,6 +601,45 @@ def _register_cross_entropy(torch):
 
     ce.register_autograd(grad, setup_context=setup)
     _OPS["cross_entropy"] = ce
+
+
+# ------------------------------------------------------------ rotary embedding
+
+
+def rope(xs, cos, sin, interleaved):
+    """cufuse.rope's rotation of the tensors xs (q, or q and k) through its
+    registered operator (torch.compile); cos and sin already shaped."""
+    register()
+    return _OPS["rope"](xs, cos, sin, interleaved, False)
+
+
+def _register_rope(torch):
+    from .ops.rope import rotate_tensors
+
+    @torch.library.custom_op("cufuse::rope", mutates_args=(),
+                             schema="(Tensor[] xs, Tensor cos, Tensor sin, bool interleaved, bool bwd) -> Tensor[]")
+    def rope_op(xs, cos, sin, interleaved, bwd):
+        return rotate_tensors(xs, cos, sin, interleaved, bwd)
+
+    rope_op.register_fake(lambda xs, cos, sin, interleaved, bwd:
+                          [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
+
+    def setup(ctx, inputs, output):
+        xs, cos, sin, interleaved, bwd = inputs
+        ctx.args = (interleaved, bwd)
+        ctx.metas = [(x.shape, x.dtype, x.device) for x in xs]
+        ctx.save_for_backward(cos, sin)
+
+    def grad(ctx, gouts):
+        cos, sin = ctx.saved_tensors
+        interleaved, bwd = ctx.args
+        gs = [g if g is not None else torch.zeros(s, dtype=dt, device=dev) for g, (s, dt, dev) in
+              zip(gouts, ctx.metas)]
+        # the rotation is linear in x: its gradient is the transposed rotation (and that one's, the rotation)
+        return rope_op(gs, cos, sin, interleaved, not bwd), None, None, None, None
+
+    rope_op.register_autograd(grad, setup_context=setup)
+    _OPS["rope"] = rope_op
 
 
 # torch.compile runs register() at trace time instead of tracing it (torch.compiler.assume_constant_result,

@@ -6,6 +6,8 @@ gradients by gradcheck and against torch's autograd of the reference;
 torch.compile; errors."""
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -117,6 +119,11 @@ def test_errors():
         cufuse.rope(q, None, cos[0], cos[0], position_ids=np.zeros((1, 3), np.float32))
     with pytest.raises(ValueError, match="tables"):
         cufuse.rope(q, None, cos, cos, position_ids=np.zeros((1, 3), np.int64))
+    wrong = np.ones((1, 4, 8), np.float32)  # 4 tokens for q's 3
+    with pytest.raises(ValueError, match="do not broadcast against q's rows"):
+        cufuse.rope(q, None, wrong, wrong)
+    with pytest.raises(ValueError, match="do not broadcast against k's rows"):
+        cufuse.rope(q, np.ones((1, 2, 4, 8), np.float32), cos, cos)
 
 
 # ---------------------------------------------------------------- autograd
@@ -173,3 +180,113 @@ def test_under_compile(device):
     qa, _ = compiled_matches_eager(f, [q0.requires_grad_(True), k0.requires_grad_(True)], 1e-5, 1e-5)
     with pytest.raises(NotImplementedError, match="no gradient"):
         cufuse.rope(qa, None, cos.clone().requires_grad_(True), sin)
+
+
+# ------------------------------------------------ the kernel's layouts
+def _random_tables(lead, r, dt, seed):
+    """cos and sin with unrelated halves (not Hugging Face's repeated
+    frequencies): every element of both tables matters, forward and backward."""
+    rng = np.random.default_rng(seed)
+    return rng.uniform(-1, 1, lead + (r,)).astype(dt), rng.uniform(-1, 1, lead + (r,)).astype(dt)
+
+
+LAYOUTS = {  # name: (q shape, table lead dims, r, interleaved, how q is viewed)
+    "gqa_heads_broadcast": ((2, 3, 5, 16), (2, 1, 5), 16, False, "plain"),
+    "four_dims": ((2, 3, 2, 5, 8), (2, 1, 2, 1), 8, False, "plain"),        # more dims than the kernel takes
+    "misaligned_rows": ((2, 3, 16), (1, 3), 16, False, "offset"),            # rows start off 16 bytes
+    "transposed": ((2, 4, 3, 32), (1, 4, 1), 32, True, "transposed"),
+    "partial_odd": ((3, 5, 20), (1, 5), 6, False, "plain"),
+    "interleaved_partial": ((2, 7, 24), (1, 7), 16, True, "offset"),
+    "one_row": ((1, 1, 2), (1, 1), 2, False, "plain"),
+    "empty": ((0, 3, 8), (1, 3), 8, False, "plain"),
+}
+
+
+def _view(backend, x, how):
+    if how == "offset":  # x lives at element 1 of a wider buffer
+        wide = np.zeros(x.shape[:-1] + (x.shape[-1] + 1,), x.dtype)
+        wide[..., 1:] = x
+        return backend.asarray(wide)[..., 1:]
+    if how == "transposed":  # x's first two dims swapped in memory
+        a = backend.asarray(np.ascontiguousarray(np.swapaxes(x, 0, 1)))
+        return a.transpose(0, 1) if backend.is_torch else a.transpose(1, 0, *range(2, x.ndim))
+    return backend.asarray(x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES_ALL, ids=str)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layouts_random_tables(backend, layout, dtype):
+    """Broadcast tables (heads, middle dims), views whose rows are not
+    16-byte aligned, transposed q, partial and odd rotary dims, one row and
+    no rows, with unrelated cos and sin halves: against the reference."""
+    shape, lead, r, inter, how = LAYOUTS[layout]
+    x = rand(shape, dtype, 11)
+    cos, sin = _random_tables(lead, r, dtype, 12)
+    got, _ = cufuse.rope(_view(backend, x, how), None, backend.asarray(cos), backend.asarray(sin),
+                         interleaved=inter)
+    g = backend.to_numpy(got)
+    assert g.shape == x.shape and g.dtype == dtype
+    want = _reference(x, cos.astype(np.float64), sin.astype(np.float64), inter).astype(dtype).astype(np.float64)
+    np.testing.assert_allclose(g.astype(np.float64), want, rtol=TOL[dtype][0], atol=TOL[dtype][1] * 4)
+
+
+@pytest.mark.parametrize("layout", ["gqa_heads_broadcast", "misaligned_rows", "transposed"])
+def test_repeat_calls_take_the_fast_path(backend, layout):
+    """A second call of a signature seen before runs its kept recipe (no
+    validation, no planning: the driver's fast path) on the new call's data;
+    a call that needed copies (a misaligned view is fine, a transposed one is
+    read through its strides) is right either way."""
+    if not backend.gpu:
+        pytest.skip("the fast path is the GPU kinds'")
+    fast = importlib.import_module("cufuse.ops.rope")._FAST  # (cufuse.ops.rope is also the function's name)
+    shape, lead, r, inter, how = LAYOUTS[layout]
+    for seed in (20, 21, 22):
+        x = rand(shape, np.float32, seed)
+        cos, sin = _random_tables(lead, r, np.float32, seed + 10)
+        hits = fast.hits
+        got, _ = cufuse.rope(_view(backend, x, how), None, backend.asarray(cos), backend.asarray(sin),
+                             interleaved=inter)
+        if seed == 22:
+            assert fast.hits == hits + 1
+        np.testing.assert_allclose(backend.to_numpy(got), _reference(x, cos.astype(np.float64),
+                                                                    sin.astype(np.float64), inter),
+                                   rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_q_and_k_in_one_launch(launches):
+    """q and k (grouped-query: fewer heads) rotate in one kernel launch, their
+    gradients in one more."""
+    tq = pytest.importorskip("torch")
+    cos, sin = (tq.from_numpy(v).cuda() for v in _tables(2, 9, 16, np.float32, 13))
+    q = tq.randn(2, 4, 9, 16, device="cuda", requires_grad=True)
+    k = tq.randn(2, 2, 9, 16, device="cuda", requires_grad=True)
+    cufuse.rope(q.detach(), k.detach(), cos, sin)  # (compiled before counting)
+    launches.clear()
+    oq, ok = cufuse.rope(q, k, cos, sin)
+    assert [c.kernel for c in launches] == ["rope<float>"] and launches[0].grid[1] == 2
+    (oq.sum() + ok.square().sum()).backward()
+    assert [c.kernel for c in launches] == ["rope<float>"] * 2
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["gqa_heads_broadcast", "four_dims", "interleaved_partial"])
+def test_gradients_random_tables(device, layout):
+    """gradcheck with unrelated cos and sin halves (the backward's transposed
+    rotation reads s_j for x_i and s_i for x_j), and a gradient that arrives
+    as a transposed view."""
+    shape, lead, r, inter, _ = LAYOUTS[layout]
+    cos, sin = (torch.from_numpy(v).to(device) for v in _random_tables(lead, r, np.float64, 14))
+    g = torch.Generator().manual_seed(15)
+    q = torch.randn(shape, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda a: cufuse.rope(a, None, cos, sin, interleaved=inter)[0], (q,))
+    out, _ = cufuse.rope(q, None, cos, sin, interleaved=inter)
+    gout = torch.randn(tuple(reversed(shape)), generator=g, dtype=torch.float64).to(device).permute(
+        *reversed(range(len(shape))))
+    (dq,) = torch.autograd.grad(out, q, gout)
+    qb = q.detach().clone().requires_grad_(True)
+    xr = qb[..., :r]
+    rot = (torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2) if inter
+           else torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), -1))
+    (want,) = torch.autograd.grad(torch.cat((xr * cos + rot * sin, qb[..., r:]), -1), qb, gout)
+    torch.testing.assert_close(dq, want, rtol=1e-12, atol=1e-12)

@@ -1,13 +1,17 @@
 """Rotary position embedding applied to q and k (Hugging Face's
-``apply_rotary_pos_emb``): one generated kernel per tensor that reads each
-element once and writes the rotated result into one output (the two halves
-of each rotated pair are two strided views of it), forward and backward.
+``apply_rotary_pos_emb``): on the GPU one kernel (kernels/rope.cu) rotates
+q and k in one launch, reading each element once and writing each once,
+forward and backward (the transposed rotation); cos and sin are read
+through their broadcast strides (nothing head-sized is built).
 
-Built on ``cufuse.fuse``: the rotation is a fused function of the two halves
-(or the even and odd elements) of the rotary dims and of cos and sin,
-broadcast over the heads; its transpose is the backward.
+On the CPU backends the rotation is a fused function of the two halves (or
+the even and odd elements) of the rotary dims and of cos and sin
+(``cufuse.fuse``'s NumPy evaluation); it also serves layouts the kernel does
+not take (more than 2**31 rows).
 """
 from __future__ import annotations
+
+import numpy as np
 
 from .. import _arrays as A
 from .._arrays import Array
@@ -17,6 +21,11 @@ from .. import _driver as D
 from .. import _runtime as R
 from .. import _torch_ops as TO
 from .._fuse.api import Fused
+
+FAMILY = "rope"
+_EXPRS = {dt: R.register(FAMILY, R.name_expression("rope", ct), "rope", dt.name) for dt, ct in R.FLOAT_CTYPES.items()}
+_THREADS = 256  # kernels/rope.cu: kRopeThreads
+_MAX_ROWS = 2 ** 31  # the kernel counts rows in 32 bits
 
 # out1 = x1 c1 - x2 s1, out2 = x2 c2 + x1 s2 (HF: x * cos + rotate_half(x) * sin, per element)
 _ROT = Fused(lambda x1, x2, c1, c2, s1, s2: (x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), name="rope")
@@ -106,6 +115,138 @@ def _apply(fn, x, cos, sin, r, interleaved, kind, dt, dev):
     return out
 
 
+def _fits(table_lead, lead):
+    """Whether tables with leading dims ``table_lead`` broadcast to rows ``lead`` (never growing them)."""
+    if len(table_lead) > len(lead):
+        return False
+    return all(n in (1, m) for n, m in zip(reversed(table_lead), reversed(lead)))
+
+
+def _tables_for_kernel(cos, sin, kind):
+    """cos and sin with one set of strides, rows contiguous and elements aligned
+    (copies where they are not: they are small)."""
+    cs, ss = A.strides_of(cos, kind), A.strides_of(sin, kind)
+    item = A.dtype_of(cos, kind).itemsize
+    if cs != ss or cs[-1] != 1 or A.pointer_of(cos, kind) % item or A.pointer_of(sin, kind) % item:
+        cos, sin = D.contiguous(cos, kind), D.contiguous(sin, kind)
+        if A.strides_of(cos, kind) != A.strides_of(sin, kind):  # (size-1 dims may differ)
+            cos, sin = D.dense(cos, tuple(cos.shape), kind), D.dense(sin, tuple(sin.shape), kind)
+    return cos, sin
+
+
+def _plan(x, cos, sin, r, kind):
+    """(x, cos, sin, dims) for one tensor: x with contiguous rows, and its rows
+    as at most 3 dims (outer first) with x's and the tables' strides:
+    dims = (rows, nb, nc, xa, xb, xc, ca, cb, cc). Tables that need more dims
+    (or x that does) are made dense first."""
+    lead = tuple(x.shape[:-1])
+    item = A.dtype_of(x, kind).itemsize
+    if A.strides_of(x, kind)[-1] != 1 or A.pointer_of(x, kind) % item:
+        x = D.contiguous(x, kind)
+    for attempt in range(2):
+        xs = list(A.strides_of(x, kind)[:-1])
+        cst = A.broadcast_strides(tuple(cos.shape[:-1]), A.strides_of(cos, kind)[:-1], lead)
+        shp, (sx, sc) = A.collapse(lead, [xs, cst])
+        if len(shp) <= 3:
+            break
+        x = D.contiguous(x, kind)
+        cos, sin = (D.dense(t, lead + (r,), kind) for t in (cos, sin))
+    pad = 3 - len(shp)
+    shp, sx, sc = shp + [1] * pad, sx + [0] * pad, sc + [0] * pad  # innermost first
+    return x, cos, sin, (A.count(lead), shp[1], shp[0], sx[2], sx[1], sx[0], sc[2], sc[1], sc[0])
+
+
+def _vec(dt, d, r, dims, *ptrs):
+    """Whether a tensor's rows take 16-byte packs: head dim, half the rotary
+    dims and every stride whole packs, every pointer 16-byte aligned."""
+    v = 16 // dt.itemsize
+    return (d % v == 0 and (r // 2) % v == 0 and all(s % v == 0 for s in dims[3:])
+            and all(p % 16 == 0 for p in ptrs))
+
+
+def _steps(b, fn, dt, dev, jobs, tables, r, interleaved, bwd):
+    """Add to recipe builder ``b`` one launch for one or two jobs (out slot,
+    x slot, x pointer, dims) sharing the tables (cos, sin: slots, pointers)."""
+    (cs, ps_cos), (ss, ps_sin) = tables
+    d = jobs[0][4]
+    args, units = [], 0
+    for so, sx, px, dims, _ in jobs:
+        # the output is C-contiguous [rows][d] from a fresh allocation: 16-byte aligned
+        vec = _vec(dt, d, r, dims, px, ps_cos, ps_sin)
+        v = 16 // dt.itemsize if vec else 1
+        units = max(units, r // 2 // v + (d - r) // v)
+        args += [so, sx, *(np.uint32(n) for n in dims[:3]), *(np.int64(s) for s in dims[3:]), np.bool_(vec)]
+    if len(jobs) == 1:
+        args += args  # (blockIdx.y is 0 only)
+    args += [cs, ss, np.int32(d), np.int32(r), np.bool_(interleaved), np.bool_(bwd)]
+    bx = min(units, _THREADS)
+    by = _THREADS // bx
+    rows = max(dims[0] for _, _, _, dims, _ in jobs)
+    grid = max(1, min(-(-rows // by), R.sm_count(dev) * (2048 // _THREADS) * 4))
+    b.launch(fn, (grid, len(jobs)), (bx, by), args)
+
+
+_FAST = D.FastPath("rope")
+
+
+def rotate(xs, cos, sin, r, interleaved, bwd, kind, dt, dev, also=None):
+    """Each array of ``xs`` (q, or q and k) rotated over its first ``r`` dims
+    by cos and sin (shaped to broadcast against its rows), or by the
+    transposed rotation where ``bwd`` (the gradient); new C-contiguous arrays
+    of x's shape and kind. One launch on the GPU, kept as the recipe of the
+    call's signature (the driver's fast path) where it needed no copies;
+    also under ``also`` = (key, input pointers) where those are the same."""
+    if kind not in A.GPU_KINDS or any(A.count(tuple(x.shape[:-1])) >= _MAX_ROWS for x in xs):
+        return [_apply(_ROT_T if bwd else _ROT, x, cos, sin, r, interleaved, kind, dt, dev) for x in xs]
+    s = D.signature((*xs, cos, sin))
+    key = None
+    if s is not None:
+        key = (s[0], interleaved, bwd)
+        res = _FAST.run(key, s[1], len(s[1]), None)
+        if res is not None:
+            return res
+    # the general path: the kernel's view of each array (copies where it needs them)
+    tc, ts = _tables_for_kernel(cos, sin, kind)
+    plans = [_plan(x, tc, ts, r, kind) for x in xs]
+    n = len(xs)
+    ins = [p[0] for p in plans] + [tc, ts]
+    b = D.RecipeBuilder(kind, dev, n, n + 2)
+    fn = R.get_function(FAMILY, _EXPRS[dt], dev)
+    shared, alone = [], []  # jobs that read the tables as given / through their own dense copies
+    for i, (px, pc, pt, dims) in enumerate(plans):
+        if dims[0] == 0 or px.shape[-1] == 0:
+            continue
+        job = (D.out_(i), D.in_(i), A.pointer_of(px, kind), dims, px.shape[-1])
+        if pc is tc:
+            shared.append(job)
+        else:
+            ins += [pc, pt]
+            alone.append((job, pc, pt))
+    tables = ((D.in_(n), A.pointer_of(tc, kind)), (D.in_(n + 1), A.pointer_of(ts, kind)))
+    if shared:
+        _steps(b, fn, dt, dev, shared, tables, r, interleaved, bwd)
+    for job, pc, pt in alone:  # (their tables passed as values: this call's copies)
+        _steps(b, fn, dt, dev, [job], ((A.pointer_of(pc, kind),) * 2, (A.pointer_of(pt, kind),) * 2), r,
+               interleaved, bwd)
+    item = dt.itemsize
+    rec = b.build([D.output(tuple(x.shape), dt, kind) for x in xs],
+                  [D.view_span(tuple(x.shape), A.c_strides(tuple(x.shape)), item) for x in xs],
+                  [D.view_span(tuple(a.shape), A.strides_of(a, kind), item) for a in ins[:n + 2]])
+    in_ptrs = [A.pointer_of(a, kind) for a in ins[:n + 2]]
+    copied = alone or any(a is not x for a, x in zip(ins, (*xs, cos, sin)))
+    res = D.run_general(rec, None, None, in_ptrs, fast=_FAST, key=None if copied or s is None else key)
+    if also is not None and not copied and list(also[1]) == in_ptrs:
+        _FAST.put(also[0], rec)
+    return res
+
+
+def rotate_tensors(xs, cos, sin, interleaved, bwd):
+    """``rotate`` for torch tensors (the registered operator's body)."""
+    kind = A.TORCH_CUDA if xs[0].is_cuda else A.TORCH_CPU
+    return rotate(list(xs), cos, sin, cos.shape[-1], interleaved, bwd, kind, A.dtype_of(xs[0], kind),
+                  A.device_of(xs[0], kind))
+
+
 def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: Array | None = None,
          unsqueeze_dim: int = 1, interleaved: bool = False) -> tuple[Array, Array | None]:
     """Rotary position embedding of ``q`` and ``k`` (``k`` may be None):
@@ -126,6 +267,14 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
     name = "rope"
     if TO.compiling():  # torch.compile: checked with torch's attributes only (Dynamo traces this)
         return _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, bool(interleaved))
+    top = None
+    if position_ids is None:  # the fast path: a call of a signature seen before (no validation again)
+        s = D.signature((q, k, cos, sin))
+        if s is not None and type(unsqueeze_dim) is int:
+            top = (("rope", s[0], unsqueeze_dim, bool(interleaved)), s[1])
+            res = _FAST.run(top[0], s[1], len(s[1]), None)
+            if res is not None:
+                return res[0], (None if k is None else res[1])
     if DK.is_dask(q):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
     kind = A.array_kind(name, q, "q")
@@ -144,16 +293,21 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
             raise ValueError(f"cufuse.{name}: q's head dim is {q.shape[-1]} and k's {k.shape[-1]}")
     grad = kind in (A.TORCH_CPU, A.TORCH_CUDA)
     cos, sin, r = _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev)
+    for what, x in (("q", q), ("k", k)):
+        if x is not None and not _fits(tuple(cos.shape[:-1]), tuple(x.shape[:-1])):
+            raise ValueError(f"cufuse.{name}: cos and sin (as shaped for q: {tuple(cos.shape)}) do not broadcast "
+                             f"against {what}'s rows {tuple(x.shape[:-1])}")
     interleaved = bool(interleaved)
     if grad and AG.wants_grad((q, k)):
         return AG._function_class("rope", _function).apply(q, k, cos, sin, r, interleaved)
-    return (_apply(_ROT, q, cos, sin, r, interleaved, kind, dt, dev),
-            None if k is None else _apply(_ROT, k, cos, sin, r, interleaved, kind, dt, dev))
+    res = rotate([q] if k is None else [q, k], cos, sin, r, interleaved, False, kind, dt, dev, also=top)
+    return res[0], (None if k is None else res[1])
 
 
 def _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
-    """rope under torch.compile: the rotation through the fused functions'
-    operator (its backward generated), the halves joined by torch."""
+    """rope under torch.compile: the tables shaped by torch ops, the rotation
+    of q and k through the registered operator (torch.ops.cufuse.rope, its
+    backward the transposed rotation)."""
     import torch
     name = "cufuse.rope"
     for what, t in (("q", q), ("k", k), ("cos", cos), ("sin", sin)):
@@ -171,12 +325,11 @@ def _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     elif cos.dim() == 2 and unsqueeze_dim == q.dim() - 2:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-
-    def one(x):
-        o1, o2 = _ROT(*_halves(x, r, interleaved), *_halves(cos, r, interleaved), *_halves(sin, r, interleaved))
-        rot = torch.stack((o1, o2), -1).flatten(-2) if interleaved else torch.cat((o1, o2), -1)
-        return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), -1)
-    return one(q), (None if k is None else one(k))
+    xs = [q] if k is None else [q, k]
+    if not all(_fits(tuple(cos.shape[:-1]), tuple(x.shape[:-1])) for x in xs):
+        raise ValueError(f"{name}: cos and sin (as shaped: {tuple(cos.shape)}) do not broadcast against q and k")
+    res = TO.rope(xs, cos, sin, interleaved)
+    return res[0], (None if k is None else res[1])
 
 
 def _function(torch):
@@ -185,24 +338,25 @@ def _function(torch):
         def forward(ctx, q, k, cos, sin, r, interleaved):
             ctx.r, ctx.interleaved = r, interleaved
             ctx.save_for_backward(cos, sin)
-            ctx.has_k = k is not None
             kind = A.TORCH_CUDA if q.is_cuda else A.TORCH_CPU
-            dt, dev = A.dtype_of(q, kind), A.device_of(q, kind)
-            return tuple(None if x is None else _apply(_ROT, x.detach(), cos, sin, r, interleaved, kind, dt, dev)
-                         for x in (q, k))
+            xs = [q.detach()] if k is None else [q.detach(), k.detach()]
+            res = rotate(xs, cos, sin, r, interleaved, False, kind, A.dtype_of(q, kind), A.device_of(q, kind))
+            return res[0], (None if k is None else res[1])
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, gq, gk):
             cos, sin = ctx.saved_tensors
-            res = []
-            for g, needed in ((gq, ctx.needs_input_grad[0]), (gk, ctx.needs_input_grad[1])):
-                if g is None or not needed:
-                    res.append(None)
-                    continue
-                kind = A.TORCH_CUDA if g.is_cuda else A.TORCH_CPU
-                res.append(_apply(_ROT_T, g, cos, sin, ctx.r, ctx.interleaved, kind, A.dtype_of(g, kind),
-                                  A.device_of(g, kind)))
+            want = [i for i, (g, needed) in enumerate(((gq, ctx.needs_input_grad[0]), (gk, ctx.needs_input_grad[1])))
+                    if g is not None and needed]
+            res = [None, None]
+            if want:
+                gs = [(gq, gk)[i] for i in want]
+                kind = A.TORCH_CUDA if gs[0].is_cuda else A.TORCH_CPU
+                got = rotate(gs, cos, sin, ctx.r, ctx.interleaved, True, kind, A.dtype_of(gs[0], kind),
+                             A.device_of(gs[0], kind))
+                for i, g in zip(want, got):
+                    res[i] = g
             return res[0], res[1], None, None, None, None
 
     return RopeFn
