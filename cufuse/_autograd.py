@@ -194,15 +194,20 @@ def _row_fns():
     return _ROW
 
 
-def norm_backward(kind, g, x, n, w, b, eps):
+def norm_backward(kind, g, x, n, w, b, eps, gadd=None):
     """(dx, dw or None, db or None) of layer_norm (kind "layer", "layer_relu")
-    or rms_norm ("rms") over the last ``n`` elements of each row."""
+    or rms_norm ("rms") over the last ``n`` elements of each row; ``gadd``
+    (x's shape, or None) is added to dx (the residual-add norms: x is the
+    sum they return too, gadd its gradient)."""
     import torch
     if x.is_cuda:  # one pass (kernels/norm_backward.cu) where the rows fit it
         from .ops.norm import backward_rows
-        res = backward_rows(kind, g, x, n, w, b, eps)
+        res = backward_rows(kind, g, x, n, w, b, eps, gadd)
         if res is not None:
             return res
+    if gadd is not None:
+        dx, dw, db = norm_backward(kind, g, x, n, w, b, eps)
+        return dx + gadd, dw, db
     R = _row_fns()
     acc = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     x2 = x.reshape(-1, n).to(acc)

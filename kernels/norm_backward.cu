@@ -11,7 +11,9 @@
 //   rstd = 1 / sqrt(sum((x - mean)^2) / n + eps)  (rms_norm: sum(x^2) / n),
 //   xhat = (x - mean) rstd, gm = g (layer_norm_relu: g where xhat w + b > 0),
 //   gw = gm w, s1 = sum(gw) / n, s2 = sum(gw xhat) / n,
-//   dx = rstd (gw - s1 - xhat s2)           (rms_norm: without s1).
+//   dx = rstd (gw - s1 - xhat s2) + gadd    (rms_norm: without s1; gadd, when
+//        given, is the gradient of the residual sum h that add_rms_norm /
+//        add_layer_norm also return: x there is h, and dx its gradient).
 // The weight and bias gradients are column sums over the rows of gm xhat and
 // gm: each thread adds its columns of every row its block holds in C
 // registers and writes its block's partial sums, pw[blockIdx.x][col] and
@@ -50,6 +52,43 @@ template <typename C> __device__ __forceinline__ void block_sum2(C& a, C& b, C (
     }
 }
 
+// The mean (0 without Center: rms_norm) and rstd of a row that a block holds
+// as NP packs per thread (has[j]: pack j lies in the row), from the held
+// values in two passes: mean = sum(x) / n, rstd = 1 / sqrt(sum((x - mean)^2) / n + eps).
+template <bool Center, typename T, int NP, typename C>
+__device__ __forceinline__ void row_stats(const Pack<T, 16 / sizeof(T)> (&xp)[NP], const bool (&has)[NP], C inv_n,
+                                          double eps, C (*red)[2], C& mean, C& rstd) {
+    constexpr int V = 16 / sizeof(T);
+    C s = C(0), unused = C(0);
+    mean = C(0);
+    if (Center) {
+#pragma unroll
+        for (int j = 0; j < NP; ++j)
+            if (has[j]) {
+                C t[V];
+                unpack(xp[j], t);
+#pragma unroll
+                for (int v = 0; v < V; ++v) s += t[v];
+            }
+        block_sum2(s, unused, red);
+        mean = s * inv_n;
+        s = C(0);
+    }
+#pragma unroll
+    for (int j = 0; j < NP; ++j)
+        if (has[j]) {
+            C t[V];
+            unpack(xp[j], t);
+#pragma unroll
+            for (int v = 0; v < V; ++v) {
+                const C d = t[v] - mean;
+                s += d * d;
+            }
+        }
+    block_sum2(s, unused, red);
+    rstd = C(1) / math::sqrt(s * inv_n + static_cast<C>(eps));
+}
+
 }  // namespace cufuse
 
 // (global namespace: short name expressions)
@@ -57,7 +96,7 @@ template <typename T, int NP, bool Center, bool Relu>
 __global__ void __launch_bounds__(cufuse::kNormBwdMaxThreads)
 norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse::compute_t<T>* __restrict__ pb,
               const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
-              const T* __restrict__ b, long long rows, int cols, double eps) {
+              const T* __restrict__ b, const T* __restrict__ gadd, long long rows, int cols, double eps) {
     using namespace cufuse;
     using C = compute_t<T>;
     constexpr int V = 16 / sizeof(T);
@@ -93,36 +132,8 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
                 gp[j] = load_pack(gr + k);
             }
         }
-        C mean = C(0), rstd;
-        {
-            C s = C(0), unused = C(0);
-            if (Center) {
-#pragma unroll
-                for (int j = 0; j < NP; ++j)
-                    if (has[j]) {
-                        C t[V];
-                        unpack(xp[j], t);
-#pragma unroll
-                        for (int v = 0; v < V; ++v) s += t[v];
-                    }
-                block_sum2(s, unused, red);
-                mean = s * inv_n;
-                s = C(0);
-            }
-#pragma unroll
-            for (int j = 0; j < NP; ++j)
-                if (has[j]) {
-                    C t[V];
-                    unpack(xp[j], t);
-#pragma unroll
-                    for (int v = 0; v < V; ++v) {
-                        const C d = t[v] - mean;
-                        s += d * d;
-                    }
-                }
-            block_sum2(s, unused, red);
-            rstd = C(1) / cufuse::math::sqrt(s * inv_n + static_cast<C>(eps));
-        }
+        C mean, rstd;
+        row_stats<Center>(xp, has, inv_n, eps, red, mean, rstd);
         C s1 = C(0), s2 = C(0);
 #pragma unroll
         for (int j = 0; j < NP; ++j)
@@ -145,18 +156,25 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
         s1 = Center ? s1 * inv_n : C(0);
         s2 *= inv_n;
         P* dr = reinterpret_cast<P*>(dx + r * cols);
+        const P* ar = reinterpret_cast<const P*>(gadd + r * cols);
 #pragma unroll
         for (int j = 0; j < NP; ++j)
             if (has[j]) {
-                C t[V], gg[V];
+                C t[V], gg[V], ga[V];
                 unpack(xp[j], t);
                 unpack(gp[j], gg);
+                if (gadd) {
+                    unpack(load_pack(ar + threadIdx.x + j * blockDim.x), ga);
+                } else {
+#pragma unroll
+                    for (int v = 0; v < V; ++v) ga[v] = C(0);
+                }
                 P o;
 #pragma unroll
                 for (int v = 0; v < V; ++v) {
                     const C xh = (t[v] - mean) * rstd;
                     const C gm = (!Relu || xh * wv[j][v] + bv[j][v] > C(0)) ? gg[v] : C(0);
-                    o.v[v] = from_compute<T>(rstd * (gm * wv[j][v] - s1 - xh * s2));
+                    o.v[v] = from_compute<T>(rstd * (gm * wv[j][v] - s1 - xh * s2) + ga[v]);
                 }
                 store_pack(dr + threadIdx.x + j * blockDim.x, o);
             }
@@ -218,6 +236,72 @@ softmax_backward(T* __restrict__ dx, const T* __restrict__ g, const T* __restric
                 for (int v = 0; v < V; ++v)
                     o.v[v] = from_compute<T>(Log ? gg[v] - cufuse::math::exp(t[v]) * s : t[v] * (gg[v] - s));
                 store_pack(dr + k, o);
+            }
+        }
+    }
+}
+
+// add_rms_norm / add_layer_norm forward in one pass: h = x + res (rounded to
+// T, as the framework's add), y = the norm of h; reads x and res once,
+// writes h and y once. Rows as the backward's (whole packs, aligned, NP packs
+// per thread); the statistics are row_stats's, the same the backward
+// recomputes.
+template <typename T, int NP, bool Center>
+__global__ void __launch_bounds__(cufuse::kNormBwdMaxThreads)
+add_norm_forward(T* __restrict__ y, T* __restrict__ h, const T* __restrict__ x, const T* __restrict__ res,
+                 const T* __restrict__ w, const T* __restrict__ b, long long rows, int cols, double eps) {
+    using namespace cufuse;
+    using C = compute_t<T>;
+    constexpr int V = 16 / sizeof(T);
+    using P = Pack<T, V>;
+    __shared__ C red[kNormBwdMaxThreads / 32][2];
+    const int npack = cols / V;
+    const C inv_n = C(1) / static_cast<C>(cols);
+    bool has[NP];
+#pragma unroll
+    for (int j = 0; j < NP; ++j) has[j] = threadIdx.x + j * blockDim.x < npack;
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const P* xr = reinterpret_cast<const P*>(x + r * cols);
+        const P* rr = reinterpret_cast<const P*>(res + r * cols);
+        P* hr = reinterpret_cast<P*>(h + r * cols);
+        P hp[NP];
+#pragma unroll
+        for (int j = 0; j < NP; ++j) {
+            const int k = threadIdx.x + j * blockDim.x;
+            if (has[j]) {
+                C a[V], c[V];
+                unpack(load_pack(xr + k), a);
+                unpack(load_pack(rr + k), c);
+#pragma unroll
+                for (int v = 0; v < V; ++v) hp[j].v[v] = from_compute<T>(a[v] + c[v]);
+                store_pack(hr + k, hp[j]);
+            }
+        }
+        C mean, rstd;
+        row_stats<Center>(hp, has, inv_n, eps, red, mean, rstd);
+        P* yr = reinterpret_cast<P*>(y + r * cols);
+#pragma unroll
+        for (int j = 0; j < NP; ++j) {
+            const int k = threadIdx.x + j * blockDim.x;
+            if (has[j]) {
+                C t[V], wv[V], bv[V];
+                unpack(hp[j], t);
+                if (w) {
+                    unpack(load_pack(reinterpret_cast<const P*>(w) + k), wv);
+                } else {
+#pragma unroll
+                    for (int v = 0; v < V; ++v) wv[v] = C(1);
+                }
+                if (b) {
+                    unpack(load_pack(reinterpret_cast<const P*>(b) + k), bv);
+                } else {
+#pragma unroll
+                    for (int v = 0; v < V; ++v) bv[v] = C(0);
+                }
+                P o;
+#pragma unroll
+                for (int v = 0; v < V; ++v) o.v[v] = from_compute<T>((t[v] - mean) * rstd * wv[v] + bv[v]);
+                store_pack(yr + k, o);
             }
         }
     }

@@ -79,7 +79,7 @@ _CTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "floa
                 "signed char": "int8"}
 FLOATS = {d.name for d in A.FLOAT_DTYPES}  # bfloat16 among them where ml_dtypes is installed
 # kernels without a functor: the backward of the row ops (kernels/norm_backward.cu), storage type first
-_BWD_EXPR = re.compile(r"(norm_backward|softmax_backward)<([\w ]+), (\d+)(?:, (?:true|false))+>"
+_BWD_EXPR = re.compile(r"(norm_backward|softmax_backward|add_norm_forward)<([\w ]+), (\d+)(?:, (?:true|false))+>"
                        r"|(cross_entropy_forward|cross_entropy_backward|rope)<([\w ]+)>")
 
 

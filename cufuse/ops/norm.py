@@ -27,6 +27,7 @@ from .. import _dask as DK
 from .. import _torch_ops as TO
 from .. import _driver as D
 from .. import _runtime as R
+from .._fuse.api import Fused
 from . import _rows
 
 FAMILY = "norm"
@@ -240,26 +241,32 @@ _OPS = {name: _RowOp(name, functor, narrow, _PIPE_FROM[name]) for name, functor,
 _BWD_FAMILY = "norm_backward"
 _BWD_THREADS = 512
 # kind -> (kernel, its flag template arguments, packs per thread instantiated)
+# (The residual-add norms' forward, add_norm_forward, holds rows the same way and lives there too.)
 _BWD_KINDS = {"layer": ("norm_backward", ("true", "false"), (1, 2)),
               "layer_relu": ("norm_backward", ("true", "true"), (1, 2)),
               "rms": ("norm_backward", ("false", "false"), (1, 2)),
               "softmax": ("softmax_backward", ("false",), (1, 2, 4, 8)),
-              "log_softmax": ("softmax_backward", ("true",), (1, 2, 4, 8))}
+              "log_softmax": ("softmax_backward", ("true",), (1, 2, 4, 8)),
+              "add_layer": ("add_norm_forward", ("true",), (1, 2)),
+              "add_rms": ("add_norm_forward", ("false",), (1, 2))}
 _BWD_EXPRS = {(dt, kind, np_): R.register(f"{_BWD_FAMILY}:{dt.name}", R.name_expression(kernel, ct, str(np_), *flags),
-                                          f"{kind} backward", dt.name)
+                                          f"{kind} forward" if kind.startswith("add") else f"{kind} backward",
+                                          dt.name)
               for dt, ct in R.FLOAT_CTYPES.items() for kind, (kernel, flags, nps) in _BWD_KINDS.items()
               for np_ in nps}
 
 
-_BWD_PLANS: dict = {}  # (torch dtype, kind, n, device) -> (kernel, threads, blocks per SM, acc dtype), or None
+_BWD_PLANS: dict = {}  # (dtype (torch or NumPy), kind, n, device) -> (kernel, threads, most blocks), or None
 
 
-def _bwd_plan(kind, tdt, n, dev):
-    key = (tdt, kind, n, dev)
+def _bwd_plan(kind, dtype, n, dev):
+    """(kernel, threads, most blocks) of the one-pass kernel ``kind`` for rows
+    of ``n`` elements of ``dtype`` (a torch or NumPy dtype), or None where
+    they are not whole packs or too long for it."""
+    key = (dtype, kind, n, dev)
     plan = _BWD_PLANS.get(key, False)
     if plan is False:
-        import torch
-        dt = A.torch_to_numpy_dtype(tdt)
+        dt = dtype if isinstance(dtype, np.dtype) else A.torch_to_numpy_dtype(dtype)
         plan = None
         if dt in R.FLOAT_CTYPES and n % (16 // dt.itemsize) == 0:
             npack = n // (16 // dt.itemsize)
@@ -267,52 +274,58 @@ def _bwd_plan(kind, tdt, n, dev):
             if np_ is not None:
                 threads = min(_BWD_THREADS, max(32, 1 << (-(-npack // np_) - 1).bit_length()))
                 fn = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _BWD_EXPRS[(dt, kind, np_)], dev)
-                plan = (fn, threads, R.sm_count(dev) * (2048 // threads),
-                        torch.float64 if dt == A.F64 else torch.float32)
+                plan = (fn, threads, R.sm_count(dev) * (2048 // threads))
         _BWD_PLANS[key] = plan
     return plan
 
 
-def _bwd_setup(kind, x, g, n, *more):
-    """(kernel, threads, grid, acc dtype, rows, (x, g, *more) contiguous) of the
-    backward ``kind`` over rows of ``n`` elements of x, or None where
+def _bwd_setup(kind, x, rowwise, n, per_column=(), akind=A.TORCH_CUDA):
+    """(kernel, threads, grid, rows, (x, *rowwise, *per_column) contiguous) of
+    the one-pass kernel ``kind`` over rows of ``n`` elements of x (arrays of
+    ``akind``), the ``rowwise`` arrays (None: absent) shaped as x and the
+    ``per_column`` ones (weight, bias) of n elements; None where
     kernels/norm_backward.cu does not take them (dtypes that differ, a
     partial pack, rows too long, misaligned data)."""
-    if g.dtype != x.dtype or any(a is not None and (a.dtype != x.dtype or a.numel() != n) for a in more):
+    dt = A.dtype_of(x, akind)
+    if any(a is not None and (A.dtype_of(a, akind) != dt or A.count(tuple(a.shape)) != n) for a in per_column) or \
+            any(a is not None and A.dtype_of(a, akind) != dt for a in rowwise):
         return None
-    plan = _bwd_plan(kind, x.dtype, n, x.get_device())
+    dev = A.device_of(x, akind)
+    plan = _bwd_plan(kind, x.dtype, n, dev)
     if plan is None:
         return None
-    fn, threads, most, acc = plan
-    ts = tuple(None if a is None else a.contiguous() for a in (x, g, *more))
-    if any(a is not None and a.data_ptr() % 16 for a in ts):
+    fn, threads, most = plan
+    ts = tuple(None if a is None else D.contiguous(a, akind) for a in (x, *rowwise, *per_column))
+    if any(a is not None and A.pointer_of(a, akind) % 16 for a in ts):
         return None
-    rows = x.numel() // n if n else 0
-    return fn, threads, max(1, min(rows, most)), acc, rows, ts
+    rows = A.count(tuple(x.shape)) // n if n else 0
+    return fn, threads, max(1, min(rows, most)), rows, ts
 
 
-def _bwd_launch(fn, grid, threads, dev, ptrs, rows, n, *extra):
+def _bwd_launch(fn, grid, threads, dev, ptrs, rows, n, *extra, akind=A.TORCH_CUDA):
     with R._cp.cuda.Device(dev):
-        fn((grid,), (threads,), (*[0 if a is None else a.data_ptr() for a in ptrs], np.int64(rows), np.int32(n),
-                                 *extra), stream=D.stream_for(A.TORCH_CUDA, dev))
+        fn((grid,), (threads,), (*[0 if a is None else A.pointer_of(a, akind) for a in ptrs], np.int64(rows),
+                                 np.int32(n), *extra), stream=D.stream_for(akind, dev))
 
 
-def backward_rows(kind, g, x, n, w, b, eps):
+def backward_rows(kind, g, x, n, w, b, eps, gadd=None):
     """(dx, dw or None, db or None) of the norm ``kind`` ("layer",
-    "layer_relu", "rms") over the last ``n`` elements of CUDA tensors, from
-    kernels/norm_backward.cu on torch's current stream; None where the rows
-    do not fit it (the caller then takes the generated kernels)."""
+    "layer_relu", "rms") over the last ``n`` elements of CUDA tensors, plus
+    ``gadd`` (x's shape; None: nothing) in dx, from kernels/norm_backward.cu
+    on torch's current stream; None where the rows do not fit it (the caller
+    then takes the generated kernels)."""
     import torch
-    setup = _bwd_setup(kind, x, g, n, w, b)
+    setup = _bwd_setup(kind, x, (g, gadd), n, (w, b))
     if setup is None:
         return None
-    fn, threads, grid, acc, rows, (x, g, w, b) = setup
+    fn, threads, grid, rows, (x, g, gadd, w, b) = setup
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     dx = torch.empty_like(x)
     part = torch.empty if rows else torch.zeros  # (no rows: nothing to add, zero gradients)
     pw = part((grid, n), dtype=acc, device=x.device) if w is not None else None
     pb = part((grid, n), dtype=acc, device=x.device) if b is not None else None
     if rows:
-        _bwd_launch(fn, grid, threads, x.get_device(), (dx, pw, pb, g, x, w, b), rows, n, float(eps))
+        _bwd_launch(fn, grid, threads, x.get_device(), (dx, pw, pb, g, x, w, b, gadd), rows, n, float(eps))
     dw = pw.sum(0).to(w.dtype).reshape(w.shape) if w is not None else None  # the second stage: over the blocks
     db = pb.sum(0).to(b.dtype).reshape(b.shape) if b is not None else None
     return dx, dw, db
@@ -326,10 +339,10 @@ def softmax_backward_rows(g, y, log):
     if y.dim() == 0:
         return None
     n = y.shape[-1]
-    setup = _bwd_setup("log_softmax" if log else "softmax", y, g, n)
+    setup = _bwd_setup("log_softmax" if log else "softmax", y, (g,), n)
     if setup is None:
         return None
-    fn, threads, grid, _, rows, (y, g) = setup
+    fn, threads, grid, rows, (y, g) = setup
     dx = torch.empty_like(y)
     if rows:
         _bwd_launch(fn, grid, threads, y.get_device(), (dx, g, y), rows, n)
@@ -536,6 +549,100 @@ def rms_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | 
     PyTorch's semantics: x / sqrt(mean(x^2) + eps) * weight (``weight``
     optional). Returns x's shape, dtype and kind; ``out=`` receives it."""
     return _norm("rms_norm", x, normalized_shape, weight, None, eps, out)
+
+
+# ------------------------------------------------------ residual add + norm
+_ADD = Fused(lambda a, b: a + b, name="residual_add")  # h where the one-pass kernel does not take the rows
+# op -> (the norm, its one-pass forward kernel, its backward kind)
+_ADD_NORMS = {"add_rms_norm": ("rms_norm", "add_rms", "rms"), "add_layer_norm": ("layer_norm", "add_layer", "layer")}
+
+
+def add_rms_norm(x: Array, residual: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None,
+                 eps: float = 1e-6) -> tuple[Array, Array]:
+    """``(rms_norm(h, normalized_shape, weight, eps), h)`` with ``h = x +
+    residual`` rounded to x's dtype (as the framework's add): a transformer
+    block's residual connection and the next norm in one pass on the GPU
+    (x and residual read once, h and the output written once). ``h`` is the
+    next block's residual. Differentiable for torch tensors (the backward:
+    one pass, dh = the norm's dx + the gradient of h, given to x and
+    residual)."""
+    return _add_norm("add_rms_norm", x, residual, normalized_shape, weight, None, eps)
+
+
+def add_layer_norm(x: Array, residual: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None,
+                   bias: Array | None = None, eps: float = 1e-5) -> tuple[Array, Array]:
+    """``(layer_norm(h, normalized_shape, weight, bias, eps), h)`` with ``h =
+    x + residual``; as ``add_rms_norm``."""
+    return _add_norm("add_layer_norm", x, residual, normalized_shape, weight, bias, eps)
+
+
+def _add_norm(name, x, residual, normalized_shape, weight, bias, eps):
+    if TO.compiling():  # the add traced by torch (inductor fuses it), the norm its registered operator
+        h = x + residual
+        return _recorded_norm(_ADD_NORMS[name][0], h, normalized_shape, weight, bias, eps, None), h
+    if DK.is_dask(x) or DK.is_dask(residual):
+        raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
+    kind = A.array_kind(name, x, "x")
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((x, residual, weight, bias)):
+        ns = _normalized_shape(name, x, normalized_shape)
+        return AG._function_class(name, _add_norm_function).apply(x, residual, weight, bias, name, ns,
+                                                                   _eps(name, eps))
+    return _add_norm_values(name, x, residual, normalized_shape, weight, bias, eps)
+
+
+def _add_norm_values(name, x, residual, normalized_shape, weight, bias, eps):
+    """(y, h) of a residual-add norm, no autograd: checked, then the one-pass
+    kernel where the rows fit it, else h by a fused add and the norm's own path."""
+    norm, fwd_kind, _ = _ADD_NORMS[name]
+    kind, dt, dev = _rows.data_arg(name, x)
+    rk = A.array_kind(name, residual, "residual")
+    if rk != kind:
+        raise TypeError(f"cufuse.{name}: residual is {A.describe(residual, rk)} but x is a {kind}; pass the same "
+                        "array kind")
+    if A.dtype_of(residual, rk) != dt:
+        raise TypeError(f"cufuse.{name}: residual has dtype {A.dtype_of(residual, rk)}; it must have x's dtype ({dt})")
+    if tuple(residual.shape) != tuple(x.shape):
+        raise ValueError(f"cufuse.{name}: residual has shape {tuple(residual.shape)} and x {tuple(x.shape)}; they "
+                         "must be equal")
+    if kind in A.GPU_KINDS and A.device_of(residual, rk) != dev:
+        raise ValueError(f"cufuse.{name}: residual is on GPU {A.device_of(residual, rk)} but x is on GPU {dev}")
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        A.check_grad(residual, name)
+    ns = _normalized_shape(name, x, normalized_shape)
+    w = _affine(name, "weight", weight, ns, kind, dt, dev)
+    b = _affine(name, "bias", bias, ns, kind, dt, dev)
+    e = _eps(name, eps)
+    n = A.count(ns)
+    if kind in A.GPU_KINDS:
+        setup = _bwd_setup(fwd_kind, x, (residual,), n, (w, b), kind)
+        if setup is not None:
+            fn, threads, grid, rows, (xc, rc, wc, bc) = setup
+            with R._cp.cuda.Device(dev):
+                y, h = D.empty(tuple(x.shape), dt, kind, dev), D.empty(tuple(x.shape), dt, kind, dev)
+            if rows:
+                _bwd_launch(fn, grid, threads, dev, (y, h, xc, rc, wc, bc), rows, n, float(e), akind=kind)
+            return y, h
+    h = _ADD(x, residual)
+    return _norm(norm, h, ns, w, b, e, None), h
+
+
+def _add_norm_function(torch):
+    class AddNormFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, residual, w, b, name, ns, eps):
+            y, h = _add_norm_values(name, x, residual, ns, w, b, eps)
+            ctx.kind, ctx.n, ctx.eps = _ADD_NORMS[name][2], A.count(ns), eps
+            ctx.save_for_backward(h, w, b)
+            return y, h
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, gy, gh):
+            h, w, b = ctx.saved_tensors
+            dh, dw, db = AG.norm_backward(ctx.kind, gy, h, ctx.n, w, b, ctx.eps, gadd=gh)
+            return dh, dh, dw, db, None, None, None
+
+    return AddNormFn
 
 
 def _norm(name, x, normalized_shape, weight, bias, eps, out):
