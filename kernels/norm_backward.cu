@@ -89,24 +89,6 @@ __device__ __forceinline__ void row_stats(const Pack<T, 16 / sizeof(T)> (&xp)[NP
     rstd = C(1) / math::sqrt(s * inv_n + static_cast<C>(eps));
 }
 
-// This thread's packs of row r of two [rows][cols] arrays a and b (rows
-// past the last: nothing loaded). The kernels load the next row's packs
-// while they reduce and store the current one (its loads are in flight
-// across the block's reductions instead of starting after them).
-template <typename P, int NP>
-__device__ __forceinline__ void load_rows(P (&pa)[NP], P (&pb)[NP], const P* a, const P* b, long long r,
-                                          long long rows, int npr, const bool (&has)[NP]) {
-    if (r >= rows) return;
-#pragma unroll
-    for (int j = 0; j < NP; ++j) {
-        const long long k = r * npr + threadIdx.x + j * blockDim.x;
-        if (has[j]) {
-            pa[j] = load_pack(a + k);
-            pb[j] = load_pack(b + k);
-        }
-    }
-}
-
 }  // namespace cufuse
 
 // (global namespace: short name expressions)
@@ -138,17 +120,18 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
             aw[j][v] = ab[j][v] = C(0);
         }
     }
-    P xn[NP], gn[NP];  // the next row's packs
-    load_rows(xn, gn, reinterpret_cast<const P*>(x), reinterpret_cast<const P*>(g), blockIdx.x, rows, npack, has);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const P* xr = reinterpret_cast<const P*>(x + r * cols);
+        const P* gr = reinterpret_cast<const P*>(g + r * cols);
         P xp[NP], gp[NP];
 #pragma unroll
         for (int j = 0; j < NP; ++j) {
-            xp[j] = xn[j];
-            gp[j] = gn[j];
+            const int k = threadIdx.x + j * blockDim.x;
+            if (has[j]) {
+                xp[j] = load_pack(xr + k);
+                gp[j] = load_pack(gr + k);
+            }
         }
-        load_rows(xn, gn, reinterpret_cast<const P*>(x), reinterpret_cast<const P*>(g), r + gridDim.x, rows, npack,
-                  has);
         C mean, rstd;
         row_stats<Center>(xp, has, inv_n, eps, red, mean, rstd);
         C s1 = C(0), s2 = C(0);
@@ -277,9 +260,9 @@ add_norm_forward(T* __restrict__ y, T* __restrict__ h, const T* __restrict__ x, 
     bool has[NP];
 #pragma unroll
     for (int j = 0; j < NP; ++j) has[j] = threadIdx.x + j * blockDim.x < npack;
-    P xn[NP], rn[NP];  // the next row's packs
-    load_rows(xn, rn, reinterpret_cast<const P*>(x), reinterpret_cast<const P*>(res), blockIdx.x, rows, npack, has);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        const P* xr = reinterpret_cast<const P*>(x + r * cols);
+        const P* rr = reinterpret_cast<const P*>(res + r * cols);
         P* hr = reinterpret_cast<P*>(h + r * cols);
         P hp[NP];
 #pragma unroll
@@ -287,15 +270,13 @@ add_norm_forward(T* __restrict__ y, T* __restrict__ h, const T* __restrict__ x, 
             const int k = threadIdx.x + j * blockDim.x;
             if (has[j]) {
                 C a[V], c[V];
-                unpack(xn[j], a);
-                unpack(rn[j], c);
+                unpack(load_pack(xr + k), a);
+                unpack(load_pack(rr + k), c);
 #pragma unroll
                 for (int v = 0; v < V; ++v) hp[j].v[v] = from_compute<T>(a[v] + c[v]);
                 store_pack(hr + k, hp[j]);
             }
         }
-        load_rows(xn, rn, reinterpret_cast<const P*>(x), reinterpret_cast<const P*>(res), r + gridDim.x, rows, npack,
-                  has);
         C mean, rstd;
         row_stats<Center>(hp, has, inv_n, eps, red, mean, rstd);
         P* yr = reinterpret_cast<P*>(y + r * cols);
