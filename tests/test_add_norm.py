@@ -7,6 +7,8 @@ normalized shape; gradients by gradcheck and against torch's autograd of
 the unfused chain, through both outputs; torch.compile; errors."""
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
@@ -88,6 +90,28 @@ def test_one_pass_kernel_where_rows_fit(launches, op):
     getattr(cufuse, op)(x, r, 1023)
     names = [c.kernel.split("<")[0] for c in launches]
     assert "add_norm_forward" not in names and "norm_rows" in names
+
+
+@pytest.mark.parametrize("case", ["rows_kernel", "offset", "odd"])
+def test_repeat_calls_take_the_fast_path(backend, case):
+    """A second call of a signature seen before runs its kept launch on the
+    new call's data (no validation again); calls that needed copies
+    (misaligned rows) or the unfused path are right either way."""
+    if not backend.gpu:
+        pytest.skip("the fast path is the GPU kinds'")
+    fast = importlib.import_module("cufuse.ops.norm")._ADD_FAST
+    shape, ns, how = SHAPES[case]
+    for seed in (40, 41, 42):
+        x, r, w = rand(shape, np.float32, seed), rand(shape, np.float32, seed + 1), rand((ns,), np.float32, seed + 2)
+        hits = fast.hits
+        y, h = cufuse.add_rms_norm(_view(backend, x, how, "x"), _view(backend, r, how, "residual"), ns,
+                                   backend.asarray(w), 1e-6)
+        if seed == 42 and case == "rows_kernel":
+            assert fast.hits == hits + 1
+        want_h = x.astype(np.float64) + r
+        np.testing.assert_allclose(backend.to_numpy(h), want_h, rtol=1e-6, atol=0)
+        np.testing.assert_allclose(backend.to_numpy(y), rms_norm_ref(want_h.astype(np.float32), ns, w),
+                                   rtol=1e-5, atol=1e-5)
 
 
 def test_errors():
