@@ -7,7 +7,9 @@ see docs/pytorch.md). Parameters in another dtype than the input (float32
 master weights under bfloat16 activations) are cast to the input's dtype in
 the forward, a differentiable cast.
 
-- ``LayerNorm``, ``RMSNorm``: ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``.
+- ``LayerNorm``, ``RMSNorm``: ``torch.nn.LayerNorm`` / ``torch.nn.RMSNorm``;
+  ``add_and_norm(x, residual)`` gives ``(norm(x + residual), x + residual)``
+  in one pass (a block's residual connection and this norm).
 - ``GELU``: ``torch.nn.GELU``.
 - ``GELUDropout``: ``torch.nn.Sequential(GELU(approximate), Dropout(p))`` in
   one kernel, whose backward keeps no mask (eval mode: GELU alone).
@@ -44,6 +46,11 @@ class LayerNorm(nn.LayerNorm):
     def forward(self, x):
         return _ops.layer_norm(x, tuple(self.normalized_shape), _as(self.weight, x), _as(self.bias, x), self.eps)
 
+    def add_and_norm(self, x, residual):
+        """``(self(x + residual), x + residual)`` in one pass (``cufuse.add_layer_norm``)."""
+        return _ops.add_layer_norm(x, residual, tuple(self.normalized_shape), _as(self.weight, x),
+                                   _as(self.bias, x), self.eps)
+
 
 class RMSNorm(nn.RMSNorm):
     """``torch.nn.RMSNorm`` (same arguments and parameters) through
@@ -52,6 +59,12 @@ class RMSNorm(nn.RMSNorm):
     def forward(self, x):
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return _ops.rms_norm(x, tuple(self.normalized_shape), _as(self.weight, x), eps)
+
+    def add_and_norm(self, x, residual):
+        """``(self(x + residual), x + residual)`` in one pass (``cufuse.add_rms_norm``): a
+        block's residual connection and this norm; the second result is the next residual."""
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return _ops.add_rms_norm(x, residual, tuple(self.normalized_shape), _as(self.weight, x), eps)
 
 
 class GELU(nn.GELU):

@@ -109,6 +109,30 @@ def test_float32_weights_under_16bit_input(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["LayerNorm", "LayerNorm_2d_nobias", "RMSNorm", "RMSNorm_eps_none"])
+def test_add_and_norm(name, device):
+    """norm.add_and_norm(x, residual) is (the torch module of x + residual,
+    x + residual), values and gradients of x, residual and the parameters,
+    with both outputs in the loss."""
+    ours, theirs = (f().to(device=device, dtype=torch.float64) for f in PAIRS[name])
+    _randomize(ours, 3)
+    theirs.load_state_dict(ours.state_dict())
+    g = torch.Generator().manual_seed(4)
+    shape = (5,) + tuple(ours.normalized_shape)
+    a = [torch.randn(shape, generator=g, dtype=torch.float64).to(device).requires_grad_(True) for _ in range(2)]
+    b = [t.detach().clone().requires_grad_(True) for t in a]
+    y, h = ours.add_and_norm(*a)
+    hr = b[0] + b[1]
+    yr = theirs(hr)
+    torch.testing.assert_close(h, hr, rtol=0, atol=0)
+    torch.testing.assert_close(y, yr, rtol=1e-10, atol=1e-10)
+    (y.square().sum() + h.sum()).backward()
+    (yr.square().sum() + hr.sum()).backward()
+    for p, q in [*zip(a, b), *zip(ours.parameters(), theirs.parameters())]:
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_gelu_dropout_module(device):
     m = cnn.GELUDropout(0.25).to(device)
     x = torch.randn(64, 128, device=device, requires_grad=True)
