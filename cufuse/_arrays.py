@@ -265,8 +265,8 @@ def check_grad(x, name):
         raise NotImplementedError(
             f"cufuse.{name}: a tensor that requires grad was given and cufuse.{name} has no autograd yet "
             "(add_relu, mul_tanh, add_mul_exp, fma, bias_gelu, gelu_dropout, layer_norm, layer_norm_relu, "
-            "rms_norm, add_rms_norm, add_layer_norm, softmax, log_softmax, sum_squared, mean_abs, cross_entropy, rope, fake_quantize_int8 "
-            "and cufuse.fuse functions have); call it "
+            "rms_norm, add_rms_norm, add_layer_norm, softmax, log_softmax, sum_squared, mean_abs, cross_entropy, "
+            "rope, scatter_add, fake_quantize_int8 and cufuse.fuse functions have); call it "
             "under torch.no_grad() or pass tensor.detach()")
 
 

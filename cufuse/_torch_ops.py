@@ -234,6 +234,7 @@ def register():
     _register_fused(torch)
     _register_cross_entropy(torch)
     _register_rope(torch)
+    _register_scatter(torch)
     from .ops import quantize as Q
     AG._function_class("fake_quantize", Q._fq_function)  # made now: torch.compile cannot trace a class body
 
@@ -640,6 +641,47 @@ def _register_rope(torch):
 
     rope_op.register_autograd(grad, setup_context=setup)
     _OPS["rope"] = rope_op
+
+
+# ------------------------------------------------------------ scatter-add
+
+
+def scatter_add(values, index, dim_size, activation):
+    """cufuse.scatter_add through its registered operator (torch.compile)."""
+    register()
+    return _OPS["scatter_add"](values, index, int(dim_size), activation or "")
+
+
+def _register_scatter(torch):
+    from .ops.scatter import backward_op, forward_op
+
+    @torch.library.custom_op("cufuse::scatter_add", mutates_args=(),
+                             schema="(Tensor values, Tensor index, int dim_size, str activation) -> Tensor")
+    def scatter_op(values, index, dim_size, activation):
+        return forward_op(values, index, dim_size, activation)
+
+    scatter_op.register_fake(lambda values, index, dim_size, activation:
+                             values.new_empty((dim_size,) + tuple(values.shape[1:])))
+
+    @torch.library.custom_op("cufuse::scatter_add_backward", mutates_args=(),
+                             schema="(Tensor g, Tensor values, Tensor index, str activation) -> Tensor")
+    def scatter_backward(g, values, index, activation):
+        return backward_op(g, values, index, activation)
+
+    scatter_backward.register_fake(lambda g, values, index, activation:
+                                   torch.empty_like(values, memory_format=torch.contiguous_format))
+
+    def setup(ctx, inputs, output):
+        values, index, _, activation = inputs
+        ctx.activation = activation
+        ctx.save_for_backward(values, index)
+
+    def grad(ctx, g):
+        values, index = ctx.saved_tensors
+        return scatter_backward(g, values, index, ctx.activation), None, None, None
+
+    scatter_op.register_autograd(grad, setup_context=setup)
+    _OPS["scatter_add"] = scatter_op
 
 
 # torch.compile runs register() at trace time instead of tracing it (torch.compiler.assume_constant_result,

@@ -80,7 +80,8 @@ _CTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "floa
 FLOATS = {d.name for d in A.FLOAT_DTYPES}  # bfloat16 among them where ml_dtypes is installed
 # kernels without a functor: the backward of the row ops (kernels/norm_backward.cu), storage type first
 _BWD_EXPR = re.compile(r"(norm_backward|softmax_backward|add_norm_forward)<([\w ]+), (\d+)(?:, (?:true|false))+>"
-                       r"|(cross_entropy_forward|cross_entropy_backward|rope)<([\w ]+)>")
+                       r"|(cross_entropy_forward|cross_entropy_backward|rope)<([\w ]+)>"
+                       r"|(scatter_add_forward|scatter_add_backward)<([\w ]+), \d>")
 
 
 # Constants held both by the host and by the kernels: (module, attribute,
@@ -115,7 +116,7 @@ def test_registry_has_every_op_and_dtype():
         for expr, (label, dtype) in entries.items():
             m = _BWD_EXPR.fullmatch(expr)
             if m:  # kernels templated on the dtype (and flags): no functor
-                kernel, ctype = (m.group(1), m.group(2)) if m.group(1) else (m.group(4), m.group(5))
+                kernel, ctype = next((m.group(i), m.group(i + 1)) for i in (1, 4, 6) if m.group(i))
                 assert re.search(rf"__global__ void [^;{{]*?\b{kernel}\(", src), expr
                 assert names[ctype] == dtype, expr
                 labels.setdefault(label, set()).add(dtype)
