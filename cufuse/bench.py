@@ -28,7 +28,7 @@ from . import _arrays as A
 from . import _runtime as R
 from . import _timing
 
-__all__ = ["compare", "Comparison", "main"]
+__all__ = ["compare", "Comparison", "profile_model", "ModelProfile", "main"]
 
 
 # ------------------------------------------------------------------ compare
@@ -460,6 +460,183 @@ def _run_suite(args, json_path):
         sys.stderr.write("".join(tail[-40:]))
         raise SystemExit(f"cufuse.bench: the suite failed (pytest exit {proc.returncode})")
     return root / ".benchmarks" / "cufuse-summary.json"
+
+
+# ------------------------------------------------------------ profile_model
+@dataclass
+class ModelProfile:
+    """The result of ``profile_model``: one row per module that ran (dicts
+    with name, type, calls, forward_ms and peak_mib: per step, the module's
+    forward with its children, and the most memory allocated during it
+    beyond what was allocated when it started; NaN off the GPU), and the
+    totals per step: forward_ms, backward_ms (a training step; else None),
+    step_ms and peak_mib of the whole step."""
+
+    rows: list
+    totals: dict
+    device: str
+    steps: int
+
+    def table(self) -> list[list[str]]:
+        head = ["module", "type", "calls", "forward ms", "peak MiB"]
+        body = [[r["name"] or "(model)", r["type"], str(r["calls"]), f"{r['forward_ms']:.3f}",
+                 _mib(r["peak_mib"])] for r in self.rows]
+        return [head] + body
+
+    def __str__(self):
+        t = self.totals
+        back = "" if t["backward_ms"] is None else f", backward {t['backward_ms']:.3f} ms"
+        lines = [f"{self.device}; per step, median of {self.steps} steps: forward {t['forward_ms']:.3f} ms{back}, "
+                 f"step {t['step_ms']:.3f} ms, peak {_mib(t['peak_mib'])} MiB beyond the step's start"]
+        return "\n".join(lines + _format(self.table()))
+
+    __repr__ = __str__
+
+    def plot(self, path=None, top=20):
+        """A bar chart of the ``top`` modules by forward time (leaves and
+        containers alike). Saved to ``path`` when given; returns the Figure."""
+        plt = _pyplot()
+        rows = sorted((r for r in self.rows if r["name"]), key=lambda r: -r["forward_ms"])[:top][::-1]
+        fig, ax = plt.subplots(figsize=(7, 0.6 + 0.3 * len(rows)))
+        ax.barh([f"{r['name']} ({r['type']})" for r in rows], [r["forward_ms"] for r in rows], color="#4c72b0")
+        ax.set_xlabel("forward ms per step (with children)")
+        ax.set_title(f"{self.device}: step {self.totals['step_ms']:.2f} ms", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path, dpi=100)
+        return fig
+
+
+def _mib(v):
+    return "-" if v != v else f"{v:.1f}"  # NaN: not measured
+
+
+def profile_model(model, inputs, *, train=False, loss_fn=None, steps=3, warmup=1) -> ModelProfile:
+    """Time and peak memory of each module of a torch ``model`` and of the
+    whole step, for a forward (``train=False``, under ``torch.no_grad()``)
+    or a training step (forward, then backward of ``loss_fn(output)``:
+    default the output's ``.loss`` where it has one, else its sum).
+
+    ``inputs``: a dict of keyword arguments, a tuple of positional ones, or
+    one tensor. Forward times come from hooks around every module's forward
+    (CUDA events on the GPU, the clock on the CPU; a module's time includes
+    its children's); backward is reported for the whole model. Peak memory
+    (GPU only): the most allocated during the module beyond its start.
+    Medians over ``steps`` steps after ``warmup``. The hooks cost host time
+    of their own: compare totals of two models profiled the same way."""
+    import torch
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"cufuse.bench.profile_model: model must be a torch.nn.Module, got {type(model).__name__}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"cufuse.bench.profile_model: steps must be an int >= 1, got {steps!r}")
+    params = list(model.parameters())
+    cuda = bool(params) and params[0].is_cuda
+    if isinstance(inputs, dict):
+        args, kwargs = (), inputs
+    else:
+        args, kwargs = (tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)), {}
+    cuda = cuda or any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
+    if loss_fn is None:
+        def loss_fn(out):
+            loss = getattr(out, "loss", None)
+            if loss is None:
+                loss = (out[0] if isinstance(out, (tuple, list)) else out)
+                loss = loss.float().sum()
+            return loss
+    names = {m: n for n, m in model.named_modules()}
+    marks: dict = {m: [] for m in names}  # module -> per call: (start, end) marks
+    peaks: dict = {m: [] for m in names}  # module -> per call: peak bytes beyond its start
+    stack: list = []  # [module, start bytes, highest bytes seen] of the modules running
+    clock = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else None
+
+    def mark():
+        if cuda:
+            e = clock()
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def pre(mod, _args):
+        if cuda:
+            if stack:  # what the parent reached so far, then count afresh for the child
+                stack[-1][2] = max(stack[-1][2], torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+            now = torch.cuda.memory_allocated()
+            stack.append([mod, now, now])
+        marks[mod].append([mark(), None])
+
+    def post(mod, _args, _out):
+        marks[mod][-1][1] = mark()
+        if cuda:
+            top = stack.pop()
+            top[2] = max(top[2], torch.cuda.max_memory_allocated())
+            peaks[mod].append(top[2] - top[1])
+            if stack:
+                stack[-1][2] = max(stack[-1][2], top[2])
+            torch.cuda.reset_peak_memory_stats()
+
+    def run():
+        if train:
+            out = model(*args, **kwargs)
+            t = mark()
+            loss_fn(out).backward()
+            model.zero_grad(set_to_none=True)
+            return t
+        with torch.no_grad():
+            model(*args, **kwargs)
+        return None
+
+    for _ in range(warmup):
+        run()
+    handles = [h for m in names for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))]
+    per_step, totals = [], []
+    try:
+        for _ in range(steps):
+            for m in names:
+                marks[m].clear()
+                peaks[m].clear()
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                stack[:] = [[None, base, base]]  # the step's own frame: the modules' peaks reach it
+            t0 = mark()
+            t_fwd_end = run()
+            t1 = mark()
+            if cuda:
+                torch.cuda.synchronize()
+                peak = (max(stack[0][2], torch.cuda.max_memory_allocated()) - base) / 2 ** 20
+
+                def ms(a, b):
+                    return a.elapsed_time(b)
+            else:
+                peak = float("nan")
+
+                def ms(a, b):
+                    return (b - a) * 1e3
+            per_step.append({m: (sum(ms(a, b) for a, b in marks[m]), len(marks[m]),
+                                 max(peaks[m]) / 2 ** 20 if peaks[m] else float("nan")) for m in names if marks[m]})
+            root = marks[model][0][1] if marks[model] else t1
+            totals.append((ms(t0, root), None if t_fwd_end is None else ms(t_fwd_end, t1), ms(t0, t1), peak))
+    finally:
+        for h in handles:
+            h.remove()
+
+    def med(v):
+        return statistics.median(v)
+    rows = []
+    for m, n in names.items():
+        seen = [s[m] for s in per_step if m in s]
+        if not seen:
+            continue
+        rows.append({"name": n, "type": type(m).__name__, "calls": seen[0][1],
+                     "forward_ms": med([v[0] for v in seen]), "peak_mib": med([v[2] for v in seen])})
+    tot = {"forward_ms": med([t[0] for t in totals]),
+           "backward_ms": None if not train else med([t[1] for t in totals]),
+           "step_ms": med([t[2] for t in totals]), "peak_mib": med([t[3] for t in totals])}
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    return ModelProfile(rows, tot, device, steps)
 
 
 def main(argv=None) -> int:

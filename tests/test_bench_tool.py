@@ -203,3 +203,74 @@ def test_compare_gpu_cupy_and_torch():
     for r in t.rows:
         assert r["median_us"] > 0 and r["GBps"] > 0
         assert r["max_rel_err"] < 1e-5
+
+
+# ------------------------------------------------------------ profile_model
+def test_profile_model_rows_and_totals():
+    torch = pytest.importorskip("torch")
+    from cufuse.bench import profile_model
+
+    class Twice(torch.nn.Module):  # one Linear called twice, and a GELU: calls are counted per module
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+            self.act = torch.nn.GELU()
+
+        def forward(self, x):
+            return self.act(self.lin(self.lin(x)))
+    model = torch.nn.Sequential(Twice(), torch.nn.Linear(8, 3))
+    x = torch.randn(5, 8)
+    p = profile_model(model, x, steps=2)
+    rows = {r["name"]: r for r in p.rows}
+    assert set(rows) == {"", "0", "0.lin", "0.act", "1"}
+    assert rows["0.lin"]["calls"] == 2 and rows["0.act"]["calls"] == 1 and rows[""]["type"] == "Sequential"
+    assert rows["0"]["forward_ms"] <= rows[""]["forward_ms"] + 1e-9  # a child within its parent
+    assert p.totals["backward_ms"] is None and p.totals["step_ms"] >= p.totals["forward_ms"]
+    assert p.totals["peak_mib"] != p.totals["peak_mib"]  # NaN: not measured off the GPU
+    assert "0.lin" in str(p) and "Linear" in str(p)
+    t = profile_model(model, (x,), train=True, steps=1)
+    assert t.totals["backward_ms"] is not None and t.totals["backward_ms"] > 0
+    assert all(q.grad is None for q in model.parameters())  # the step leaves no gradients behind
+
+
+def test_profile_model_hugging_face_training_step():
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    from cufuse.bench import profile_model
+    model = T.LlamaForCausalLM(T.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=1, vocab_size=50))
+    ids = torch.randint(0, 50, (2, 6))
+    p = profile_model(model, {"input_ids": ids, "labels": ids}, train=True, steps=1)
+    names = [r["name"] for r in p.rows]
+    assert "model.layers.0.mlp" in names and "model.norm" in names
+    assert p.totals["backward_ms"] > 0
+
+
+def test_profile_model_errors():
+    torch = pytest.importorskip("torch")
+    from cufuse.bench import profile_model
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        profile_model(lambda x: x, torch.ones(2))
+    with pytest.raises(ValueError, match="steps"):
+        profile_model(torch.nn.Linear(2, 2), torch.ones(2), steps=0)
+
+
+@pytest.mark.cuda
+def test_profile_model_peak_memory_on_the_gpu():
+    """A module that allocates 64 MiB during its forward reports at least that
+    as its peak, and so do its parent and the step; a sibling that allocates
+    nothing reports about nothing."""
+    torch = pytest.importorskip("torch")
+    from cufuse.bench import profile_model
+
+    class Big(torch.nn.Module):
+        def forward(self, x):
+            tmp = torch.empty(16 * 2 ** 20, device=x.device)  # 64 MiB, freed at the return
+            return x + tmp[:1]
+
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Identity(), Big()), torch.nn.Identity()).cuda()
+    p = profile_model(model, torch.ones(4, device="cuda"), steps=2)
+    rows = {r["name"]: r for r in p.rows}
+    assert rows["0.1"]["peak_mib"] >= 64 and rows["0"]["peak_mib"] >= 64 and p.totals["peak_mib"] >= 64
+    assert rows["0.0"]["peak_mib"] < 1 and rows["1"]["peak_mib"] < 1
+    assert p.device.startswith("NVIDIA") and rows["0.1"]["forward_ms"] > 0
