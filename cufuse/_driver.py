@@ -19,6 +19,8 @@
 """
 from __future__ import annotations
 
+import contextlib
+
 import operator
 import struct
 import threading
@@ -127,6 +129,19 @@ def contiguous(x, kind):
     if kind in (A.TORCH_CPU, A.TORCH_CUDA):
         return x.contiguous()
     return np.ascontiguousarray(x) if kind == A.NUMPY else _cp.ascontiguousarray(x)
+
+
+def on_device(kind, dev):
+    """A context in which CuPy allocates on ``dev`` (GPU kinds), else nothing."""
+    return _cp.cuda.Device(dev) if kind in A.GPU_KINDS else contextlib.nullcontext()
+
+
+def fresh_copy(x, kind):
+    """A new C-contiguous copy of x (``contiguous`` returns x itself when it
+    already is: a misaligned contiguous view stays misaligned)."""
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+        return x.clone(memory_format=A.torch().contiguous_format)
+    return x.copy(order="C")
 
 
 def copy_into(out, src, kind):

@@ -655,7 +655,10 @@ def scatter_add(values, index, dim_size, activation):
 def _register_scatter(torch):
     from .ops.scatter import backward_op, forward_op
 
-    @torch.library.custom_op("cufuse::scatter_add", mutates_args=(),
+    # the index range is checked on the host: not capturable in a CUDA graph (inductor's cudagraphs skip it)
+    unsafe = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+    @torch.library.custom_op("cufuse::scatter_add", mutates_args=(), tags=unsafe,
                              schema="(Tensor values, Tensor index, int dim_size, str activation) -> Tensor")
     def scatter_op(values, index, dim_size, activation):
         return forward_op(values, index, dim_size, activation)

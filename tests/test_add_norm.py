@@ -181,6 +181,16 @@ def test_gradients(device, op, n):
             torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol * (4 if p.dim() == 1 else 1))
 
 
+def test_compile_checks_the_residual():
+    """Under torch.compile the residual is checked as in eager mode (x + r
+    would broadcast or promote)."""
+    x, w = torch.randn(4, 8), torch.ones(8)
+    torch._dynamo.reset()
+    for r in (torch.randn(8), torch.randn(4, 8, dtype=torch.float64)):
+        with pytest.raises(Exception, match="must have x's dtype, shape and device"):
+            torch.compile(lambda x, r: cufuse.add_rms_norm(x, r, 8, w), fullgraph=True)(x, r)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_under_compile(device):
     torch._dynamo.reset()

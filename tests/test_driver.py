@@ -465,6 +465,69 @@ def test_arrays_on_another_gpu_than_the_current(family):
         np.testing.assert_array_equal(host(got), want)
 
 
+# ops without out= (rope, the residual-add norms, scatter_add): name -> (inputs (NumPy) by seed, call)
+def _rope_inputs(seed):
+    ang = np.random.default_rng(seed).uniform(0, 6, (2, 9, 8)).astype(np.float32)
+    return [rand((2, 4, 9, 16), np.float32, seed), rand((2, 2, 9, 16), np.float32, seed + 1),
+            np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))]
+
+
+NO_OUT = {
+    "rope": (_rope_inputs, lambda q, k, c, s: cufuse.rope(q, k, c, s)),
+    "add_rms_norm": (lambda seed: [rand(SHAPE, np.float32, seed), rand(SHAPE, np.float32, seed + 1),
+                                   rand(SHAPE[-1:], np.float32, seed + 2)],
+                     lambda x, r, w: cufuse.add_rms_norm(x, r, x.shape[-1], w)),
+    "scatter_add": (lambda seed: [rand(SHAPE, np.float32, seed),
+                                  np.random.default_rng(seed).integers(0, 10, SHAPE[0]).astype(np.int64)],
+                    lambda v, i: cufuse.scatter_add(v, i, 10, activation="silu")),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("op", list(NO_OUT))
+@pytest.mark.parametrize("lib", ["cupy", "torch"])
+def test_ops_without_out_on_another_gpu_than_the_current(op, lib):
+    """As test_arrays_on_another_gpu_than_the_current for the ops without
+    out=: arrays on GPU 1 while GPU 0 is current give results on GPU 1 equal
+    to a call made with GPU 1 current, and leave GPU 0 current."""
+    from _reference import gpu_count
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    import cupy as cp
+    torch = pytest.importorskip("torch")
+    make, call = NO_OUT[op]
+
+    def on1(a):
+        if lib == "torch":
+            return torch.from_numpy(np.ascontiguousarray(a)).to("cuda:1")
+        with cp.cuda.Device(1):
+            return cp.asarray(a)
+
+    def results(r):
+        return [v for v in (r if isinstance(r, tuple) else (r,)) if v is not None]
+    a, b = [on1(v) for v in make(1)], [on1(v) for v in make(41)]
+    with cp.cuda.Device(1):
+        want = [cp.asnumpy(v) if lib == "cupy" else v.cpu().numpy() for v in results(call(*b))]
+    assert cp.cuda.runtime.getDevice() == 0
+    call(*a)
+    got = results(call(*b))
+    assert cp.cuda.runtime.getDevice() == 0
+    for g, w in zip(got, want):
+        assert (g.get_device() if lib == "torch" else g.data.device_id) == 1
+        np.testing.assert_allclose(g.cpu().numpy() if lib == "torch" else cp.asnumpy(g), w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_rope_tables_on_another_gpu_are_refused():
+    from _reference import gpu_count
+    if gpu_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    torch = pytest.importorskip("torch")
+    q, k, c, s = (torch.from_numpy(v) for v in _rope_inputs(3))
+    with pytest.raises(ValueError, match="cos is on GPU 1, q on GPU 0"):
+        cufuse.rope(q.cuda(0), k.cuda(0), c.cuda(1), s.cuda(0))
+
+
 # ---------------------------------------------------------------- CPU only
 def test_recipe_arguments_from_slots_and_constants():
     """A recipe's launch takes its constants and this call's slot values in

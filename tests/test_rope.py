@@ -165,6 +165,35 @@ def test_gradients(device, case):
         torch.testing.assert_close(ka.grad, kb.grad, rtol=tol, atol=tol)
 
 
+def test_position_ids_of_any_integer_type():
+    """uint8 / int32 position ids gather the same rows as int64 (torch reads a
+    uint8 index as a mask: they are widened first), eager and compiled."""
+    cos, sin = (torch.from_numpy(v[0]) for v in _tables(1, 20, 8, np.float32, 21))
+    q = torch.randn(1, 2, 5, 8, generator=torch.Generator().manual_seed(22))
+    pos = torch.tensor([[3, 1, 4, 1, 5]])
+    want, _ = cufuse.rope(q, None, cos, sin, position_ids=pos)
+    torch._dynamo.reset()
+    for dt in (torch.uint8, torch.int32):
+        got, _ = cufuse.rope(q, None, cos, sin, position_ids=pos.to(dt))
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        got, _ = torch.compile(lambda q, p: cufuse.rope(q, None, cos, sin, position_ids=p), fullgraph=True)(
+            q, pos.to(dt))
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_compile_checks_like_eager():
+    """Under torch.compile: tables that require grad are refused as in eager
+    mode (they get no gradient), and so is an unsqueeze_dim out of range."""
+    shape, kh, r, ud, inter = CASES["bhtd"]
+    cos, sin = (torch.from_numpy(v) for v in _tables(shape[0], shape[2], r, np.float32, 23))
+    q = torch.randn(shape)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="no gradient"):
+        torch.compile(lambda q, c: cufuse.rope(q, None, c, sin), fullgraph=True)(q, cos.clone().requires_grad_(True))
+    with pytest.raises(Exception, match="unsqueeze_dim"):
+        torch.compile(lambda q: cufuse.rope(q, None, cos, sin, unsqueeze_dim=-3), fullgraph=True)(q)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_under_compile(device):
     shape, kh, r, ud, inter = CASES["partial"]

@@ -79,6 +79,23 @@ def test_against_reference(backend, case, act, dtype):
         assert untouched.size and not got[untouched].any()
 
 
+def test_strided_and_broadcast_index(backend):
+    """An index that is a column of an (edges, 2) array (stride 2), reversed
+    (negative stride where the kind has it) or one entry broadcast (stride 0):
+    the kernel reads one int64 per row, so such views are copied first."""
+    values = rand((12, 5), np.float32, 3)
+    edges = np.random.default_rng(4).integers(0, 6, (12, 2))
+    edges[:, 0] += 100  # the other column out of range: reading it would write out of bounds
+    cases = [(backend.asarray(edges)[:, 1], edges[:, 1])]
+    if backend.is_torch:
+        cases.append((backend.torch.zeros(1, dtype=backend.torch.int64).expand(12), np.zeros(12, np.int64)))
+    else:
+        cases.append((backend.asarray(edges[:, 1])[::-1], edges[::-1, 1]))
+    for idx, want_idx in cases:
+        got = backend.to_numpy(cufuse.scatter_add(backend.asarray(values), idx, 6, activation="relu"))
+        np.testing.assert_allclose(got, _reference(values, want_idx, 6, "relu"), rtol=2e-5, atol=2e-5)
+
+
 def test_errors():
     v = np.ones((4, 3), np.float32)
     i = np.array([0, 1, 2, 1])
@@ -138,6 +155,14 @@ def test_gradients(device, act):
         (da,) = torch.autograd.grad(out, a, gout)
         (db,) = torch.autograd.grad(ref, b, gout)
         torch.testing.assert_close(da, db, rtol=tol, atol=tol)
+
+
+def test_compile_checks_arguments():
+    v, i = torch.randn(4, 3), torch.tensor([0, 1, 2, 1])
+    torch._dynamo.reset()
+    for kw, match in (({"dim_size": 2.9}, "dim_size"), ({"dim_size": 3, "activation": ""}, "activation")):
+        with pytest.raises(Exception, match=match):
+            torch.compile(lambda v: cufuse.scatter_add(v, i, **kw), fullgraph=True)(v)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -578,6 +578,12 @@ def add_layer_norm(x: Array, residual: Array, normalized_shape: int | tuple[int,
 
 def _add_norm(name, x, residual, normalized_shape, weight, bias, eps):
     if TO.compiling():  # the add traced by torch (inductor fuses it), the norm its registered operator
+        import torch
+        if not isinstance(x, torch.Tensor) or not isinstance(residual, torch.Tensor):
+            raise TypeError(f"cufuse.{name}: under torch.compile, x and residual must be torch tensors")
+        if residual.dtype != x.dtype or residual.shape != x.shape or residual.device != x.device:
+            raise ValueError(f"cufuse.{name}: residual ({residual.dtype}, {tuple(residual.shape)}, {residual.device}) "
+                             f"must have x's dtype, shape and device ({x.dtype}, {tuple(x.shape)}, {x.device})")
         h = x + residual
         return _recorded_norm(_ADD_NORMS[name][0], h, normalized_shape, weight, bias, eps, None), h
     sk = _shape_key(normalized_shape)
@@ -627,25 +633,35 @@ def _add_norm_values(name, x, residual, normalized_shape, weight, bias, eps, key
     e = _eps(name, eps)
     n = A.count(ns)
     if kind in A.GPU_KINDS:
-        setup = _bwd_setup(fwd_kind, x, (residual,), n, (w, b), kind)
-        if setup is not None:
-            fn, threads, grid, rows, (xc, rc, wc, bc) = setup
-            ins = [a for a in (xc, rc, wc, bc) if a is not None]
-            bld = D.RecipeBuilder(kind, dev, 2, len(ins))
-            if rows:
-                bld.launch(fn, (grid,), (threads,),
-                           (D.out_(0), D.out_(1), D.in_(0), D.in_(1), D.in_(2) if wc is not None else 0,
-                            D.in_(len(ins) - 1) if bc is not None else 0, np.int64(rows), np.int32(n), D.val(0)))
-            shape, isz = tuple(x.shape), dt.itemsize
-            span = D.view_span(shape, A.c_strides(shape), isz)
-            rec = bld.build([D.output(shape, dt, kind)] * 2, [span, span],
-                            [D.view_span(tuple(a.shape), A.strides_of(a, kind), isz) for a in ins])
-            copied = any(a is not o for a, o in zip((xc, rc, wc, bc), (x, residual, w, b)))
-            y, h = D.run_general(rec, None, None, [A.pointer_of(a, kind) for a in ins], (e,), None, _ADD_FAST,
-                                 None if copied else key)
-            return y, h
+        with D.on_device(kind, dev):
+            res = _add_norm_kernel(fwd_kind, kind, dt, dev, x, residual, n, w, b, e, key)
+        if res is not None:
+            return res
     h = _ADD(x, residual)
     return _norm(norm, h, ns, w, b, e, None), h
+
+
+def _add_norm_kernel(fwd_kind, kind, dt, dev, x, residual, n, w, b, e, key):
+    """(y, h) from the one-pass kernel (its launch a recipe kept under ``key``
+    where nothing was copied), or None where the rows do not fit it."""
+    setup = _bwd_setup(fwd_kind, x, (residual,), n, (w, b), kind)
+    if setup is None:
+        return None
+    fn, threads, grid, rows, (xc, rc, wc, bc) = setup
+    ins = [a for a in (xc, rc, wc, bc) if a is not None]
+    bld = D.RecipeBuilder(kind, dev, 2, len(ins))
+    if rows:
+        bld.launch(fn, (grid,), (threads,),
+                   (D.out_(0), D.out_(1), D.in_(0), D.in_(1), D.in_(2) if wc is not None else 0,
+                    D.in_(len(ins) - 1) if bc is not None else 0, np.int64(rows), np.int32(n), D.val(0)))
+    shape, isz = tuple(x.shape), dt.itemsize
+    span = D.view_span(shape, A.c_strides(shape), isz)
+    rec = bld.build([D.output(shape, dt, kind)] * 2, [span, span],
+                    [D.view_span(tuple(a.shape), A.strides_of(a, kind), isz) for a in ins])
+    copied = any(a is not o for a, o in zip((xc, rc, wc, bc), (x, residual, w, b)))
+    y, h = D.run_general(rec, None, None, [A.pointer_of(a, kind) for a in ins], (e,), None, _ADD_FAST,
+                         None if copied else key)
+    return y, h
 
 
 def _add_norm_function(torch):

@@ -67,6 +67,8 @@ def _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev):
         tdt = A.dtype_of(t, k)
         if tdt not in A.FLOAT_DTYPES:
             raise TypeError(f"cufuse.{name}: {what} has dtype {tdt}; accepted dtypes are {A.FLOAT_NAMES}")
+        if k in A.GPU_KINDS and A.device_of(t, k) != dev:
+            raise ValueError(f"cufuse.{name}: {what} is on GPU {A.device_of(t, k)}, q on GPU {dev}")
         if k in (A.TORCH_CPU, A.TORCH_CUDA):
             t = t.detach()
         if tdt != dt:  # Hugging Face casts them to the activations' dtype
@@ -88,7 +90,11 @@ def _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev):
             raise TypeError(f"cufuse.{name}: position_ids must be q's array kind ({kind})")
         if A.dtype_of(position_ids, kind).kind not in "iu":
             raise TypeError(f"cufuse.{name}: position_ids must hold integers, got {A.dtype_of(position_ids, kind)}")
-        cos, sin = cos[position_ids], sin[position_ids]
+        if kind in A.GPU_KINDS and A.device_of(position_ids, kind) != dev:
+            raise ValueError(f"cufuse.{name}: position_ids is on GPU {A.device_of(position_ids, kind)}, q on GPU "
+                             f"{dev}")
+        pos = D.astype(position_ids, np.dtype(np.int64), kind)  # (torch reads uint8 indices as a mask)
+        cos, sin = cos[pos], sin[pos]
     nd = len(q.shape)
     if len(cos.shape) == nd - 1:  # (batch, tokens, r): the heads' dim added (HF's unsqueeze_dim)
         cos, sin = (t.reshape(tuple(t.shape[:unsqueeze_dim]) + (1,) + tuple(t.shape[unsqueeze_dim:]))
@@ -128,7 +134,7 @@ def _tables_for_kernel(cos, sin, kind):
     cs, ss = A.strides_of(cos, kind), A.strides_of(sin, kind)
     item = A.dtype_of(cos, kind).itemsize
     if cs != ss or cs[-1] != 1 or A.pointer_of(cos, kind) % item or A.pointer_of(sin, kind) % item:
-        cos, sin = D.contiguous(cos, kind), D.contiguous(sin, kind)
+        cos, sin = D.fresh_copy(cos, kind), D.fresh_copy(sin, kind)
         if A.strides_of(cos, kind) != A.strides_of(sin, kind):  # (size-1 dims may differ)
             cos, sin = D.dense(cos, tuple(cos.shape), kind), D.dense(sin, tuple(sin.shape), kind)
     return cos, sin
@@ -142,7 +148,7 @@ def _plan(x, cos, sin, r, kind):
     lead = tuple(x.shape[:-1])
     item = A.dtype_of(x, kind).itemsize
     if A.strides_of(x, kind)[-1] != 1 or A.pointer_of(x, kind) % item:
-        x = D.contiguous(x, kind)
+        x = D.fresh_copy(x, kind)
     for attempt in range(2):
         xs = list(A.strides_of(x, kind)[:-1])
         cst = A.broadcast_strides(tuple(cos.shape[:-1]), A.strides_of(cos, kind)[:-1], lead)
@@ -205,7 +211,13 @@ def rotate(xs, cos, sin, r, interleaved, bwd, kind, dt, dev, also=None):
         res = _FAST.run(key, s[1], len(s[1]), None)
         if res is not None:
             return res
-    # the general path: the kernel's view of each array (copies where it needs them)
+    with D.on_device(kind, dev):  # (copies and outputs on the arrays' GPU, whichever is current)
+        return _rotate_general(xs, cos, sin, r, interleaved, bwd, kind, dt, dev, s, key, also)
+
+
+def _rotate_general(xs, cos, sin, r, interleaved, bwd, kind, dt, dev, s, key, also):
+    """rotate's general path: the kernel's view of each array (copies where it
+    needs them), one recipe, kept where nothing was copied."""
     tc, ts = _tables_for_kernel(cos, sin, kind)
     plans = [_plan(x, tc, ts, r, kind) for x in xs]
     n = len(xs)
@@ -292,7 +304,8 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
         if k.shape[-1] != q.shape[-1]:
             raise ValueError(f"cufuse.{name}: q's head dim is {q.shape[-1]} and k's {k.shape[-1]}")
     grad = kind in (A.TORCH_CPU, A.TORCH_CUDA)
-    cos, sin, r = _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev)
+    with D.on_device(kind, dev):
+        cos, sin, r = _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev)
     for what, x in (("q", q), ("k", k)):
         if x is not None and not _fits(tuple(cos.shape[:-1]), tuple(x.shape[:-1])):
             raise ValueError(f"cufuse.{name}: cos and sin (as shaped for q: {tuple(cos.shape)}) do not broadcast "
@@ -315,12 +328,23 @@ def _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
             raise TypeError(f"{name}: under torch.compile, {what} must be a float tensor")
     if k is not None and (k.dtype != q.dtype or k.shape[-1] != q.shape[-1] or k.dim() != q.dim()):
         raise ValueError(f"{name}: k must have q's dtype, head dim and number of dims")
+    for what, t in (("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name}: {what} is on {t.device}, q on {q.device}")
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or not 0 <= unsqueeze_dim < q.dim() - 1:
+        raise ValueError(f"{name}: unsqueeze_dim must be an int in [0, {q.dim() - 1}), got {unsqueeze_dim!r}")
+    if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
+        raise NotImplementedError(f"{name}: cos or sin requires grad; the rotary tables get no gradient (pass them "
+                                  "detached)")
     r = cos.shape[-1]
     if r == 0 or r % 2 or r > q.shape[-1] or cos.shape != sin.shape:
         raise ValueError(f"{name}: cos and sin must have one shape whose last dim is even and at most q's head dim")
-    cos, sin = cos.detach().to(q.dtype), sin.detach().to(q.dtype)
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     if position_ids is not None:
-        cos, sin = cos[position_ids], sin[position_ids]
+        if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+            raise TypeError(f"{name}: position_ids must hold integers, got {position_ids.dtype}")
+        pos = position_ids.long()  # (torch reads uint8 indices as a mask)
+        cos, sin = cos[pos], sin[pos]
     if cos.dim() == q.dim() - 1:
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
     elif cos.dim() == 2 and unsqueeze_dim == q.dim() - 2:

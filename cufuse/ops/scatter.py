@@ -72,20 +72,26 @@ def _check(name, values, index, dim_size, activation):
         raise ValueError(f"cufuse.{name}: dim_size must be an int >= 0, got {dim_size!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
-    idx = D.astype(index, np.dtype(np.int64), kind) if idt != np.int64 else index
-    if A.count(tuple(index.shape)):  # (one synchronization: an index outside [0, dim_size) would write anywhere)
-        lo, hi = (int(v) for v in (idx.min(), idx.max()))
-        if lo < 0 or hi >= dim_size:
-            raise ValueError(f"cufuse.{name}: index holds values in [{lo}, {hi}]; they must lie in [0, {dim_size})")
+    with D.on_device(kind, dev):
+        idx = D.astype(index, np.dtype(np.int64), kind) if idt != np.int64 else index
+        idx = D.contiguous(idx, kind)  # (the kernels read it as one int64 per row)
+        if A.count(tuple(index.shape)):  # one synchronization: an index outside [0, dim_size) would write anywhere
+            if kind in A.GPU_KINDS and D.capturing(kind, dev):
+                raise RuntimeError(f"cufuse.{name}: the index range is checked on the host (a synchronization), "
+                                   "which a CUDA graph capture cannot hold; call it outside the capture")
+            lo, hi = (int(v) for v in (idx.min(), idx.max()))
+            if lo < 0 or hi >= dim_size:
+                raise ValueError(f"cufuse.{name}: index holds values in [{lo}, {hi}]; they must lie in "
+                                 f"[0, {dim_size})")
     return kind, dt, dev, idx
 
 
 def _rows_view(x, kind):
     """(x with its trailing dims as contiguous rows, its row stride, columns)."""
     cols = A.count(tuple(x.shape[1:]))
-    ld = _rows.row_stride(x, kind, 1)
+    ld = _rows.row_stride(x, kind, 1)  # (None too for a pointer off its element alignment)
     if ld is None:
-        x, ld = D.contiguous(x, kind), cols
+        x, ld = D.fresh_copy(x, kind), cols
     return x, ld, cols
 
 
@@ -111,14 +117,15 @@ def _forward(kind, dt, dev, values, idx, dim_size, activation):
         acc = np.zeros(out_shape, cdt)
         np.add.at(acc, _rows.to_numpy(idx, kind), _rows.to_numpy(v, kind).astype(cdt))
         return _rows.from_numpy(acc.astype(dt), kind, None)
-    acc = _zeros(out_shape, cdt, kind, dev)
-    v, ld, cols = _rows_view(values, kind)
-    rows = values.shape[0]
-    if rows and cols:
-        _launch(kind, dev, _EXPRS[(dt, activation, "forward")], rows,
-                (A.pointer_of(acc, kind), A.pointer_of(v, kind), A.pointer_of(idx, kind), np.int64(rows),
-                 np.int64(cols), np.int64(ld)))
-    return acc if cdt == dt else D.astype(acc, dt, kind)
+    with D.on_device(kind, dev):
+        acc = _zeros(out_shape, cdt, kind, dev)
+        v, ld, cols = _rows_view(values, kind)
+        rows = values.shape[0]
+        if rows and cols:
+            _launch(kind, dev, _EXPRS[(dt, activation, "forward")], rows,
+                    (A.pointer_of(acc, kind), A.pointer_of(v, kind), A.pointer_of(idx, kind), np.int64(rows),
+                     np.int64(cols), np.int64(ld)))
+        return acc if cdt == dt else D.astype(acc, dt, kind)
 
 
 def _backward(kind, dt, dev, values, idx, g, activation):
@@ -126,16 +133,17 @@ def _backward(kind, dt, dev, values, idx, g, activation):
     if kind not in A.GPU_KINDS:
         gv = g[idx]
         return gv if activation is None else _ACT_GRAD[activation](values, gv)
-    v, ldv, cols = _rows_view(values, kind)
-    g, ldg, _ = _rows_view(g, kind)
-    rows = values.shape[0]
-    with R._cp.cuda.Device(dev):
+    with D.on_device(kind, dev):
+        v, ldv, cols = _rows_view(values, kind)
+        g, ldg, _ = _rows_view(g, kind)
+        idx = D.contiguous(idx, kind)
+        rows = values.shape[0]
         dv = D.empty(tuple(values.shape), dt, kind, dev)
-    if rows and cols:
-        _launch(kind, dev, _EXPRS[(dt, activation, "backward")], rows,
-                (A.pointer_of(dv, kind), A.pointer_of(v, kind), A.pointer_of(g, kind), A.pointer_of(idx, kind),
-                 np.int64(rows), np.int64(cols), np.int64(ldv), np.int64(ldg)))
-    return dv
+        if rows and cols:
+            _launch(kind, dev, _EXPRS[(dt, activation, "backward")], rows,
+                    (A.pointer_of(dv, kind), A.pointer_of(v, kind), A.pointer_of(g, kind), A.pointer_of(idx, kind),
+                     np.int64(rows), np.int64(cols), np.int64(ldv), np.int64(ldg)))
+        return dv
 
 
 def scatter_add(values: Array, index: Array, dim_size: int, *, activation: str | None = None) -> Array:
@@ -151,7 +159,11 @@ def scatter_add(values: Array, index: Array, dim_size: int, *, activation: str |
     Differentiable with respect to ``values`` for torch tensors: the
     backward gathers the output gradient per row, times act' (one pass)."""
     name = "scatter_add"
-    if TO.compiling():  # the registered operator (its checks run in the operator, on real tensors)
+    if TO.compiling():  # the registered operator (the index range is checked in it, on real tensors)
+        if isinstance(dim_size, bool) or not isinstance(dim_size, int) or dim_size < 0:
+            raise ValueError(f"cufuse.{name}: dim_size must be an int >= 0, got {dim_size!r}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
         return TO.scatter_add(values, index, dim_size, activation)
     if DK.is_dask(values) or DK.is_dask(index):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
