@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 from torch import nn
 
 import cufuse
 import cufuse.nn
+from _timing import timed  # examples/_timing.py, beside this script
 
 
 class Layer(nn.Module):
@@ -59,19 +59,6 @@ class Net(nn.Module):
         for layer in self.layers:
             x = layer(x, src, dst)
         return self.head(x)
-
-
-def timed(fn, steps, device):
-    """(the last result, seconds per step) over ``steps`` calls after one warm-up call."""
-    out = fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return out, (time.perf_counter() - t0) / max(steps, 1)
 
 
 def main():

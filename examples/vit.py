@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import argparse
 import copy
-import time
 
 import torch
 
 import cufuse
+from _timing import timed  # examples/_timing.py, beside this script
 
 
 def config(small):
@@ -26,19 +26,6 @@ def config(small):
         return T.ViTConfig(image_size=32, patch_size=8, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                            intermediate_size=128, num_labels=10)
     return T.ViTConfig(num_labels=1000)  # ViT-Base/16 at 224 x 224
-
-
-def timed(fn, steps, device):
-    """(the last result, seconds per step) over ``steps`` calls after one warm-up call."""
-    out = fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        out = fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return out, (time.perf_counter() - t0) / max(steps, 1)
 
 
 def main():

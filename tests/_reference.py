@@ -225,3 +225,20 @@ def gpu_count():
         return 0
     from cufuse import _runtime as R
     return R._cp.cuda.runtime.getDeviceCount()
+
+
+def example_rows(script, *args, first=("eager", "cufuse")):
+    """Run examples/<script> (a subprocess: its own process, as a user runs
+    it) and return its table rows (split lines) keyed by their first word,
+    for the first words ``first``; asserts it exits 0 and prints them all."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "examples", script), *args], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()[:1] in
+            [[f] for f in first]}
+    assert set(rows) == set(first), r.stdout
+    return rows, r.stdout

@@ -18,6 +18,7 @@ T = pytest.importorskip("transformers")
 import cufuse  # noqa: E402
 
 from test_autograd import TOL  # noqa: E402
+from _reference import example_rows  # noqa: E402
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 _LLAMA_KW = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -133,17 +134,11 @@ def test_transformer_integration_example():
 def test_vit_example():
     """examples/vit.py at its tiny sizes: eager and cufuse give the same
     logits (to float32 rounding) and the same training losses."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "examples", "vit.py"), "--steps", "2", "--small"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["eager"],
-                                                                                                   ["cufuse"])}
-    assert set(rows) == {"eager", "cufuse"}, r.stdout
+    rows, stdout = example_rows("vit.py", "--steps", "2", "--small")
     eager, ours = rows["eager"], rows["cufuse"]
     assert abs(float(eager[3]) - float(ours[3])) < 1e-3 and abs(float(eager[4]) - float(ours[4])) < 1e-3, rows
     assert float(ours[6]) < 1e-3, rows
-    assert "LayerNorm -> LayerNorm" in r.stdout
+    assert "LayerNorm -> LayerNorm" in stdout
 
 
 @pytest.mark.parametrize("device", DEVICES)

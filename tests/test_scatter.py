@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cufuse
-from _reference import BF16, DTYPES, compiled_matches_eager, rand
+from _reference import BF16, DTYPES, compiled_matches_eager, example_rows, rand
 
 DTYPES_ALL = DTYPES + ([BF16] if BF16 is not None else [])
 ACTS = [None, "relu", "silu", "gelu", "gelu_tanh"]
@@ -180,15 +180,6 @@ def test_under_compile(device):
 def test_gnn_example():
     """examples/gnn.py at its tiny sizes: eager and cufuse start from the same
     weights and graph, so their first and last losses agree."""
-    import os
-    import subprocess
-    import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, os.path.join(root, "examples", "gnn.py"), "--steps", "2", "--small"],
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = {line.split()[0]: line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["eager"],
-                                                                                                   ["cufuse"])}
-    assert set(rows) == {"eager", "cufuse"}, r.stdout
+    rows, _ = example_rows("gnn.py", "--steps", "2", "--small")
     eager, ours = rows["eager"], rows["cufuse"]
     assert abs(float(eager[3]) - float(ours[3])) < 1e-4 and abs(float(eager[4]) - float(ours[4])) < 1e-4, rows

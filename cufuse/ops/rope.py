@@ -109,10 +109,7 @@ def _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev):
 
 def _apply(fn, x, cos, sin, r, interleaved, kind, dt, dev):
     """fn's rotation of x's rotary dims into a new array of x's shape (the rest copied)."""
-    if kind in A.GPU_KINDS:
-        with R._cp.cuda.Device(dev):
-            out = D.empty_like(x, kind)
-    else:
+    with D.on_device(kind, dev):
         out = D.empty_like(x, kind)
     fn(*_halves(x, r, interleaved), *_halves(cos, r, interleaved), *_halves(sin, r, interleaved),
        out=_halves(out, r, interleaved))

@@ -103,10 +103,10 @@ def _launch(kind, dev, expr, rows, args):
 
 
 def _zeros(shape, dt, kind, dev):
+    """A zeroed GPU array (called on the array's device: D.on_device)."""
     if kind == A.TORCH_CUDA:
         return A.torch().zeros(shape, dtype=A.numpy_to_torch_dtype(dt), device=D.torch_device(dev))
-    with R._cp.cuda.Device(dev):
-        return R._cp.zeros(shape, dt)
+    return R._cp.zeros(shape, dt)
 
 
 def _forward(kind, dt, dev, values, idx, dim_size, activation):
