@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The whole test suite on the device machine in one call, as parallel shards
 # (one GPU is shared; 16 cores). Logs go to $OUT/suite-<n>.log; prints each
-# shard's summary line and every FAILED/ERROR line. Exit status 1 if any shard
-# failed. Usage: bash scripts/device_suite.sh [extra pytest args]
+# shard's summary line, every FAILED/ERROR line and the skip reasons counted;
+# the shard logs are joined into $OUT/suite.log (the device tool brings back
+# only a few files). Exit status 1 if any shard failed. Usage: bash scripts/device_suite.sh [extra pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/suite}; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ for f in tests/test_*.py; do
 done
 pids=()
 for i in "${!SHARDS[@]}"; do
-  python3 -m pytest -q --maxfail=10 -p no:cacheprovider ${SHARDS[$i]} "$@" >"$OUT/suite-$i.log" 2>&1 &
+  python3 -m pytest -q -rfEs --maxfail=10 -p no:cacheprovider ${SHARDS[$i]} "$@" >"$OUT/suite-$i.log" 2>&1 &
   pids+=($!)
 done
 fail=0
@@ -31,4 +32,8 @@ for i in "${!pids[@]}"; do
   echo "shard $i (${SHARDS[$i]}): $(tail -n 1 "$OUT/suite-$i.log")"
 done
 grep -hE "^(FAILED|ERROR) " "$OUT"/suite-*.log | head -n 40
+echo "skip reasons:"
+grep -h "^SKIPPED" "$OUT"/suite-*.log | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+:[0-9]+: //' | sort | uniq -c | sort -rn | head -n 20
+for i in "${!SHARDS[@]}"; do echo "=== shard $i: ${SHARDS[$i]}"; cat "$OUT/suite-$i.log"; done >"$OUT/suite.log"
+rm -f "$OUT"/suite-*.log
 exit $fail
