@@ -1,0 +1,87 @@
+"""Flash attention, forward and forward + backward, against torch's
+scaled_dot_product_attention with its flash backend (FlashAttention-2) and
+its cuDNN backend, same run (python3 bench/attention_probe.py [dtype] [quick]).
+
+TFLOP/s counts 4 * batch * heads * seq_q * seq_k * dim for the forward
+(two products), half of it under a causal mask, and 2.5 times the forward
+for the backward (FlashAttention's convention); batch * heads = 16384 / seq
+* 16 keeps the GPU covered. µs per call: CUDA events, median. Each result is
+checked against the flash backend before it is timed. Also the registers
+and spilled bytes of the kernels (cuFuncGetAttribute).
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import cufuse
+from _common import event_median
+
+SEQS = [1024, 4096, 16384]
+DIMS = [64, 128]
+
+
+def _regs(dt):
+    from cupy.cuda import driver
+    from cufuse import _arrays as A
+    from cufuse import _runtime as R
+    import importlib
+    AT = importlib.import_module("cufuse.ops.attention")
+    ndt = A.torch_to_numpy_dtype(dt)
+    for d in DIMS:
+        for kern in AT._KERNELS:
+            fn = R.get_function(AT._part(d, ndt), AT._EXPRS[(kern, d, ndt)], 0)
+            print(f"  {kern:24} d{d}: {driver.funcGetAttribute(4, fn.ptr)} registers, "
+                  f"{driver.funcGetAttribute(3, fn.ptr)} local bytes")
+
+
+def main():
+    dt = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float16")
+    quick = "quick" in sys.argv
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, dt)
+    _regs(dt)
+    print(f"{'seq':>6} {'d':>4} {'causal':>6} {'impl':8} {'fwd us':>9} {'TFLOP/s':>8} {'f+b us':>9} {'TFLOP/s':>8}")
+    impls = {"cufuse": lambda q, k, v, c: cufuse.attention(q, k, v, causal=c)}
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        def run(q, k, v, c, be=be):
+            with sdpa_kernel(be):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=c)
+        impls[name] = run
+    for seq in SEQS[:2] if quick else SEQS:
+        for d in DIMS:
+            bh = max(1, 16384 * 16 // seq)
+            b, h = max(1, bh // 16), min(16, bh)
+            g = torch.Generator(device="cuda").manual_seed(seq + d)
+            q, k, v = (torch.randn(b, h, seq, d, device="cuda", generator=g).to(dt).requires_grad_(True)
+                       for _ in range(3))
+            go = torch.randn(b, h, seq, d, device="cuda", generator=g).to(dt)
+            for causal in (False, True):
+                flops = 4 * b * h * seq * seq * d * (0.5 if causal else 1.0)
+                want = impls["flash"](q, k, v, causal)
+                for name, fn in impls.items():
+                    try:
+                        got = fn(q, k, v, causal)
+                    except Exception as e:  # a backend that does not take this case
+                        print(f"{seq:6} {d:4} {causal!s:>6} {name:8} unavailable: {type(e).__name__}")
+                        continue
+                    err = (got.float() - want.float()).abs().max().item()
+                    if err > 2e-2:
+                        print(f"{seq:6} {d:4} {causal!s:>6} {name:8} WRONG: max error {err:.3g}")
+                        continue
+
+                    def fwd():
+                        with torch.no_grad():
+                            fn(q, k, v, causal)
+
+                    def step():
+                        torch.autograd.grad(fn(q, k, v, causal), (q, k, v), go)
+
+                    fus, sus = event_median(fwd, 10), event_median(step, 10)
+                    print(f"{seq:6} {d:4} {causal!s:>6} {name:8} {fus:9.1f} {flops / fus / 1e6:8.1f} {sus:9.1f} "
+                          f"{3.5 * flops / sus / 1e6:8.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,349 @@
+"""Attention: ``softmax(q k^T * scale) v`` per head, as FlashAttention
+computes it (kernels/attention.cu): on the GPU, float16 and bfloat16 run on
+tensor cores with an online softmax, so nothing sequence x sequence is ever
+written to memory, forward and backward (the backward recomputes the
+probabilities from the per-row log-sum-exp the forward keeps).
+
+float32 and float64 (on the GPU) and every CPU array take the dense path:
+the same math with the score matrix materialized (NumPy on the CPU, in
+float64; CuPy on the GPU, in the array's dtype); it serves small problems and
+is the reference the kernels are tested against.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .. import _arrays as A
+from .._arrays import Array
+from .. import _autograd as AG
+from .. import _dask as DK
+from .. import _driver as D
+from .. import _runtime as R
+from .. import _torch_ops as TO
+from . import _rows
+
+FAMILY = "attention"
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)  # the kernels' head dims (16-bit dtypes on the GPU)
+_WARPS = 4  # kernels: a block is 16 * WARPS query rows (forward, dQ) or keys (dK, dV)
+_KERNELS = ("attention_forward", "attention_backward_kv", "attention_backward_q")
+_LOG2E = 1.4426950408889634
+_F32 = np.dtype(np.float32)
+
+
+def _part(d, dt):
+    return f"{FAMILY}:{d}_{dt.name}"  # one module per head dim and dtype: a first call compiles three kernels
+
+
+_EXPRS = {(kern, d, dt): R.register(_part(d, dt), R.name_expression(kern, R.FLOAT_CTYPES[dt], str(d), str(_WARPS)),
+                                    f"{kern.replace('attention_', '')} d{d}", dt.name, min_arch=80)
+          for dt in A.HALVES for d in HEAD_DIMS for kern in _KERNELS}
+_DELTA = {dt: R.register(f"{FAMILY}:delta", R.name_expression("attention_delta", R.FLOAT_CTYPES[dt]), "delta",
+                         dt.name) for dt in A.HALVES}
+
+
+def _shared_bytes(kern, d, item):
+    """Dynamic shared memory of a launch (kernels/attention.cu's tiles)."""
+    lds, rows = d + 8, 16 * _WARPS
+    other = 64 if d <= 64 else 32
+    if kern == "attention_forward":
+        return (rows + 4 * 64) * lds * item
+    if kern == "attention_backward_kv":
+        return (2 * rows + 4 * other) * lds * item + 4 * other * 4
+    return (2 * rows + 4 * other) * lds * item
+
+
+# --------------------------------------------------------------- validation
+def _args(name, q, k, v, causal, scale):
+    """(kind, dtype, device, q, k, v as 4-D (batch, heads, seq, dim) views, scale, causal, 3-D input)."""
+    if any(DK.is_dask(x) for x in (q, k, v)):
+        raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
+    kind = A.array_kind(name, q, "q")
+    dt = A.dtype_of(q, kind)
+    if dt not in A.FLOAT_DTYPES:
+        raise TypeError(f"cufuse.{name}: q is {A.describe(q, kind)}; accepted dtypes are {A.FLOAT_NAMES}")
+    dev = A.device_of(q, kind)
+    for what, x in (("k", k), ("v", v)):
+        xk = A.array_kind(name, x, what)
+        if xk != kind:
+            raise TypeError(f"cufuse.{name}: {what} is {A.describe(x, xk)} but q is a {kind}; pass the same "
+                            "array kind")
+        if A.dtype_of(x, xk) != dt:
+            raise TypeError(f"cufuse.{name}: {what} has dtype {A.dtype_of(x, xk)} and q {dt}; pass one dtype")
+        if kind in A.GPU_KINDS and A.device_of(x, xk) != dev:
+            raise ValueError(f"cufuse.{name}: {what} is on GPU {A.device_of(x, xk)} and q on GPU {dev}")
+    nd = len(q.shape)
+    if nd not in (3, 4) or len(k.shape) != nd or len(v.shape) != nd:
+        raise ValueError(f"cufuse.{name}: q, k and v must all be (batch, seq, dim) or all (batch, heads, seq, "
+                         f"dim); got shapes {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if nd == 3:  # one head
+        q, k, v = q[:, None], k[:, None], v[:, None]
+    (b, h, sq, d), (bk, hk, sk, dk), vs = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+    if bk != b or vs[0] != b:
+        raise ValueError(f"cufuse.{name}: batch sizes differ: q {b}, k {bk}, v {vs[0]}")
+    if dk != d:
+        raise ValueError(f"cufuse.{name}: q's head dim is {d} and k's {dk}; they must agree")
+    if vs[1:3] != (hk, sk):
+        raise ValueError(f"cufuse.{name}: v must have k's heads and sequence length ({hk}, {sk}), got {vs[1:3]}")
+    if vs[3] != d:
+        raise ValueError(f"cufuse.{name}: v's head dim is {vs[3]} and q's {d}; a different value head dim is not "
+                         "supported")
+    if hk == 0 or h % hk:
+        raise ValueError(f"cufuse.{name}: q has {h} heads and k, v {hk}: the query heads must be a whole multiple "
+                         "of the key/value heads (grouped-query attention)")
+    if d == 0:
+        raise ValueError(f"cufuse.{name}: the head dim is 0")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"cufuse.{name}: causal must be a bool, got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"cufuse.{name}: scale must be a float or None, got {type(scale).__name__}")
+    elif not math.isfinite(float(scale)):
+        raise ValueError(f"cufuse.{name}: scale must be finite, got {scale!r}")
+    if kind in A.GPU_KINDS and dt in A.HALVES:
+        if d not in HEAD_DIMS:
+            raise ValueError(f"cufuse.{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
+                             f"(supported: {', '.join(map(str, HEAD_DIMS))})")
+        if R.compute_capability(dev) < 80:
+            raise RuntimeError(f"cufuse.{name}: the float16/bfloat16 kernels need a GPU of compute capability 8.0 "
+                               f"or newer; GPU {dev} is {R.compute_capability(dev)}")
+    return kind, dt, dev, q, k, v, float(scale), bool(causal), nd == 3
+
+
+# ------------------------------------------------------------- dense path
+def _xp(kind):
+    return np if kind in (A.NUMPY, A.TORCH_CPU) else R._cp
+
+
+def _to_xp(x, kind):
+    """x as a NumPy (CPU kinds) or CuPy (GPU kinds) array, sharing memory."""
+    if kind == A.TORCH_CPU:
+        return _rows.to_numpy(x, kind)
+    if kind == A.TORCH_CUDA:
+        from .._interop import from_torch
+        return from_torch(x)
+    return x
+
+
+def _from_xp(a, kind):
+    if kind == A.TORCH_CPU:
+        return _rows.from_numpy(a, kind, None)
+    if kind == A.TORCH_CUDA:
+        from .._interop import to_torch
+        return to_torch(R._cp.ascontiguousarray(a))
+    return a
+
+
+def _compute_dtype(kind, dt):
+    return np.dtype(np.float64) if kind in (A.NUMPY, A.TORCH_CPU) else A.compute_dtype(dt)
+
+
+def _lse_dtype(dt):
+    return dt if dt == np.float64 else _F32
+
+
+def _scores(xp, q, k, scale, causal):
+    """Scaled scores [b, h, sq, sk] with the causal mask as -inf; k already repeated per query head."""
+    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
+    if causal:
+        sq, sk = s.shape[-2], s.shape[-1]
+        row = xp.arange(sq).reshape(-1, 1)
+        s = xp.where(xp.arange(sk).reshape(1, -1) > row + (sk - sq), -xp.inf, s)
+    return s
+
+
+def _repeat(xp, x, group):
+    return xp.repeat(x, group, axis=1) if group > 1 else x
+
+
+def _dense_forward(kind, dt, q, k, v, scale, causal):
+    """(o in dt, lse float32) by the dense math, in the compute dtype."""
+    xp, cdt = _xp(kind), _compute_dtype(kind, dt)
+    qc, kc, vc = (_to_xp(x, kind).astype(cdt) for x in (q, k, v))
+    group = qc.shape[1] // kc.shape[1]
+    kc, vc = _repeat(xp, kc, group), _repeat(xp, vc, group)
+    b, h, sq, d = qc.shape
+    if kc.shape[2] == 0:
+        o, lse = xp.zeros((b, h, sq, d), cdt), xp.full((b, h, sq), -xp.inf, cdt)
+    else:
+        s = _scores(xp, qc, kc, scale, causal)
+        with np.errstate(all="ignore"):
+            m = s.max(axis=-1, keepdims=True)
+            m = xp.where(xp.isfinite(m), m, 0)  # a row that sees no key: exp(-inf) = 0 everywhere
+            e = xp.exp(s - m)
+            den = e.sum(axis=-1, keepdims=True)
+            o = xp.matmul(e, vc) / xp.where(den > 0, den, 1)
+            lse = xp.where(den > 0, xp.log(den) + m, -xp.inf)[..., 0]
+    return _from_xp(o.astype(dt), kind), _from_xp(lse.astype(_lse_dtype(dt)), kind)
+
+
+def _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal):
+    """(dq, dk, dv) by the dense math from the forward's output and lse."""
+    xp, cdt = _xp(kind), _compute_dtype(kind, dt)
+    qc, kc, vc, oc, dc = (_to_xp(x, kind).astype(cdt) for x in (q, k, v, o, do))
+    lc = _to_xp(lse, kind).astype(cdt)[..., None]
+    b, hk, sk, d = kc.shape
+    group = qc.shape[1] // hk
+    kr, vr = _repeat(xp, kc, group), _repeat(xp, vc, group)
+    s = _scores(xp, qc, kr, scale, causal)
+    with np.errstate(all="ignore"):
+        p = xp.where(xp.isfinite(lc), xp.exp(s - xp.where(xp.isfinite(lc), lc, 0)), 0)
+    dv = xp.matmul(xp.swapaxes(p, -1, -2), dc)
+    dp = xp.matmul(dc, xp.swapaxes(vr, -1, -2))
+    ds = p * (dp - (dc * oc).sum(axis=-1, keepdims=True))
+    dq = xp.matmul(ds, kr) * scale
+    dk = xp.matmul(xp.swapaxes(ds, -1, -2), qc) * scale
+    if group > 1:
+        dk, dv = (g.reshape(b, hk, group, sk, d).sum(axis=2) for g in (dk, dv))
+    return tuple(_from_xp(g.astype(dt), kind) for g in (dq, dk, dv))
+
+
+# --------------------------------------------------------------- GPU path
+def _kernel_view(x, kind):
+    """x as the kernels read it (last dim contiguous, every stride whole
+    16-byte packs, 16-byte aligned), or a contiguous copy."""
+    st = A.strides_of(x, kind)
+    if (st[-1] != 1 or any(s % 8 for n, s in zip(x.shape[:-1], st[:-1]) if n > 1)
+            or A.pointer_of(x, kind) % 16):
+        x = D.fresh_copy(x, kind)
+    return x
+
+
+def _strides(x, kind):
+    return tuple(np.int64(s) for s in A.strides_of(x, kind)[:3])
+
+
+def _launch(kind, dev, kern, d, dt, blocks, args):
+    fn = R.get_function(_part(d, dt), _EXPRS[(kern, d, dt)], dev)
+    R.launch_grid(fn, (blocks,), (32 * _WARPS,), args, D.stream_for(kind, dev), _shared_bytes(kern, d, dt.itemsize))
+
+
+def _gpu_forward(kind, dt, dev, q, k, v, scale, causal):
+    b, h, sq, d = tuple(q.shape)
+    hk, sk = k.shape[1], k.shape[2]
+    with D.on_device(kind, dev):
+        q, k, v = (_kernel_view(x, kind) for x in (q, k, v))
+        o = D.empty((b, h, sq, d), dt, kind, dev)
+        lse = D.empty((b, h, sq), _F32, kind, dev)
+        tiles, bh = -(-sq // (16 * _WARPS)), b * h
+        if tiles and bh:
+            p = A.pointer_of
+            _launch(kind, dev, "attention_forward", d, dt, tiles * bh,
+                    (p(o, kind), p(lse, kind), p(q, kind), p(k, kind), p(v, kind), *_strides(q, kind),
+                     *_strides(k, kind), *_strides(v, kind), *_strides(o, kind), np.int32(bh), np.int32(h),
+                     np.int32(h // hk), np.int32(sq), np.int32(sk), np.int32(tiles), np.float32(scale * _LOG2E),
+                     np.bool_(causal)))
+    return o, lse
+
+
+def _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
+    b, h, sq, d = tuple(q.shape)
+    hk, sk = k.shape[1], k.shape[2]
+    p = A.pointer_of
+    with D.on_device(kind, dev):
+        q, k, v, o, do = (_kernel_view(x, kind) for x in (q, k, v, o, do))
+        lse = D.contiguous(lse, kind)
+        dq, dk, dv = (D.empty(tuple(x.shape), dt, kind, dev) for x in (q, k, v))
+        delta = D.empty((b, h, sq), _F32, kind, dev)
+        rows = b * h * sq
+        stream = D.stream_for(kind, dev)
+        if rows:
+            fn = R.get_function(f"{FAMILY}:delta", _DELTA[dt], dev)
+            R.launch_grid(fn, (max(1, min(-(-rows // 8), R.sm_count(dev) * 16)),), (256,),
+                          (p(delta, kind), p(o, kind), p(do, kind), *_strides(o, kind), *_strides(do, kind),
+                           np.int32(h), np.int32(sq), np.int32(d), np.int64(rows)), stream)
+        common = (*_strides(q, kind), *_strides(k, kind), *_strides(v, kind), *_strides(do, kind))
+        kt, bhk = -(-sk // (16 * _WARPS)), b * hk
+        if kt and bhk:
+            _launch(kind, dev, "attention_backward_kv", d, dt, kt * bhk,
+                    (p(dk, kind), p(dv, kind), p(q, kind), p(k, kind), p(v, kind), p(do, kind), p(lse, kind),
+                     p(delta, kind), *common, *_strides(dk, kind), *_strides(dv, kind), np.int32(bhk),
+                     np.int32(hk), np.int32(h // hk), np.int32(sq), np.int32(sk), np.int32(kt),
+                     np.float32(scale * _LOG2E), np.float32(scale), np.bool_(causal)))
+        qt, bh = -(-sq // (16 * _WARPS)), b * h
+        if qt and bh:
+            _launch(kind, dev, "attention_backward_q", d, dt, qt * bh,
+                    (p(dq, kind), p(q, kind), p(k, kind), p(v, kind), p(do, kind), p(lse, kind), p(delta, kind),
+                     *common, *_strides(dq, kind), np.int32(bh), np.int32(h), np.int32(h // hk), np.int32(sq),
+                     np.int32(sk), np.int32(qt), np.float32(scale * _LOG2E), np.float32(scale), np.bool_(causal)))
+    return dq, dk, dv
+
+
+def _uses_kernels(kind, dt):
+    return kind in A.GPU_KINDS and dt in A.HALVES
+
+
+def forward(kind, dt, dev, q, k, v, scale, causal):
+    """(o, lse) of 4-D q, k, v: the kernels or the dense path."""
+    if _uses_kernels(kind, dt):
+        return _gpu_forward(kind, dt, dev, q, k, v, scale, causal)
+    return _dense_forward(kind, dt, q, k, v, scale, causal)
+
+
+def backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
+    """(dq, dk, dv) from the forward's o and lse and the gradient do of o."""
+    if _uses_kernels(kind, dt):
+        return _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal)
+    return _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal)
+
+
+# --------------------------------------------------------------- the call
+def attention(q: Array, k: Array, v: Array, /, *, causal: bool = False, scale: float | None = None,
+              return_lse: bool = False):
+    """``softmax(q k^T * scale) v`` over the last two dims, per batch and
+    head: q of shape (batch, heads, seq_q, dim) and k, v of (batch,
+    kv_heads, seq_k, dim), or all three (batch, seq, dim) (one head).
+    ``kv_heads`` may divide ``heads`` (grouped-query attention: query head
+    h reads key/value head h // (heads // kv_heads)). ``scale`` defaults to
+    1/sqrt(dim). ``causal``: query row i sees keys j <= i + seq_k - seq_q
+    (aligned to the bottom right as FlashAttention; for seq_q == seq_k the
+    lower triangle; a row that sees no key gives 0). With ``return_lse``
+    also the natural log-sum-exp of each row's scaled scores, (batch,
+    heads, seq_q), float32 (float64 for float64 input; -inf for a row that
+    sees no key).
+
+    float16 and bfloat16 on the GPU: flash attention on tensor cores (head
+    dims 16 to 128 in steps of 16; compute capability 8.0 or newer),
+    nothing seq x seq in memory. Other dtypes and the CPU: the dense math
+    (the score matrix materialized; float64 on the CPU). Differentiable for
+    torch tensors (the backward: two deterministic kernels, no atomics)."""
+    name = "attention"
+    if TO.compiling():
+        raise NotImplementedError("cufuse.attention: not supported under torch.compile yet (call it outside the "
+                                  "compiled region, or use torch.nn.functional.scaled_dot_product_attention)")
+    kind, dt, dev, q4, k4, v4, scale, causal, three = _args(name, q, k, v, causal, scale)
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((q, k, v)):
+        o, lse = AG._function_class("attention", _function).apply(q4, k4, v4, scale, causal)
+    else:
+        if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+            q4, k4, v4 = (x.detach() for x in (q4, k4, v4))
+        o, lse = forward(kind, dt, dev, q4, k4, v4, scale, causal)
+    if three:
+        o, lse = o[:, 0], lse[:, 0]
+    return (o, lse) if return_lse else o
+
+
+def _function(torch):
+    class AttentionFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, scale, causal):
+            kind = A.TORCH_CUDA if q.is_cuda else A.TORCH_CPU
+            dt, dev = A.dtype_of(q, kind), A.device_of(q, kind)
+            o, lse = forward(kind, dt, dev, q.detach(), k.detach(), v.detach(), scale, causal)
+            ctx.scale, ctx.causal = scale, causal
+            ctx.save_for_backward(q, k, v, o, lse)
+            ctx.mark_non_differentiable(lse)
+            return o, lse
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, go, glse):
+            q, k, v, o, lse = ctx.saved_tensors
+            kind = A.TORCH_CUDA if q.is_cuda else A.TORCH_CPU
+            dq, dk, dv = backward(kind, A.dtype_of(q, kind), A.device_of(q, kind), q, k, v, o, lse,
+                                  go.contiguous(), ctx.scale, ctx.causal)
+            return dq, dk, dv, None, None
+
+    return AttentionFn

@@ -1,0 +1,360 @@
+// cufuse: flash attention on tensor cores (sm_80 path: mma.sync m16n8k16,
+// ldmatrix, cp.async), float16 and bfloat16 with float32 accumulation.
+//
+// Layout: q [batch][heads][seq_q][D], k and v [batch][kv_heads][seq_k][D],
+// each through element strides (batch, head, row; the last dim contiguous,
+// rows 16-byte aligned); q head h reads kv head h / group (grouped-query
+// attention). lse and delta are float32 [batch][heads][seq_q], contiguous.
+// Causal: query row i sees keys j <= i + seq_k - seq_q (aligned to the
+// bottom right, as FlashAttention: with seq_q == seq_k the usual lower
+// triangle; a row that sees no key gives 0 and lse -inf).
+//
+// Forward (one block per 16 * WARPS query rows of one head; a warp owns 16
+// rows): Q stays in registers, K and V tiles of 64 keys are double-buffered
+// through shared memory with cp.async, S = Q K^T and the online softmax
+// stay in registers (scores in log2 units), P is rounded to T and fed to
+// P V as A fragments. Nothing seq x seq touches global memory.
+//
+// Backward, deterministic (no atomics), FlashAttention-2's recomputation
+// split in two kernels: attention_backward_kv (a block per 16 * WARPS keys
+// of one kv head: loops over the query tiles of the heads of its group,
+// accumulates dK and dV in registers) and attention_backward_q (a block per
+// query rows: loops over the key tiles, accumulates dQ). Both recompute P
+// from the saved lse; delta = rowsum(dO * O) comes first (attention_delta).
+#include "common.cuh"
+#include "attention_tiles.cuh"
+
+namespace cufuse {
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kLog2e = 1.4426950408889634f;
+}  // namespace cufuse
+
+// ----------------------------------------------------------------- forward
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    attention_forward(T* __restrict__ o, float* __restrict__ lse, const T* __restrict__ q, const T* __restrict__ k,
+                      const T* __restrict__ v, long long sqb, long long sqh, long long sqs, long long skb,
+                      long long skh, long long sks, long long svb, long long svh, long long svs, long long sob,
+                      long long soh, long long sos, int bh_count, int heads, int group, int seq_q, int seq_k,
+                      int tiles, float scale_log2, bool causal) {
+    using namespace cufuse;
+    using namespace cufuse::attn;
+    constexpr int THREADS = WARPS * 32, BM = 16 * WARPS, BN = 64, LDS = D + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sq = reinterpret_cast<T*>(smem);
+    T* sk = sq + BM * LDS;
+    T* sv = sk + 2 * BN * LDS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    // the heaviest (last, under a causal mask) row tiles first
+    const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
+    const int b = bh / heads, h = bh % heads, hk = h / group;
+    const int m0 = tile * BM, wr = warp * 16;
+    q += b * sqb + h * sqh;
+    o += b * sob + h * soh;
+    k += b * skb + hk * skh;
+    v += b * svb + hk * svh;
+    lse += static_cast<long long>(bh) * seq_q;
+    const int shift = seq_k - seq_q;
+    const int n_end = causal ? max(0, min(seq_k, m0 + BM + shift)) : seq_k;
+    const int n_tiles = (n_end + BN - 1) / BN;
+
+    load_rows<BM, D, THREADS>(sq, q, sqs, m0, seq_q, tid);
+    if (n_tiles > 0) {
+        load_rows<BN, D, THREADS>(sk, k, sks, 0, seq_k, tid);
+        load_rows<BN, D, THREADS>(sv, v, svs, 0, seq_k, tid);
+    }
+    cp_async_commit();
+
+    float acc[D / 8][4];
+    zero(acc);
+    float mx[2] = {attn::ninf(), attn::ninf()}, sum[2] = {0.0f, 0.0f};
+    unsigned qf[D / 16][4];
+    const int ra = m0 + wr + (lane >> 2);  // the thread's rows: ra and ra + 8
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait<0>();
+        __syncthreads();  // tile j landed; every warp is done with tile j - 1's buffers
+        if (j == 0) load_a_rows<D, LDS>(qf, sq, wr, lane);
+        if (j + 1 < n_tiles) {
+            const int nb = ((j + 1) & 1) * BN * LDS;
+            load_rows<BN, D, THREADS>(sk + nb, k, sks, (j + 1) * BN, seq_k, tid);
+            load_rows<BN, D, THREADS>(sv + nb, v, svs, (j + 1) * BN, seq_k, tid);
+        }
+        cp_async_commit();
+        const T* ck = sk + (j & 1) * BN * LDS;
+        const T* cv = sv + (j & 1) * BN * LDS;
+
+        float s[BN / 8][4];
+        zero(s);
+        warp_mma<D, BN, false, LDS>(s, qf, ck, lane);
+        const int n0 = j * BN;
+        const bool edge = n0 + BN > seq_k || (causal && n0 + BN - 1 > m0 + wr + shift);
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                s[nt][e] *= scale_log2;
+                if (edge) {
+                    const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), row = ra + (e >> 1) * 8;
+                    if (col >= seq_k || (causal && col > row + shift)) s[nt][e] = attn::ninf();
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float m = mx[r];
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+            m = quad_max(m);
+            const float base = m == attn::ninf() ? 0.0f : m;  // a row with nothing seen yet: exp2(-inf) = 0
+            const float alpha = exp2f(mx[r] - base);
+            mx[r] = m;
+            float l = 0.0f;
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+                s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
+                s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
+                l += s[nt][2 * r] + s[nt][2 * r + 1];
+            }
+            sum[r] = sum[r] * alpha + l;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+                acc[dt][2 * r] *= alpha;
+                acc[dt][2 * r + 1] *= alpha;
+            }
+        }
+        unsigned pf[BN / 16][4];
+        c_to_a<BN, T>(pf, s);
+        warp_mma<BN, D, true, LDS>(acc, pf, cv, lane);
+    }
+    cp_async_wait<0>();
+#pragma unroll
+    for (int r = 0; r < 2; ++r) sum[r] = quad_sum(sum[r]);
+    store_c<D, T>(o, sos, acc, m0 + wr, seq_q, sum[0] > 0.0f ? 1.0f / sum[0] : 0.0f,
+                  sum[1] > 0.0f ? 1.0f / sum[1] : 0.0f, lane);
+    if ((lane & 3) == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = ra + r * 8;
+            if (row < seq_q) lse[row] = sum[r] > 0.0f ? (mx[r] + log2f(sum[r])) * kLn2 : attn::ninf();
+        }
+    }
+}
+
+// ------------------------------------------------------------------ delta
+// delta[row] = sum_d dO[row][d] * O[row][d] (float), a warp per row.
+template <typename T>
+__global__ void attention_delta(float* __restrict__ delta, const T* __restrict__ o, const T* __restrict__ dout,
+                                long long sob, long long soh, long long sos, long long sdb, long long sdh,
+                                long long sds, int heads, int seq_q, int d, long long rows) {
+    using namespace cufuse;
+    const int lane = threadIdx.x & 31;
+    const long long warps = static_cast<long long>(gridDim.x) * (blockDim.x >> 5);
+    for (long long r = static_cast<long long>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows;
+         r += warps) {
+        const long long bh = r / seq_q, i = r % seq_q, b = bh / heads, h = bh % heads;
+        const T* po = o + b * sob + h * soh + i * sos;
+        const T* pd = dout + b * sdb + h * sdh + i * sds;
+        float acc = 0.0f;
+        for (int c = lane; c < d; c += 32) acc += to_compute<float>(po[c]) * to_compute<float>(pd[c]);
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+        if (lane == 0) delta[r] = acc;
+    }
+}
+
+// ------------------------------------------------------------ dK and dV
+// A block per 16 * WARPS keys of one kv head; a warp owns 16 keys. For each
+// query head of the group and each query tile (BQ rows, double-buffered):
+// S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T,
+// dS^T = P^T (dP^T - delta), dK += dS^T Q; dK scaled once at the end.
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    attention_backward_kv(T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ q, const T* __restrict__ k,
+                          const T* __restrict__ v, const T* __restrict__ dout, const float* __restrict__ lse,
+                          const float* __restrict__ delta, long long sqb, long long sqh, long long sqs,
+                          long long skb, long long skh, long long sks, long long svb, long long svh,
+                          long long svs, long long sdb, long long sdh, long long sds, long long skgb,
+                          long long skgh, long long skgs, long long svgb, long long svgh, long long svgs,
+                          int bh_count, int kv_heads, int group, int seq_q, int seq_k, int tiles,
+                          float scale_log2, float scale, bool causal) {
+    using namespace cufuse;
+    using namespace cufuse::attn;
+    constexpr int THREADS = WARPS * 32, BN = 16 * WARPS, BQ = D <= 64 ? 64 : 32, LDS = D + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sk = reinterpret_cast<T*>(smem);
+    T* sv = sk + BN * LDS;
+    T* sq = sv + BN * LDS;
+    T* sdo = sq + 2 * BQ * LDS;
+    float* slse = reinterpret_cast<float*>(sdo + 2 * BQ * LDS);
+    float* sdel = slse + 2 * BQ;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
+    const int b = bh / kv_heads, hk = bh % kv_heads;
+    const int n0 = tile * BN, kw = warp * 16;
+    const int heads = kv_heads * group;
+    k += b * skb + hk * skh;
+    v += b * svb + hk * svh;
+    dk += b * skgb + hk * skgh;
+    dv += b * svgb + hk * svgh;
+    const int shift = seq_k - seq_q;
+    // causal: query rows i >= n0 - shift see some key of this block
+    const int q_begin = causal ? min(seq_q, max(0, n0 - shift)) / BQ * BQ : 0;
+    const int per_head = (seq_q - q_begin + BQ - 1) / BQ;
+    const int iters = group * per_head;
+
+    auto issue = [&](int it, int buf) {  // query tile it (head, rows) into buffer buf
+        const int hq = hk * group + it / per_head, q0 = q_begin + (it % per_head) * BQ;
+        load_rows<BQ, D, THREADS>(sq + buf * BQ * LDS, q + b * sqb + hq * sqh, sqs, q0, seq_q, tid);
+        load_rows<BQ, D, THREADS>(sdo + buf * BQ * LDS, dout + b * sdb + hq * sdh, sds, q0, seq_q, tid);
+        const long long lo = (static_cast<long long>(b) * heads + hq) * seq_q;
+        for (int i = tid; i < BQ; i += THREADS) {
+            const bool in = q0 + i < seq_q;
+            slse[buf * BQ + i] = in ? lse[lo + q0 + i] * kLog2e : attn::ninf();
+            sdel[buf * BQ + i] = in ? delta[lo + q0 + i] : 0.0f;
+        }
+    };
+
+    load_rows<BN, D, THREADS>(sk, k, sks, n0, seq_k, tid);
+    load_rows<BN, D, THREADS>(sv, v, svs, n0, seq_k, tid);
+    if (iters > 0) issue(0, 0);
+    cp_async_commit();
+
+    float gk[D / 8][4], gv[D / 8][4];
+    zero(gk);
+    zero(gv);
+    const int ka = n0 + kw + (lane >> 2);  // the thread's keys: ka and ka + 8
+    for (int it = 0; it < iters; ++it) {
+        cp_async_wait<0>();
+        __syncthreads();
+        if (it + 1 < iters) issue(it + 1, (it + 1) & 1);
+        cp_async_commit();
+        const int buf = it & 1, q0 = q_begin + (it % per_head) * BQ;
+        const T* cq = sq + buf * BQ * LDS;
+        const T* cdo = sdo + buf * BQ * LDS;
+        const float* cl = slse + buf * BQ;
+        const float* cd = sdel + buf * BQ;
+
+        float p[BQ / 8][4];
+        zero(p);
+        warp_mma_sa<D, BQ, false, LDS, LDS>(p, sk, kw, cq, lane);  // S^T
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int qi = nt * 8 + (lane & 3) * 2 + (e & 1), key = ka + (e >> 1) * 8;
+                const float l = cl[qi];
+                const bool ok = l != attn::ninf() && key < seq_k && (!causal || key <= q0 + qi + shift);
+                p[nt][e] = ok ? exp2f(p[nt][e] * scale_log2 - l) : 0.0f;
+            }
+        }
+        unsigned af[BQ / 16][4];
+        c_to_a<BQ, T>(af, p);
+        warp_mma<BQ, D, true, LDS>(gv, af, cdo, lane);  // dV += P^T dO
+        float dp[BQ / 8][4];
+        zero(dp);
+        warp_mma_sa<D, BQ, false, LDS, LDS>(dp, sv, kw, cdo, lane);  // dP^T = V dO^T
+#pragma unroll
+        for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[nt][e] = p[nt][e] * (dp[nt][e] - cd[nt * 8 + (lane & 3) * 2 + (e & 1)]);
+        }
+        c_to_a<BQ, T>(af, dp);
+        warp_mma<BQ, D, true, LDS>(gk, af, cq, lane);  // dK += dS^T Q
+    }
+    cp_async_wait<0>();
+    store_c<D, T>(dk, skgs, gk, n0 + kw, seq_k, scale, scale, lane);
+    store_c<D, T>(dv, svgs, gv, n0 + kw, seq_k, 1.0f, 1.0f, lane);
+}
+
+// ------------------------------------------------------------------- dQ
+// A block per 16 * WARPS query rows of one head; a warp owns 16 rows. For
+// each key tile (BN keys, double-buffered): S = Q K^T, P = exp2(S - lse),
+// dP = dO V^T, dS = P (dP - delta), dQ += dS K; dQ scaled once at the end.
+template <typename T, int D, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32)
+    attention_backward_q(T* __restrict__ dq, const T* __restrict__ q, const T* __restrict__ k,
+                         const T* __restrict__ v, const T* __restrict__ dout, const float* __restrict__ lse,
+                         const float* __restrict__ delta, long long sqb, long long sqh, long long sqs,
+                         long long skb, long long skh, long long sks, long long svb, long long svh,
+                         long long svs, long long sdb, long long sdh, long long sds, long long sgb, long long sgh,
+                         long long sgs, int bh_count, int heads, int group, int seq_q, int seq_k, int tiles,
+                         float scale_log2, float scale, bool causal) {
+    using namespace cufuse;
+    using namespace cufuse::attn;
+    constexpr int THREADS = WARPS * 32, BM = 16 * WARPS, BN = D <= 64 ? 64 : 32, LDS = D + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sq = reinterpret_cast<T*>(smem);
+    T* sdo = sq + BM * LDS;
+    T* sk = sdo + BM * LDS;
+    T* sv = sk + 2 * BN * LDS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
+    const int b = bh / heads, h = bh % heads, hk = h / group;
+    const int m0 = tile * BM, wr = warp * 16;
+    q += b * sqb + h * sqh;
+    dout += b * sdb + h * sdh;
+    dq += b * sgb + h * sgh;
+    k += b * skb + hk * skh;
+    v += b * svb + hk * svh;
+    const int shift = seq_k - seq_q;
+    const int n_end = causal ? max(0, min(seq_k, m0 + BM + shift)) : seq_k;
+    const int n_tiles = (n_end + BN - 1) / BN;
+
+    load_rows<BM, D, THREADS>(sq, q, sqs, m0, seq_q, tid);
+    load_rows<BM, D, THREADS>(sdo, dout, sds, m0, seq_q, tid);
+    if (n_tiles > 0) {
+        load_rows<BN, D, THREADS>(sk, k, sks, 0, seq_k, tid);
+        load_rows<BN, D, THREADS>(sv, v, svs, 0, seq_k, tid);
+    }
+    cp_async_commit();
+    const int ra = m0 + wr + (lane >> 2);
+    float l2[2], del[2];
+    const long long lo = static_cast<long long>(bh) * seq_q;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = ra + r * 8;
+        l2[r] = row < seq_q ? lse[lo + row] * kLog2e : attn::ninf();
+        del[r] = row < seq_q ? delta[lo + row] : 0.0f;
+    }
+    float gq[D / 8][4];
+    zero(gq);
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 1 < n_tiles) {
+            const int nb = ((j + 1) & 1) * BN * LDS;
+            load_rows<BN, D, THREADS>(sk + nb, k, sks, (j + 1) * BN, seq_k, tid);
+            load_rows<BN, D, THREADS>(sv + nb, v, svs, (j + 1) * BN, seq_k, tid);
+        }
+        cp_async_commit();
+        const T* ck = sk + (j & 1) * BN * LDS;
+        const T* cv = sv + (j & 1) * BN * LDS;
+        const int n0 = j * BN;
+        float p[BN / 8][4];
+        zero(p);
+        warp_mma_sa<D, BN, false, LDS, LDS>(p, sq, wr, ck, lane);  // S
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), r = e >> 1, row = ra + r * 8;
+                const bool ok = l2[r] != attn::ninf() && col < seq_k && (!causal || col <= row + shift);
+                p[nt][e] = ok ? exp2f(p[nt][e] * scale_log2 - l2[r]) : 0.0f;
+            }
+        }
+        float dp[BN / 8][4];
+        zero(dp);
+        warp_mma_sa<D, BN, false, LDS, LDS>(dp, sdo, wr, cv, lane);  // dP = dO V^T
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dp[nt][e] = p[nt][e] * (dp[nt][e] - del[e >> 1]);
+        }
+        unsigned af[BN / 16][4];
+        c_to_a<BN, T>(af, dp);
+        warp_mma<BN, D, true, LDS>(gq, af, ck, lane);  // dQ += dS K
+    }
+    cp_async_wait<0>();
+    store_c<D, T>(dq, sgs, gq, m0 + wr, seq_q, scale, scale, lane);
+}
+

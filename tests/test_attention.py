@@ -1,0 +1,270 @@
+"""cufuse.attention against a float64 reference written here (an explicit
+softmax of q k^T per batch and head), every dtype and array kind, causal and
+not, grouped-query heads, odd and zero sequence lengths, head dims 16 to
+128, strided and misaligned views, the 3-D form; gradients against torch's
+autograd of the reference and by gradcheck; determinism; errors."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import cufuse
+from _reference import BF16, DTYPES, rand
+
+DTYPES_ALL = DTYPES + ([BF16] if BF16 is not None else [])
+# (rtol, atol) of the output per dtype: the 16-bit kernels round the
+# probabilities to the input dtype before P V (as FlashAttention does)
+TOL = {np.dtype(np.float16): 3e-3, np.dtype(np.float32): 2e-5, np.dtype(np.float64): 1e-10}
+if BF16 is not None:
+    TOL[BF16] = 2e-2
+# gradients: |got - want| <= GTOL * max |want| (they sum over a sequence)
+GTOL = {np.dtype(np.float16): 1e-2, np.dtype(np.float32): 1e-4, np.dtype(np.float64): 1e-10}
+if BF16 is not None:
+    GTOL[BF16] = 5e-2
+
+CASES = {  # name: (batch, heads, kv heads, seq_q, seq_k, head dim)
+    "one": (1, 1, 1, 1, 1, 64),
+    "odd": (2, 3, 3, 17, 17, 64),
+    "gqa": (2, 8, 2, 65, 65, 32),
+    "long_k": (1, 2, 1, 127, 1000, 128),
+    "short_q": (2, 2, 2, 5, 300, 96),
+    "long_q": (1, 1, 1, 4097, 130, 16),
+    "d48": (1, 2, 2, 33, 70, 48),
+    "d112": (1, 1, 1, 20, 21, 112),
+}
+
+
+def _reference(q, k, v, scale, causal):
+    """(o, lse) in float64: per batch and head, s = q k^T scale, keys j > i +
+    seq_k - seq_q masked when causal, o = softmax(s) v; a row with no key: 0, -inf."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    b, h, sq, d = q.shape
+    hk, sk = k.shape[1], k.shape[2]
+    o = np.zeros((b, h, sq, v.shape[-1]))
+    lse = np.full((b, h, sq), -np.inf)
+    allowed = np.ones((sq, sk), bool)
+    if causal:
+        allowed = np.arange(sk)[None, :] <= np.arange(sq)[:, None] + (sk - sq)
+    for bi in range(b):
+        for hi in range(h):
+            kv = hi // (h // hk)
+            s = q[bi, hi] @ k[bi, kv].T * scale
+            for i in range(sq):
+                row = s[i][allowed[i]]
+                if row.size == 0:
+                    continue
+                m = row.max()
+                e = np.exp(row - m)
+                o[bi, hi, i] = e @ v[bi, kv][allowed[i]] / e.sum()
+                lse[bi, hi, i] = m + math.log(e.sum())
+    return o, lse
+
+
+def _inputs(case, dt, seed):
+    b, h, hk, sq, sk, d = CASES[case] if isinstance(case, str) else case
+    return rand((b, h, sq, d), dt, seed), rand((b, hk, sk, d), dt, seed + 1), rand((b, hk, sk, d), dt, seed + 2)
+
+
+def _poison(backend, nbytes):
+    """Fill and free GPU memory with NaN so that outputs the kernels fail to write show."""
+    if backend.name == "torch_cuda":
+        backend.torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
+    elif backend.name == "cupy":
+        backend.cp.full((nbytes // 4 + 1,), np.nan, np.float32)
+
+
+def _check(got, want, dt, what):
+    got = np.asarray(got, np.float64)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    np.testing.assert_array_equal(np.isneginf(got), np.isneginf(want), err_msg=f"{what}: -inf positions")
+    fin = np.isfinite(want)
+    assert np.isfinite(got[fin]).all(), f"{what}: non-finite values"
+    t = TOL[np.dtype(dt)]
+    np.testing.assert_allclose(got[fin], want[fin], rtol=t, atol=t, err_msg=what)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("dt", DTYPES_ALL, ids=lambda d: d.name)
+def test_forward(backend, dt, case, causal):
+    q, k, v = _inputs(case, dt, 3)
+    _poison(backend, q.size * 8)
+    o, lse = cufuse.attention(backend.asarray(q), backend.asarray(k), backend.asarray(v), causal=causal,
+                              return_lse=True)
+    assert backend.is_kind(o) and backend.is_kind(lse)
+    got = backend.to_numpy(o)
+    assert got.dtype == dt
+    want_o, want_lse = _reference(q, k, v, 1 / math.sqrt(q.shape[-1]), causal)
+    _check(got, want_o, dt, "o")
+    assert backend.to_numpy(lse).dtype == (np.float64 if dt == np.float64 else np.float32)
+    _check(backend.to_numpy(lse), want_lse, np.float32 if dt != np.float64 else dt, "lse")
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2, 0, 5, 64), (1, 2, 2, 5, 0, 64), (0, 2, 1, 5, 5, 32)])
+def test_empty_sequences(backend, shape):
+    """No query rows: empty results; no keys: zeros and lse -inf (a row that sees nothing)."""
+    q, k, v = _inputs(shape, np.float16, 5)
+    o, lse = cufuse.attention(backend.asarray(q), backend.asarray(k), backend.asarray(v), return_lse=True)
+    assert tuple(o.shape) == q.shape and tuple(lse.shape) == q.shape[:3]
+    want_o, want_lse = _reference(q, k, v, 0.125, False)
+    _check(backend.to_numpy(o), want_o, np.float16, "o")
+    np.testing.assert_array_equal(backend.to_numpy(lse), want_lse.astype(np.float32))
+
+
+@pytest.mark.parametrize("dt", DTYPES_ALL, ids=lambda d: d.name)
+def test_causal_rows_without_keys(backend, dt):
+    """seq_q > seq_k with the bottom-right causal mask: the first rows see no key (0, lse -inf)."""
+    q, k, v = _inputs((1, 2, 1, 40, 9, 32), dt, 6)
+    o, lse = cufuse.attention(backend.asarray(q), backend.asarray(k), backend.asarray(v), causal=True,
+                              return_lse=True)
+    want_o, want_lse = _reference(q, k, v, 1 / math.sqrt(32), True)
+    assert np.isneginf(want_lse[..., :31]).all() and np.isfinite(want_lse[..., 31:]).all()
+    _check(backend.to_numpy(o), want_o, dt, "o")
+    _check(backend.to_numpy(lse), want_lse, np.float32 if dt != np.float64 else dt, "lse")
+
+
+@pytest.mark.parametrize("dt", DTYPES_ALL, ids=lambda d: d.name)
+def test_layouts(backend, dt):
+    """(batch, seq, heads, dim) storage seen as (batch, heads, seq, dim) (Hugging
+    Face's layout before its transpose), a misaligned view, the 3-D form and a scale."""
+    b, s, h, d = 2, 37, 4, 64
+    base = rand((b, s, h, d), dt, 8)
+    qt = backend.asarray(base)
+    qt = qt.transpose(1, 2) if backend.is_torch else qt.transpose(0, 2, 1, 3)
+    flat = backend.asarray(rand((b * h * s * d + 1,), dt, 9))
+    k_mis = flat[1:].reshape(b, h, s, d)  # one element off: not 16-byte aligned
+    v = rand((b, h, s, d), dt, 10)
+    o = cufuse.attention(qt, k_mis, backend.asarray(v), scale=0.3)
+    want, _ = _reference(base.transpose(0, 2, 1, 3), backend.to_numpy(k_mis), v, 0.3, False)
+    _check(backend.to_numpy(o), want, dt, "strided and misaligned")
+    q3, k3, v3 = (rand((3, 50, 32), dt, 11 + i) for i in range(3))
+    o3 = cufuse.attention(*(backend.asarray(x) for x in (q3, k3, v3)), causal=True)
+    assert tuple(o3.shape) == (3, 50, 32)
+    want3, _ = _reference(q3[:, None], k3[:, None], v3[:, None], 1 / math.sqrt(32), True)
+    _check(backend.to_numpy(o3), want3[:, 0], dt, "3-D")
+
+
+# ------------------------------------------------------------------ gradients
+def _torch_reference(q, k, v, scale, causal):
+    """The attention in torch ops (float64 on the CPU), for autograd."""
+    import torch
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = q @ k.transpose(-1, -2) * scale
+    if causal:
+        sq, sk = s.shape[-2:]
+        mask = torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq)
+        s = s.masked_fill(mask, -math.inf)
+    return torch.softmax(s, -1) @ v
+
+
+GRAD_CASES = ["odd", "gqa", "long_k", "short_q", "d48"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", GRAD_CASES)
+@pytest.mark.parametrize("dt", DTYPES_ALL, ids=lambda d: d.name)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_gradients(device, dt, case, causal):
+    torch = pytest.importorskip("torch")
+    from _reference import Backend
+    bk = Backend("torch_cuda" if device == "cuda" else "torch_cpu")
+    q, k, v = _inputs(case, dt, 20)
+    go = rand(q.shape, dt, 23)
+    ins = [bk.asarray(x).requires_grad_(True) for x in (q, k, v)]
+    o = cufuse.attention(*ins, causal=causal)
+    o.backward(bk.asarray(go))
+    ref = [torch.from_numpy(np.asarray(x, np.float64)).requires_grad_(True) for x in (q, k, v)]
+    scale = 1 / math.sqrt(q.shape[-1])
+    _torch_reference(*ref, scale, causal).backward(torch.from_numpy(go.astype(np.float64)))
+    for what, a, r in zip("qkv", ins, ref):
+        got = bk.to_numpy(a.grad).astype(np.float64)
+        want = r.grad.numpy()
+        assert got.shape == want.shape and np.isfinite(got).all(), what
+        err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+        assert err <= GTOL[np.dtype(dt)], f"d{what}: max error {err:.3g} of max |want| {np.abs(want).max():.3g}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_gradcheck(device):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(30)
+    q = torch.randn(1, 4, 6, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    k = torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    v = torch.randn(1, 2, 7, 8, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(lambda a, b, c: cufuse.attention(a, b, c, causal=causal, scale=0.7),
+                                        (q, k, v))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_backward_is_deterministic(dt):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator(device="cuda").manual_seed(31)
+    dtype = getattr(torch, dt)
+    q = torch.randn(2, 8, 300, 64, device="cuda", generator=g).to(dtype).requires_grad_(True)
+    k = torch.randn(2, 2, 300, 64, device="cuda", generator=g).to(dtype).requires_grad_(True)
+    v = torch.randn(2, 2, 300, 64, device="cuda", generator=g).to(dtype).requires_grad_(True)
+    go = torch.randn(2, 8, 300, 64, device="cuda", generator=g).to(dtype)
+    grads = []
+    for _ in range(2):
+        grads.append(torch.autograd.grad(cufuse.attention(q, k, v, causal=True), (q, k, v), go))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.cuda
+def test_matches_torch_sdpa():
+    """Against torch's scaled_dot_product_attention (same causal convention when seq_q == seq_k)."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator(device="cuda").manual_seed(32)
+    q, k, v = (torch.randn(2, 4, 257, 128, device="cuda", generator=g).half() for _ in range(3))
+    for causal in (False, True):
+        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        torch.testing.assert_close(cufuse.attention(q, k, v, causal=causal), want, rtol=3e-3, atol=3e-3)
+
+
+# --------------------------------------------------------------------- errors
+def test_errors(backend):
+    q, k, v = (backend.asarray(x) for x in _inputs((1, 4, 2, 8, 8, 64), np.float16, 40))
+    with pytest.raises(TypeError, match="k is numpy.ndarray"):
+        if backend.name != "numpy":
+            cufuse.attention(q, np.zeros((1, 2, 8, 64), np.float16), v)
+        else:
+            raise TypeError("k is numpy.ndarray")
+    with pytest.raises(TypeError, match="dtype float32 and q float16"):
+        cufuse.attention(q, backend.asarray(rand((1, 2, 8, 64), np.float32, 1)), v)
+    with pytest.raises(TypeError, match="accepted dtypes"):
+        cufuse.attention(backend.asarray(np.ones((1, 4, 8, 64), np.int32)), k, v)
+    with pytest.raises(ValueError, match="must all be"):
+        cufuse.attention(q[0], k, v)
+    with pytest.raises(ValueError, match="whole multiple"):
+        cufuse.attention(q, backend.asarray(rand((1, 3, 8, 64), np.float16, 2)),
+                         backend.asarray(rand((1, 3, 8, 64), np.float16, 3)))
+    with pytest.raises(ValueError, match="head dim is 64 and k's 32"):
+        cufuse.attention(q, backend.asarray(rand((1, 2, 8, 32), np.float16, 2)), v)
+    with pytest.raises(ValueError, match="v must have k's heads"):
+        cufuse.attention(q, k, backend.asarray(rand((1, 2, 9, 64), np.float16, 2)))
+    with pytest.raises(ValueError, match="batch sizes differ"):
+        cufuse.attention(q, backend.asarray(rand((2, 2, 8, 64), np.float16, 2)), v)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        cufuse.attention(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="scale must be finite"):
+        cufuse.attention(q, k, v, scale=float("nan"))
+    with pytest.raises(TypeError, match="scale must be a float"):
+        cufuse.attention(q, k, v, scale="0.1")
+
+
+@pytest.mark.cuda
+def test_unsupported_head_dim_on_the_gpu():
+    import cupy
+    q = cupy.asarray(rand((1, 1, 8, 72), np.float16, 1))
+    with pytest.raises(ValueError, match="head dim 72 is not supported"):
+        cufuse.attention(q, q, q)
+    # the dense path serves float32 at any head dim
+    o = cufuse.attention(q.astype(np.float32), q.astype(np.float32), q.astype(np.float32))
+    want, _ = _reference(*(cupy.asnumpy(q),) * 3, 1 / math.sqrt(72), False)
+    _check(cupy.asnumpy(o), want, np.float32, "float32 d72")
