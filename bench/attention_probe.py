@@ -32,15 +32,39 @@ def _regs(dt):
     ndt = A.torch_to_numpy_dtype(dt)
     for d in DIMS:
         for kern in AT._KERNELS:
-            fn = R.get_function(AT._part(d, ndt), AT._EXPRS[(kern, d, ndt)], 0)
+            fn = R.get_function(AT._part(d, ndt), AT._expr(kern, d, ndt), 0)
             print(f"  {kern:24} d{d}: {driver.funcGetAttribute(4, fn.ptr)} registers, "
                   f"{driver.funcGetAttribute(3, fn.ptr)} local bytes")
+
+
+def sweep(dt):
+    """The forward's (row tiles per warp, keys per tile) choices at seq 4096: µs, TFLOP/s, registers, spills."""
+    import importlib
+    from cupy.cuda import driver
+    from cufuse import _arrays as A
+    from cufuse import _runtime as R
+    AT = importlib.import_module("cufuse.ops.attention")
+    ndt = A.torch_to_numpy_dtype(dt)
+    for d in DIMS:
+        seq, b, h = 4096, 4, 16
+        q, k, v = (torch.randn(b, h, seq, d, device="cuda").to(dt) for _ in range(3))
+        want = cufuse.attention(q, k, v)
+        for cfg in [(1, 64), (1, 32), (2, 32), (2, 64), (2, 16)]:
+            AT._FWD_CFG[d] = cfg
+            fn = R.get_function(AT._part(d, ndt), AT._expr("attention_forward", d, ndt), 0)
+            err = (cufuse.attention(q, k, v).float() - want.float()).abs().max().item()
+            us = event_median(lambda: cufuse.attention(q, k, v), 10)
+            print(f"  d{d} tiles/warp {cfg[0]} keys {cfg[1]:3}: {us:8.1f} us {4 * b * h * seq * seq * d / us / 1e6:6.1f} "
+                  f"TFLOP/s, {driver.funcGetAttribute(4, fn.ptr)} registers, {driver.funcGetAttribute(3, fn.ptr)} "
+                  f"local bytes, max diff {err:.2g}")
 
 
 def main():
     dt = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float16")
     quick = "quick" in sys.argv
     print(torch.cuda.get_device_name(), "torch", torch.__version__, dt)
+    if "sweep" in sys.argv:
+        return sweep(dt)
     _regs(dt)
     print(f"{'seq':>6} {'d':>4} {'causal':>6} {'impl':8} {'fwd us':>9} {'TFLOP/s':>8} {'f+b us':>9} {'TFLOP/s':>8}")
     impls = {"cufuse": lambda q, k, v, c: cufuse.attention(q, k, v, causal=c)}

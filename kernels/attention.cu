@@ -30,7 +30,11 @@ constexpr float kLog2e = 1.4426950408889634f;
 }  // namespace cufuse
 
 // ----------------------------------------------------------------- forward
-template <typename T, int D, int WARPS>
+// A block of WARPS warps, each owning MT row tiles of 16 query rows (so each
+// K and V fragment read from shared memory feeds MT products), over key
+// tiles of BN. Q stays in registers where MT * D <= 128, else it is read
+// from shared memory.
+template <typename T, int D, int WARPS, int MT, int BN>
 __global__ void __launch_bounds__(WARPS * 32)
     attention_forward(T* __restrict__ o, float* __restrict__ lse, const T* __restrict__ q, const T* __restrict__ k,
                       const T* __restrict__ v, long long sqb, long long sqh, long long sqs, long long skb,
@@ -39,7 +43,8 @@ __global__ void __launch_bounds__(WARPS * 32)
                       int tiles, float scale_log2, bool causal) {
     using namespace cufuse;
     using namespace cufuse::attn;
-    constexpr int THREADS = WARPS * 32, BM = 16 * WARPS, BN = 64, LDS = D + 8;
+    constexpr int THREADS = WARPS * 32, BM = 16 * MT * WARPS, LDS = D + 8;
+    constexpr bool QREG = MT * D <= 128;
     extern __shared__ __align__(16) unsigned char smem[];
     T* sq = reinterpret_cast<T*>(smem);
     T* sk = sq + BM * LDS;
@@ -48,7 +53,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     // the heaviest (last, under a causal mask) row tiles first
     const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
     const int b = bh / heads, h = bh % heads, hk = h / group;
-    const int m0 = tile * BM, wr = warp * 16;
+    const int m0 = tile * BM, wr = warp * 16 * MT;
     q += b * sqb + h * sqh;
     o += b * sob + h * soh;
     k += b * skb + hk * skh;
@@ -65,15 +70,25 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     cp_async_commit();
 
-    float acc[D / 8][4];
-    zero(acc);
-    float mx[2] = {attn::ninf(), attn::ninf()}, sum[2] = {0.0f, 0.0f};
-    unsigned qf[D / 16][4];
-    const int ra = m0 + wr + (lane >> 2);  // the thread's rows: ra and ra + 8
+    float acc[MT][D / 8][4];
+    float mx[MT][2], sum[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        zero(acc[mt]);
+        mx[mt][0] = mx[mt][1] = ninf();
+        sum[mt][0] = sum[mt][1] = 0.0f;
+    }
+    unsigned qf[QREG ? MT : 1][QREG ? D / 16 : 1][4];
+    const int ra = m0 + wr + (lane >> 2);  // the thread's rows: ra + 16 mt + 8 r
     for (int j = 0; j < n_tiles; ++j) {
         cp_async_wait<0>();
         __syncthreads();  // tile j landed; every warp is done with tile j - 1's buffers
-        if (j == 0) load_a_rows<D, LDS>(qf, sq, wr, lane);
+        if constexpr (QREG) {
+            if (j == 0) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) load_a_rows<D, LDS>(qf[mt], sq, wr + 16 * mt, lane);
+            }
+        }
         if (j + 1 < n_tiles) {
             const int nb = ((j + 1) & 1) * BN * LDS;
             load_rows<BN, D, THREADS>(sk + nb, k, sks, (j + 1) * BN, seq_k, tid);
@@ -83,59 +98,71 @@ __global__ void __launch_bounds__(WARPS * 32)
         const T* ck = sk + (j & 1) * BN * LDS;
         const T* cv = sv + (j & 1) * BN * LDS;
 
-        float s[BN / 8][4];
-        zero(s);
-        warp_mma<D, BN, false, LDS>(s, qf, ck, lane);
+        float s[MT][BN / 8][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) zero(s[mt]);
+        if constexpr (QREG) {
+            warp_mma<MT, D, BN, false, LDS>(s, qf, ck, lane);
+        } else {
+            warp_mma_sa<MT, D, BN, false, LDS, LDS>(s, sq, wr, ck, lane);
+        }
         const int n0 = j * BN;
         const bool edge = n0 + BN > seq_k || (causal && n0 + BN - 1 > m0 + wr + shift);
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                s[nt][e] *= scale_log2;
-                if (edge) {
-                    const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), row = ra + (e >> 1) * 8;
-                    if (col >= seq_k || (causal && col > row + shift)) s[nt][e] = attn::ninf();
+            for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    s[mt][nt][e] *= scale_log2;
+                    if (edge) {
+                        const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), row = ra + 16 * mt + (e >> 1) * 8;
+                        if (col >= seq_k || (causal && col > row + shift)) s[mt][nt][e] = ninf();
+                    }
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float m = mx[mt][r];
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
+                m = quad_max(m);
+                const float base = m == ninf() ? 0.0f : m;  // a row with nothing seen yet: exp2(-inf) = 0
+                const float alpha = exp2f(mx[mt][r] - base);
+                mx[mt][r] = m;
+                float l = 0.0f;
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) {
+                    s[mt][nt][2 * r] = exp2f(s[mt][nt][2 * r] - base);
+                    s[mt][nt][2 * r + 1] = exp2f(s[mt][nt][2 * r + 1] - base);
+                    l += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
+                }
+                sum[mt][r] = sum[mt][r] * alpha + l;
+#pragma unroll
+                for (int dt = 0; dt < D / 8; ++dt) {
+                    acc[mt][dt][2 * r] *= alpha;
+                    acc[mt][dt][2 * r + 1] *= alpha;
                 }
             }
         }
+        unsigned pf[MT][BN / 16][4];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            float m = mx[r];
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
-            m = quad_max(m);
-            const float base = m == attn::ninf() ? 0.0f : m;  // a row with nothing seen yet: exp2(-inf) = 0
-            const float alpha = exp2f(mx[r] - base);
-            mx[r] = m;
-            float l = 0.0f;
-#pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
-                s[nt][2 * r] = exp2f(s[nt][2 * r] - base);
-                s[nt][2 * r + 1] = exp2f(s[nt][2 * r + 1] - base);
-                l += s[nt][2 * r] + s[nt][2 * r + 1];
-            }
-            sum[r] = sum[r] * alpha + l;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-                acc[dt][2 * r] *= alpha;
-                acc[dt][2 * r + 1] *= alpha;
-            }
-        }
-        unsigned pf[BN / 16][4];
-        c_to_a<BN, T>(pf, s);
-        warp_mma<BN, D, true, LDS>(acc, pf, cv, lane);
+        for (int mt = 0; mt < MT; ++mt) c_to_a<BN, T>(pf[mt], s[mt]);
+        warp_mma<MT, BN, D, true, LDS>(acc, pf, cv, lane);
     }
     cp_async_wait<0>();
 #pragma unroll
-    for (int r = 0; r < 2; ++r) sum[r] = quad_sum(sum[r]);
-    store_c<D, T>(o, sos, acc, m0 + wr, seq_q, sum[0] > 0.0f ? 1.0f / sum[0] : 0.0f,
-                  sum[1] > 0.0f ? 1.0f / sum[1] : 0.0f, lane);
-    if ((lane & 3) == 0) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int row = ra + r * 8;
-            if (row < seq_q) lse[row] = sum[r] > 0.0f ? (mx[r] + log2f(sum[r])) * kLn2 : attn::ninf();
+        for (int r = 0; r < 2; ++r) sum[mt][r] = quad_sum(sum[mt][r]);
+        store_c<D, T>(o, sos, acc[mt], m0 + wr + 16 * mt, seq_q, sum[mt][0] > 0.0f ? 1.0f / sum[mt][0] : 0.0f,
+                      sum[mt][1] > 0.0f ? 1.0f / sum[mt][1] : 0.0f, lane);
+        if ((lane & 3) == 0) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const int row = ra + 16 * mt + r * 8;
+                if (row < seq_q) lse[row] = sum[mt][r] > 0.0f ? (mx[mt][r] + log2f(sum[mt][r])) * kLn2 : ninf();
+            }
         }
     }
 }
@@ -219,9 +246,9 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (iters > 0) issue(0, 0);
     cp_async_commit();
 
-    float gk[D / 8][4], gv[D / 8][4];
-    zero(gk);
-    zero(gv);
+    float gk[1][D / 8][4], gv[1][D / 8][4];
+    zero(gk[0]);
+    zero(gv[0]);
     const int ka = n0 + kw + (lane >> 2);  // the thread's keys: ka and ka + 8
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<0>();
@@ -234,9 +261,9 @@ __global__ void __launch_bounds__(WARPS * 32)
         const float* cl = slse + buf * BQ;
         const float* cd = sdel + buf * BQ;
 
-        float p[BQ / 8][4];
-        zero(p);
-        warp_mma_sa<D, BQ, false, LDS, LDS>(p, sk, kw, cq, lane);  // S^T
+        float p[1][BQ / 8][4];
+        zero(p[0]);
+        warp_mma_sa<1, D, BQ, false, LDS, LDS>(p, sk, kw, cq, lane);  // S^T
 #pragma unroll
         for (int nt = 0; nt < BQ / 8; ++nt) {
 #pragma unroll
@@ -244,26 +271,26 @@ __global__ void __launch_bounds__(WARPS * 32)
                 const int qi = nt * 8 + (lane & 3) * 2 + (e & 1), key = ka + (e >> 1) * 8;
                 const float l = cl[qi];
                 const bool ok = l != attn::ninf() && key < seq_k && (!causal || key <= q0 + qi + shift);
-                p[nt][e] = ok ? exp2f(p[nt][e] * scale_log2 - l) : 0.0f;
+                p[0][nt][e] = ok ? exp2f(p[0][nt][e] * scale_log2 - l) : 0.0f;
             }
         }
-        unsigned af[BQ / 16][4];
-        c_to_a<BQ, T>(af, p);
-        warp_mma<BQ, D, true, LDS>(gv, af, cdo, lane);  // dV += P^T dO
-        float dp[BQ / 8][4];
-        zero(dp);
-        warp_mma_sa<D, BQ, false, LDS, LDS>(dp, sv, kw, cdo, lane);  // dP^T = V dO^T
+        unsigned af[1][BQ / 16][4];
+        c_to_a<BQ, T>(af[0], p[0]);
+        warp_mma<1, BQ, D, true, LDS>(gv, af, cdo, lane);  // dV += P^T dO
+        float dp[1][BQ / 8][4];
+        zero(dp[0]);
+        warp_mma_sa<1, D, BQ, false, LDS, LDS>(dp, sv, kw, cdo, lane);  // dP^T = V dO^T
 #pragma unroll
         for (int nt = 0; nt < BQ / 8; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[nt][e] = p[nt][e] * (dp[nt][e] - cd[nt * 8 + (lane & 3) * 2 + (e & 1)]);
+            for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - cd[nt * 8 + (lane & 3) * 2 + (e & 1)]);
         }
-        c_to_a<BQ, T>(af, dp);
-        warp_mma<BQ, D, true, LDS>(gk, af, cq, lane);  // dK += dS^T Q
+        c_to_a<BQ, T>(af[0], dp[0]);
+        warp_mma<1, BQ, D, true, LDS>(gk, af, cq, lane);  // dK += dS^T Q
     }
     cp_async_wait<0>();
-    store_c<D, T>(dk, skgs, gk, n0 + kw, seq_k, scale, scale, lane);
-    store_c<D, T>(dv, svgs, gv, n0 + kw, seq_k, 1.0f, 1.0f, lane);
+    store_c<D, T>(dk, skgs, gk[0], n0 + kw, seq_k, scale, scale, lane);
+    store_c<D, T>(dv, svgs, gv[0], n0 + kw, seq_k, 1.0f, 1.0f, lane);
 }
 
 // ------------------------------------------------------------------- dQ
@@ -316,8 +343,8 @@ __global__ void __launch_bounds__(WARPS * 32)
         l2[r] = row < seq_q ? lse[lo + row] * kLog2e : attn::ninf();
         del[r] = row < seq_q ? delta[lo + row] : 0.0f;
     }
-    float gq[D / 8][4];
-    zero(gq);
+    float gq[1][D / 8][4];
+    zero(gq[0]);
     for (int j = 0; j < n_tiles; ++j) {
         cp_async_wait<0>();
         __syncthreads();
@@ -330,31 +357,31 @@ __global__ void __launch_bounds__(WARPS * 32)
         const T* ck = sk + (j & 1) * BN * LDS;
         const T* cv = sv + (j & 1) * BN * LDS;
         const int n0 = j * BN;
-        float p[BN / 8][4];
-        zero(p);
-        warp_mma_sa<D, BN, false, LDS, LDS>(p, sq, wr, ck, lane);  // S
+        float p[1][BN / 8][4];
+        zero(p[0]);
+        warp_mma_sa<1, D, BN, false, LDS, LDS>(p, sq, wr, ck, lane);  // S
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), r = e >> 1, row = ra + r * 8;
                 const bool ok = l2[r] != attn::ninf() && col < seq_k && (!causal || col <= row + shift);
-                p[nt][e] = ok ? exp2f(p[nt][e] * scale_log2 - l2[r]) : 0.0f;
+                p[0][nt][e] = ok ? exp2f(p[0][nt][e] * scale_log2 - l2[r]) : 0.0f;
             }
         }
-        float dp[BN / 8][4];
-        zero(dp);
-        warp_mma_sa<D, BN, false, LDS, LDS>(dp, sdo, wr, cv, lane);  // dP = dO V^T
+        float dp[1][BN / 8][4];
+        zero(dp[0]);
+        warp_mma_sa<1, D, BN, false, LDS, LDS>(dp, sdo, wr, cv, lane);  // dP = dO V^T
 #pragma unroll
         for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[nt][e] = p[nt][e] * (dp[nt][e] - del[e >> 1]);
+            for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - del[e >> 1]);
         }
-        unsigned af[BN / 16][4];
-        c_to_a<BN, T>(af, dp);
-        warp_mma<BN, D, true, LDS>(gq, af, ck, lane);  // dQ += dS K
+        unsigned af[1][BN / 16][4];
+        c_to_a<BN, T>(af[0], dp[0]);
+        warp_mma<1, BN, D, true, LDS>(gq, af, ck, lane);  // dQ += dS K
     }
     cp_async_wait<0>();
-    store_c<D, T>(dq, sgs, gq, m0 + wr, seq_q, scale, scale, lane);
+    store_c<D, T>(dq, sgs, gq[0], m0 + wr, seq_q, scale, scale, lane);
 }
 

@@ -52,16 +52,18 @@ __device__ __forceinline__ void load_rows(T* s, const T* g, long long ld, int ro
     }
 }
 
-// The four 8x8 16-bit matrices whose rows lanes 8i..8i+7 address.
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) {
+// The four 8x8 16-bit matrices whose rows lanes 8i..8i+7 address (a shared
+// address: the callers add compile-time offsets to one per-lane base, so no
+// pointer per fragment stays live in registers).
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned addr) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(smem_addr(p)));
+                 : "r"(addr));
 }
 
 template <typename T> struct mma_kind;
@@ -92,10 +94,24 @@ template <> struct mma_kind<__nv_bfloat16> {
     }
 };
 
+// Per-lane byte offsets of the ldmatrix rows: an A fragment (rows r..r + 15,
+// cols c..c + 15 of a row-major tile), B stored [n][k] (two 8-column blocks
+// of n, one k step) and B stored [k][n] (transposed on load). For the block
+// at (row, col) add (row * LDS + col) * sizeof(T).
+template <int LDS, typename T> __device__ __forceinline__ unsigned lane_a(int lane) {
+    return ((lane & 15) * LDS + (lane >> 4) * 8) * sizeof(T);
+}
+template <int LDS, typename T> __device__ __forceinline__ unsigned lane_b_nk(int lane) {
+    return (((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 8) * sizeof(T);
+}
+template <int LDS, typename T> __device__ __forceinline__ unsigned lane_b_kn(int lane) {
+    return ((((lane >> 3) & 1) * 8 + (lane & 7)) * LDS + (lane >> 4) * 8) * sizeof(T);
+}
+
 // A fragment of the 16x16 block at (row0, col0) of a row-major shared tile.
 template <int LDS, typename T>
 __device__ __forceinline__ void load_a(unsigned (&a)[4], const T* s, int row0, int col0, int lane) {
-    ldmatrix_x4(a, s + (row0 + (lane & 15)) * LDS + col0 + (lane >> 4) * 8);
+    ldmatrix_x4(a, smem_addr(s) + lane_a<LDS, T>(lane) + (row0 * LDS + col0) * sizeof(T));
 }
 
 // The A fragments of a 16 x K row block of a shared tile (K % 16 == 0).
@@ -105,57 +121,65 @@ __device__ __forceinline__ void load_a_rows(unsigned (&a)[K / 16][4], const T* s
     for (int kk = 0; kk < K / 16; ++kk) load_a<LDS>(a[kk], s, row0, kk * 16, lane);
 }
 
-// B fragments of two 8-column blocks (n0..n0 + 15) for the k step k0..k0 + 15:
-//   b_nk: B stored transposed, as rows [n][k] (K in Q K^T)
-//   b_kn: B stored as rows [k][n] (V in P V)
-// r[0], r[1]: b0, b1 of columns n0..n0 + 7; r[2], r[3]: of n0 + 8..n0 + 15.
-template <int LDS, typename T>
-__device__ __forceinline__ void load_b_nk(unsigned (&r)[4], const T* s, int n0, int k0, int lane) {
-    ldmatrix_x4(r, s + (n0 + (lane >> 4) * 8 + (lane & 7)) * LDS + k0 + ((lane >> 3) & 1) * 8);
+// B fragments of the k step k0 for the columns n0..n0 + 15 of a shared B
+// stored [n][k] (KN = false: K in Q K^T) or [k][n] (KN = true: V in P V),
+// from the lane's base address (lane_b_nk / lane_b_kn added). r[0], r[1]:
+// b0, b1 of columns n0..n0 + 7; r[2], r[3]: of n0 + 8..n0 + 15.
+template <bool KN, int LDS, typename T>
+__device__ __forceinline__ void load_b(unsigned (&b)[4], unsigned base, int k0, int n0) {
+    if constexpr (KN) {
+        ldmatrix_x4_trans(b, base + (k0 * LDS + n0) * sizeof(T));
+    } else {
+        ldmatrix_x4(b, base + (n0 * LDS + k0) * sizeof(T));
+    }
 }
-template <int LDS, typename T>
-__device__ __forceinline__ void load_b_kn(unsigned (&r)[4], const T* s, int k0, int n0, int lane) {
-    ldmatrix_x4_trans(r, s + (k0 + ((lane >> 3) & 1) * 8 + (lane & 7)) * LDS + n0 + (lane >> 4) * 8);
+template <bool KN, int LDS, typename T> __device__ __forceinline__ unsigned lane_b(const T* sb, int lane) {
+    return smem_addr(sb) + (KN ? lane_b_kn<LDS, T>(lane) : lane_b_nk<LDS, T>(lane));
 }
 
-// acc[16][N] += A[16][K] B[K][N]: A as fragments, B a shared tile stored
-// [n][k] (KN = false) or [k][n] (KN = true). N % 16 == 0, K % 16 == 0.
-template <int K, int N, bool KN, int LDS, typename T>
-__device__ __forceinline__ void warp_mma(float (&acc)[N / 8][4], const unsigned (&a)[K / 16][4], const T* sb,
-                                         int lane) {
+// acc[MT][16][N] += A[MT][16][K] B[K][N] for MT row tiles of 16: A as
+// fragments, B a shared tile stored [n][k] (KN = false) or [k][n] (KN =
+// true); each B fragment is loaded once for the MT row tiles. N, K % 16 == 0.
+template <int MT, int K, int N, bool KN, int LDS, typename T>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][N / 8][4], const unsigned (&a)[MT][K / 16][4],
+                                         const T* sb, int lane) {
+    const unsigned base = lane_b<KN, LDS>(sb, lane);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
 #pragma unroll
         for (int np = 0; np < N / 16; ++np) {
             unsigned b[4];
-            if constexpr (KN) {
-                load_b_kn<LDS>(b, sb, kk * 16, np * 16, lane);
-            } else {
-                load_b_nk<LDS>(b, sb, np * 16, kk * 16, lane);
+            load_b<KN, LDS, T>(b, base, kk * 16, np * 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_kind<T>::run(acc[mt][2 * np], a[mt][kk], b[0], b[1]);
+                mma_kind<T>::run(acc[mt][2 * np + 1], a[mt][kk], b[2], b[3]);
             }
-            mma_kind<T>::run(acc[2 * np], a[kk], b[0], b[1]);
-            mma_kind<T>::run(acc[2 * np + 1], a[kk], b[2], b[3]);
         }
     }
 }
 
-// The same with A read from a shared tile (rows row0..row0 + 15) one k step at a time.
-template <int K, int N, bool KN, int LDSA, int LDS, typename T>
-__device__ __forceinline__ void warp_mma_sa(float (&acc)[N / 8][4], const T* sa, int row0, const T* sb, int lane) {
+// The same with A read from a shared tile (row tile mt at rows row0 + 16 mt)
+// one k step at a time.
+template <int MT, int K, int N, bool KN, int LDSA, int LDS, typename T>
+__device__ __forceinline__ void warp_mma_sa(float (&acc)[MT][N / 8][4], const T* sa, int row0, const T* sb,
+                                            int lane) {
+    const unsigned base = lane_b<KN, LDS>(sb, lane);
+    const unsigned abase = smem_addr(sa) + lane_a<LDSA, T>(lane) + row0 * LDSA * sizeof(T);
 #pragma unroll
     for (int kk = 0; kk < K / 16; ++kk) {
-        unsigned a[4];
-        load_a<LDSA>(a, sa, row0, kk * 16, lane);
+        unsigned a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) ldmatrix_x4(a[mt], abase + (16 * mt * LDSA + kk * 16) * sizeof(T));
 #pragma unroll
         for (int np = 0; np < N / 16; ++np) {
             unsigned b[4];
-            if constexpr (KN) {
-                load_b_kn<LDS>(b, sb, kk * 16, np * 16, lane);
-            } else {
-                load_b_nk<LDS>(b, sb, np * 16, kk * 16, lane);
+            load_b<KN, LDS, T>(b, base, kk * 16, np * 16);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                mma_kind<T>::run(acc[mt][2 * np], a[mt], b[0], b[1]);
+                mma_kind<T>::run(acc[mt][2 * np + 1], a[mt], b[2], b[3]);
             }
-            mma_kind<T>::run(acc[2 * np], a, b[0], b[1]);
-            mma_kind<T>::run(acc[2 * np + 1], a, b[2], b[3]);
         }
     }
 }

@@ -26,7 +26,12 @@ from . import _rows
 
 FAMILY = "attention"
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)  # the kernels' head dims (16-bit dtypes on the GPU)
-_WARPS = 4  # kernels: a block is 16 * WARPS query rows (forward, dQ) or keys (dK, dV)
+_WARPS = 4  # kernels: a block is 16 * WARPS query rows (dQ) or keys (dK, dV)
+# the forward per head dim: (row tiles of 16 per warp, keys per tile). Two
+# row tiles let each K and V fragment read from shared memory feed two
+# products (1.15-1.2x one tile on an H200, bench/NOTES.md); above head dim
+# 64, tiles of 32 keys keep the scores of both in registers.
+_FWD_CFG = {d: (2, 64 if d <= 64 else 32) for d in HEAD_DIMS}
 _KERNELS = ("attention_forward", "attention_backward_kv", "attention_backward_q")
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
@@ -36,11 +41,38 @@ def _part(d, dt):
     return f"{FAMILY}:{d}_{dt.name}"  # one module per head dim and dtype: a first call compiles three kernels
 
 
-_EXPRS = {(kern, d, dt): R.register(_part(d, dt), R.name_expression(kern, R.FLOAT_CTYPES[dt], str(d), str(_WARPS)),
-                                    f"{kern.replace('attention_', '')} d{d}", dt.name, min_arch=80)
-          for dt in A.HALVES for d in HEAD_DIMS for kern in _KERNELS}
+_EXPRS: dict = {}
+
+
+def _expr(kern, d, dt):
+    """The name expression of a kernel, its head dim's part registered on first use (the three kernels
+    together, so that the part compiles once)."""
+    key = (kern, d, dt, _FWD_CFG[d])
+    e = _EXPRS.get(key)
+    if e is None:
+        cfg = {"attention_forward": (_WARPS, *_FWD_CFG[d])}
+        for kn in _KERNELS:
+            _EXPRS[(kn, d, dt, _FWD_CFG[d])] = R.register(
+                _part(d, dt), R.name_expression(kn, R.FLOAT_CTYPES[dt], str(d), *map(str, cfg.get(kn, (_WARPS,)))),
+                f"{kn.replace('attention_', '')} d{d}", dt.name, min_arch=80)
+        e = _EXPRS[key]
+    return e
+
+
+def register_all():
+    """Register every kernel (``python -m cufuse build`` compiles what is registered)."""
+    for dt in A.HALVES:
+        for d in HEAD_DIMS:
+            _expr(_KERNELS[0], d, dt)
+
+
+register_all()
 _DELTA = {dt: R.register(f"{FAMILY}:delta", R.name_expression("attention_delta", R.FLOAT_CTYPES[dt]), "delta",
                          dt.name) for dt in A.HALVES}
+
+
+def _fwd_rows(d):
+    return 16 * _WARPS * _FWD_CFG[d][0]
 
 
 def _shared_bytes(kern, d, item):
@@ -48,7 +80,7 @@ def _shared_bytes(kern, d, item):
     lds, rows = d + 8, 16 * _WARPS
     other = 64 if d <= 64 else 32
     if kern == "attention_forward":
-        return (rows + 4 * 64) * lds * item
+        return (_fwd_rows(d) + 4 * _FWD_CFG[d][1]) * lds * item
     if kern == "attention_backward_kv":
         return (2 * rows + 4 * other) * lds * item + 4 * other * 4
     return (2 * rows + 4 * other) * lds * item
@@ -216,7 +248,7 @@ def _strides(x, kind):
 
 
 def _launch(kind, dev, kern, d, dt, blocks, args):
-    fn = R.get_function(_part(d, dt), _EXPRS[(kern, d, dt)], dev)
+    fn = R.get_function(_part(d, dt), _expr(kern, d, dt), dev)
     R.launch_grid(fn, (blocks,), (32 * _WARPS,), args, D.stream_for(kind, dev), _shared_bytes(kern, d, dt.itemsize))
 
 
@@ -227,7 +259,7 @@ def _gpu_forward(kind, dt, dev, q, k, v, scale, causal):
         q, k, v = (_kernel_view(x, kind) for x in (q, k, v))
         o = D.empty((b, h, sq, d), dt, kind, dev)
         lse = D.empty((b, h, sq), _F32, kind, dev)
-        tiles, bh = -(-sq // (16 * _WARPS)), b * h
+        tiles, bh = -(-sq // _fwd_rows(d)), b * h
         if tiles and bh:
             p = A.pointer_of
             _launch(kind, dev, "attention_forward", d, dt, tiles * bh,
