@@ -235,6 +235,7 @@ def register():
     _register_cross_entropy(torch)
     _register_rope(torch)
     _register_scatter(torch)
+    _register_attention(torch)
     from .ops import quantize as Q
     AG._function_class("fake_quantize", Q._fq_function)  # made now: torch.compile cannot trace a class body
 
@@ -641,6 +642,51 @@ def _register_rope(torch):
 
     rope_op.register_autograd(grad, setup_context=setup)
     _OPS["rope"] = rope_op
+
+
+# -------------------------------------------------------------- attention
+
+
+def attention(q, k, v, scale, causal):
+    """cufuse.attention of 4-D tensors through its registered operator
+    (torch.compile): (o, lse)."""
+    register()
+    return _OPS["attention"](q, k, v, float(scale), bool(causal))
+
+
+def _register_attention(torch):
+    from .ops.attention import backward_tensors, forward_tensors
+
+    @torch.library.custom_op("cufuse::attention", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> (Tensor, Tensor)")
+    def attention_op(q, k, v, scale, causal):
+        return forward_tensors(q, k, v, scale, causal)
+
+    @torch.library.custom_op("cufuse::attention_backward", mutates_args=(),
+                             schema="(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor go, float scale, "
+                                    "bool causal) -> (Tensor, Tensor, Tensor)")
+    def attention_backward(q, k, v, o, lse, go, scale, causal):
+        return backward_tensors(q, k, v, o, lse, go, scale, causal)
+
+    attention_op.register_fake(lambda q, k, v, scale, causal: (
+        q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64
+                                          else torch.float32)))
+    attention_backward.register_fake(lambda q, k, v, o, lse, go, scale, causal: (
+        q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
+
+    def setup(ctx, inputs, output):
+        q, k, v, scale, causal = inputs
+        ctx.args = (scale, causal)
+        ctx.save_for_backward(q, k, v, output[0], output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    def grad(ctx, go, glse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward(q, k, v, o, lse, go.contiguous(), *ctx.args)
+        return dq, dk, dv, None, None
+
+    attention_op.register_autograd(grad, setup_context=setup)
+    _OPS["attention"] = attention_op
 
 
 # ------------------------------------------------------------ scatter-add

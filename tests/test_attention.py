@@ -268,3 +268,23 @@ def test_unsupported_head_dim_on_the_gpu():
     o = cufuse.attention(q.astype(np.float32), q.astype(np.float32), q.astype(np.float32))
     want, _ = _reference(*(cupy.asnumpy(q),) * 3, 1 / math.sqrt(72), False)
     _check(cupy.asnumpy(o), want, np.float32, "float32 d72")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_torch_compile(device):
+    """fullgraph torch.compile of a function calling cufuse.attention: the same
+    output and gradients as eager (the registered operator and its backward)."""
+    torch = pytest.importorskip("torch")
+    from _reference import compiled_matches_eager
+    dt = torch.float16 if device == "cuda" else torch.float32
+    g = torch.Generator().manual_seed(50)
+    q = torch.randn(2, 4, 33, 64, generator=g).to(device, dt).requires_grad_(True)
+    k = torch.randn(2, 2, 33, 64, generator=g).to(device, dt).requires_grad_(True)
+    v = torch.randn(2, 2, 33, 64, generator=g).to(device, dt).requires_grad_(True)
+
+    def f(q, k, v):
+        o, lse = cufuse.attention(q * 1.5, k, v, causal=True, return_lse=True)
+        return (o.float().square().sum() + lse.float().sum() * 0) / 100
+
+    tol = 2e-3 if device == "cuda" else 1e-5
+    compiled_matches_eager(f, [q, k, v], tol, tol)

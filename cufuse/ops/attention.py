@@ -340,11 +340,11 @@ def attention(q: Array, k: Array, v: Array, /, *, causal: bool = False, scale: f
     dims 16 to 128 in steps of 16; compute capability 8.0 or newer),
     nothing seq x seq in memory. Other dtypes and the CPU: the dense math
     (the score matrix materialized; float64 on the CPU). Differentiable for
-    torch tensors (the backward: two deterministic kernels, no atomics)."""
+    torch tensors (the backward: two deterministic kernels, no atomics);
+    under torch.compile the operator torch.ops.cufuse.attention."""
     name = "attention"
-    if TO.compiling():
-        raise NotImplementedError("cufuse.attention: not supported under torch.compile yet (call it outside the "
-                                  "compiled region, or use torch.nn.functional.scaled_dot_product_attention)")
+    if TO.compiling():  # torch.compile: checked with torch's attributes (Dynamo traces this), the operator
+        return _compiled(q, k, v, causal, scale, return_lse)
     kind, dt, dev, q4, k4, v4, scale, causal, three = _args(name, q, k, v, causal, scale)
     if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((q, k, v)):
         o, lse = AG._function_class("attention", _function).apply(q4, k4, v4, scale, causal)
@@ -357,13 +357,59 @@ def attention(q: Array, k: Array, v: Array, /, *, causal: bool = False, scale: f
     return (o, lse) if return_lse else o
 
 
+def _compiled(q, k, v, causal, scale, return_lse):
+    import torch
+    name = "cufuse.attention"
+    for what, x in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(x, torch.Tensor) or x.dtype not in A.torch_floats():
+            raise TypeError(f"{name}: under torch.compile, {what} must be a float tensor")
+        if x.dtype != q.dtype or x.device != q.device or x.dim() != q.dim():
+            raise ValueError(f"{name}: q, k and v must share dtype, device and number of dims")
+    three = q.dim() == 3
+    if three:
+        q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+    if q.dim() != 4:
+        raise ValueError(f"{name}: q, k and v must be (batch, seq, dim) or (batch, heads, seq, dim)")
+    b, h, sq, d = q.shape
+    if (k.shape[0] != b or k.shape[3] != d or v.shape != k.shape or k.shape[1] == 0 or h % k.shape[1]
+            or d == 0):
+        raise ValueError(f"{name}: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not agree "
+                         "(k and v of one shape, q's batch and head dim, heads a multiple of k's)")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d)
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d not in HEAD_DIMS:
+        raise ValueError(f"{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
+                         f"(supported: {', '.join(map(str, HEAD_DIMS))})")
+    o, lse = TO.attention(q, k, v, scale, causal)
+    if three:
+        o, lse = o.squeeze(1), lse.squeeze(1)
+    return (o, lse) if return_lse else o
+
+
+def _kind_of(t):
+    kind = A.TORCH_CUDA if t.is_cuda else A.TORCH_CPU
+    return kind, A.dtype_of(t, kind), A.device_of(t, kind)
+
+
+def forward_tensors(q, k, v, scale, causal):
+    """(o, lse) of 4-D torch tensors: the registered operator's body."""
+    kind, dt, dev = _kind_of(q)
+    return forward(kind, dt, dev, q, k, v, scale, causal)
+
+
+def backward_tensors(q, k, v, o, lse, go, scale, causal):
+    """(dq, dk, dv) of 4-D torch tensors: the registered backward operator's body."""
+    kind, dt, dev = _kind_of(q)
+    return backward(kind, dt, dev, q, k, v, o, lse, go, scale, causal)
+
+
 def _function(torch):
     class AttentionFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, scale, causal):
-            kind = A.TORCH_CUDA if q.is_cuda else A.TORCH_CPU
-            dt, dev = A.dtype_of(q, kind), A.device_of(q, kind)
-            o, lse = forward(kind, dt, dev, q.detach(), k.detach(), v.detach(), scale, causal)
+            o, lse = forward_tensors(q.detach(), k.detach(), v.detach(), scale, causal)
             ctx.scale, ctx.causal = scale, causal
             ctx.save_for_backward(q, k, v, o, lse)
             ctx.mark_non_differentiable(lse)
@@ -373,9 +419,7 @@ def _function(torch):
         @torch.autograd.function.once_differentiable
         def backward(ctx, go, glse):
             q, k, v, o, lse = ctx.saved_tensors
-            kind = A.TORCH_CUDA if q.is_cuda else A.TORCH_CPU
-            dq, dk, dv = backward(kind, A.dtype_of(q, kind), A.device_of(q, kind), q, k, v, o, lse,
-                                  go.contiguous(), ctx.scale, ctx.causal)
+            dq, dk, dv = backward_tensors(q, k, v, o, lse, go.contiguous(), ctx.scale, ctx.causal)
             return dq, dk, dv, None, None
 
     return AttentionFn
