@@ -81,7 +81,9 @@ FLOATS = {d.name for d in A.FLOAT_DTYPES}  # bfloat16 among them where ml_dtypes
 # kernels without a functor: the backward of the row ops (kernels/norm_backward.cu), storage type first
 _BWD_EXPR = re.compile(r"(norm_backward|softmax_backward|add_norm_forward)<([\w ]+), (\d+)(?:, (?:true|false))+>"
                        r"|(cross_entropy_forward|cross_entropy_backward|rope)<([\w ]+)>"
-                       r"|(scatter_add_forward|scatter_add_backward)<([\w ]+), \d>")
+                       r"|(scatter_add_forward|scatter_add_backward)<([\w ]+), \d>"
+                       r"|(attention_forward|attention_backward_kv|attention_backward_q|attention_delta)"
+                       r"<([\w ]+)(?:, \d+)*>")
 
 
 # Constants held both by the host and by the kernels: (module, attribute,
@@ -116,7 +118,7 @@ def test_registry_has_every_op_and_dtype():
         for expr, (label, dtype) in entries.items():
             m = _BWD_EXPR.fullmatch(expr)
             if m:  # kernels templated on the dtype (and flags): no functor
-                kernel, ctype = next((m.group(i), m.group(i + 1)) for i in (1, 4, 6) if m.group(i))
+                kernel, ctype = next((m.group(i), m.group(i + 1)) for i in (1, 4, 6, 8) if m.group(i))
                 assert re.search(rf"__global__ void [^;{{]*?\b{kernel}\(", src), expr
                 assert names[ctype] == dtype, expr
                 labels.setdefault(label, set()).add(dtype)
@@ -142,6 +144,9 @@ def test_registry_has_every_op_and_dtype():
         assert labels[name] == FLOATS, name
     for name in ("sum_squared", "mean_abs"):
         assert FLOATS <= labels[name], name
+    halves = {d.name for d in A.HALVES}
+    for kern in ("forward", "backward_kv", "backward_q"):  # tensor-core attention: the 16-bit dtypes
+        assert labels[f"{kern} d64"] == labels[f"{kern} d128"] == halves, kern
 
 
 def test_family_parts_share_one_source():

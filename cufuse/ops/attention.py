@@ -323,7 +323,7 @@ def backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
 
 # --------------------------------------------------------------- the call
 def attention(q: Array, k: Array, v: Array, /, *, causal: bool = False, scale: float | None = None,
-              return_lse: bool = False):
+              return_lse: bool = False) -> Array | tuple[Array, Array]:
     """``softmax(q k^T * scale) v`` over the last two dims, per batch and
     head: q of shape (batch, heads, seq_q, dim) and k, v of (batch,
     kv_heads, seq_k, dim), or all three (batch, seq, dim) (one head).
