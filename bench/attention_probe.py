@@ -49,12 +49,12 @@ def sweep(dt):
         seq, b, h = 4096, 4, 16
         q, k, v = (torch.randn(b, h, seq, d, device="cuda").to(dt) for _ in range(3))
         want = cufuse.attention(q, k, v)
-        for cfg in [(1, 64), (1, 32), (2, 32), (2, 64), (2, 16)]:
+        for cfg in [(1, 64, 4), (2, 32, 4), (2, 64, 4), (2, 32, 8), (2, 64, 8)]:
             AT._FWD_CFG[d] = cfg
             fn = R.get_function(AT._part(d, ndt), AT._expr("attention_forward", d, ndt), 0)
             err = (cufuse.attention(q, k, v).float() - want.float()).abs().max().item()
             us = event_median(lambda: cufuse.attention(q, k, v), 10)
-            print(f"  d{d} tiles/warp {cfg[0]} keys {cfg[1]:3}: {us:8.1f} us {4 * b * h * seq * seq * d / us / 1e6:6.1f} "
+            print(f"  d{d} tiles/warp {cfg[0]} keys {cfg[1]:3} warps {cfg[2]}: {us:8.1f} us {4 * b * h * seq * seq * d / us / 1e6:6.1f} "
                   f"TFLOP/s, {driver.funcGetAttribute(4, fn.ptr)} registers, {driver.funcGetAttribute(3, fn.ptr)} "
                   f"local bytes, max diff {err:.2g}")
 

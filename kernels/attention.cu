@@ -107,42 +107,66 @@ __global__ void __launch_bounds__(WARPS * 32)
             warp_mma_sa<MT, D, BN, false, LDS, LDS>(s, sq, wr, ck, lane);
         }
         const int n0 = j * BN;
-        const bool edge = n0 + BN > seq_k || (causal && n0 + BN - 1 > m0 + wr + shift);
+        if (n0 + BN > seq_k || (causal && n0 + BN - 1 > m0 + wr + shift)) {  // a tile on an edge: mask
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+            for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int nt = 0; nt < BN / 8; ++nt) {
+                for (int nt = 0; nt < BN / 8; ++nt) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    s[mt][nt][e] *= scale_log2;
-                    if (edge) {
+                    for (int e = 0; e < 4; ++e) {
                         const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), row = ra + 16 * mt + (e >> 1) * 8;
                         if (col >= seq_k || (causal && col > row + shift)) s[mt][nt][e] = ninf();
                     }
                 }
             }
+        }
+        // online softmax in log2 units (scale_log2 > 0: the host sends other scales to the dense path):
+        // the row max of the raw scores, scaled once per row; the output rescaled only when a max grew
+        float base[MT][2];
+        bool grew = false;
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int r = 0; r < 2; ++r) {
-                float m = mx[mt][r];
+                float m = ninf();
 #pragma unroll
                 for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
                 m = quad_max(m);
-                const float base = m == ninf() ? 0.0f : m;  // a row with nothing seen yet: exp2(-inf) = 0
-                const float alpha = exp2f(mx[mt][r] - base);
-                mx[mt][r] = m;
+                m = m == ninf() ? ninf() : m * scale_log2;
+                grew |= m > mx[mt][r];
+                base[mt][r] = fmaxf(m, mx[mt][r]);
+            }
+        }
+        if (__any_sync(0xffffffffu, grew)) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r) {
+                    // (a row with nothing seen yet: mx = -inf, alpha = 0, and acc and sum are 0 anyway)
+                    const float alpha = ex2(mx[mt][r] - (base[mt][r] == ninf() ? 0.0f : base[mt][r]));
+                    sum[mt][r] *= alpha;
+#pragma unroll
+                    for (int dt = 0; dt < D / 8; ++dt) {
+                        acc[mt][dt][2 * r] *= alpha;
+                        acc[mt][dt][2 * r + 1] *= alpha;
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                mx[mt][r] = base[mt][r];
+                const float nb = base[mt][r] == ninf() ? 0.0f : -base[mt][r];
                 float l = 0.0f;
 #pragma unroll
                 for (int nt = 0; nt < BN / 8; ++nt) {
-                    s[mt][nt][2 * r] = exp2f(s[mt][nt][2 * r] - base);
-                    s[mt][nt][2 * r + 1] = exp2f(s[mt][nt][2 * r + 1] - base);
+                    s[mt][nt][2 * r] = ex2(fmaf(s[mt][nt][2 * r], scale_log2, nb));
+                    s[mt][nt][2 * r + 1] = ex2(fmaf(s[mt][nt][2 * r + 1], scale_log2, nb));
                     l += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
                 }
-                sum[mt][r] = sum[mt][r] * alpha + l;
-#pragma unroll
-                for (int dt = 0; dt < D / 8; ++dt) {
-                    acc[mt][dt][2 * r] *= alpha;
-                    acc[mt][dt][2 * r + 1] *= alpha;
-                }
+                sum[mt][r] += l;
             }
         }
         unsigned pf[MT][BN / 16][4];
@@ -271,7 +295,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                 const int qi = nt * 8 + (lane & 3) * 2 + (e & 1), key = ka + (e >> 1) * 8;
                 const float l = cl[qi];
                 const bool ok = l != attn::ninf() && key < seq_k && (!causal || key <= q0 + qi + shift);
-                p[0][nt][e] = ok ? exp2f(p[0][nt][e] * scale_log2 - l) : 0.0f;
+                p[0][nt][e] = ok ? ex2(fmaf(p[0][nt][e], scale_log2, -l)) : 0.0f;
             }
         }
         unsigned af[1][BQ / 16][4];
@@ -366,7 +390,7 @@ __global__ void __launch_bounds__(WARPS * 32)
             for (int e = 0; e < 4; ++e) {
                 const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), r = e >> 1, row = ra + r * 8;
                 const bool ok = l2[r] != attn::ninf() && col < seq_k && (!causal || col <= row + shift);
-                p[0][nt][e] = ok ? exp2f(p[0][nt][e] * scale_log2 - l2[r]) : 0.0f;
+                p[0][nt][e] = ok ? ex2(fmaf(p[0][nt][e], scale_log2, -l2[r])) : 0.0f;
             }
         }
         float dp[1][BN / 8][4];

@@ -23,6 +23,14 @@ namespace attn {
 
 __device__ __forceinline__ float ninf() { return __int_as_float(0xff800000); }
 
+// 2^x by the special-function unit (ex2.approx.ftz: 2 ulp, 2^-inf = 0), one
+// instruction where exp2f adds range handling the scores never need.
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
     return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -43,9 +51,11 @@ template <int N> __device__ __forceinline__ void cp_async_wait() {
 // by THREADS threads. COLS % 8 == 0; the view's rows are 16-byte aligned.
 template <int ROWS, int COLS, int THREADS, typename T>
 __device__ __forceinline__ void load_rows(T* s, const T* g, long long ld, int row0, int limit, int tid) {
-    constexpr int CHUNKS = COLS / 8, LDS = COLS + 8;
+    constexpr int CHUNKS = COLS / 8, LDS = COLS + 8, TOTAL = ROWS * CHUNKS;
 #pragma unroll
-    for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
+    for (int it = 0; it < (TOTAL + THREADS - 1) / THREADS; ++it) {  // (a fixed trip count: fully unrolled)
+        const int i = tid + it * THREADS;
+        if (TOTAL % THREADS != 0 && i >= TOTAL) break;
         const int r = i / CHUNKS, c = (i % CHUNKS) * 8;
         const bool valid = row0 + r < limit;
         cp_async16(s + r * LDS + c, valid ? g + (row0 + r) * ld + c : g, valid);

@@ -27,11 +27,11 @@ from . import _rows
 FAMILY = "attention"
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)  # the kernels' head dims (16-bit dtypes on the GPU)
 _WARPS = 4  # kernels: a block is 16 * WARPS query rows (dQ) or keys (dK, dV)
-# the forward per head dim: (row tiles of 16 per warp, keys per tile). Two
-# row tiles let each K and V fragment read from shared memory feed two
-# products (1.15-1.2x one tile on an H200, bench/NOTES.md); above head dim
-# 64, tiles of 32 keys keep the scores of both in registers.
-_FWD_CFG = {d: (2, 64 if d <= 64 else 32) for d in HEAD_DIMS}
+# the forward per head dim: (row tiles of 16 per warp, keys per tile, warps
+# per block). Two row tiles let each K and V fragment read from shared
+# memory feed two products; above head dim 64, eight warps share each K and
+# V tile (H200 sweep, bench/NOTES.md: `attention_probe.py float16 sweep`).
+_FWD_CFG = {d: (2, 64, 4 if d <= 64 else 8) for d in HEAD_DIMS}
 _KERNELS = ("attention_forward", "attention_backward_kv", "attention_backward_q")
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
@@ -50,7 +50,8 @@ def _expr(kern, d, dt):
     key = (kern, d, dt, _FWD_CFG[d])
     e = _EXPRS.get(key)
     if e is None:
-        cfg = {"attention_forward": (_WARPS, *_FWD_CFG[d])}
+        mt, bn, warps = _FWD_CFG[d]
+        cfg = {"attention_forward": (warps, mt, bn)}
         for kn in _KERNELS:
             _EXPRS[(kn, d, dt, _FWD_CFG[d])] = R.register(
                 _part(d, dt), R.name_expression(kn, R.FLOAT_CTYPES[dt], str(d), *map(str, cfg.get(kn, (_WARPS,)))),
@@ -72,7 +73,7 @@ _DELTA = {dt: R.register(f"{FAMILY}:delta", R.name_expression("attention_delta",
 
 
 def _fwd_rows(d):
-    return 16 * _WARPS * _FWD_CFG[d][0]
+    return 16 * _FWD_CFG[d][0] * _FWD_CFG[d][2]
 
 
 def _shared_bytes(kern, d, item):
@@ -249,7 +250,8 @@ def _strides(x, kind):
 
 def _launch(kind, dev, kern, d, dt, blocks, args):
     fn = R.get_function(_part(d, dt), _expr(kern, d, dt), dev)
-    R.launch_grid(fn, (blocks,), (32 * _WARPS,), args, D.stream_for(kind, dev), _shared_bytes(kern, d, dt.itemsize))
+    warps = _FWD_CFG[d][2] if kern == "attention_forward" else _WARPS
+    R.launch_grid(fn, (blocks,), (32 * warps,), args, D.stream_for(kind, dev), _shared_bytes(kern, d, dt.itemsize))
 
 
 def _gpu_forward(kind, dt, dev, q, k, v, scale, causal):
@@ -303,20 +305,21 @@ def _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
     return dq, dk, dv
 
 
-def _uses_kernels(kind, dt):
-    return kind in A.GPU_KINDS and dt in A.HALVES
+def _uses_kernels(kind, dt, scale):
+    # (the kernels' softmax takes the row max of the raw scores: a positive scale; another goes dense)
+    return kind in A.GPU_KINDS and dt in A.HALVES and scale > 0
 
 
 def forward(kind, dt, dev, q, k, v, scale, causal):
     """(o, lse) of 4-D q, k, v: the kernels or the dense path."""
-    if _uses_kernels(kind, dt):
+    if _uses_kernels(kind, dt, scale):
         return _gpu_forward(kind, dt, dev, q, k, v, scale, causal)
     return _dense_forward(kind, dt, q, k, v, scale, causal)
 
 
 def backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
     """(dq, dk, dv) from the forward's o and lse and the gradient do of o."""
-    if _uses_kernels(kind, dt):
+    if _uses_kernels(kind, dt, scale):
         return _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal)
     return _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal)
 
