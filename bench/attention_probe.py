@@ -59,12 +59,34 @@ def sweep(dt):
                   f"local bytes, max diff {err:.2g}")
 
 
+def sweep_backward(dt):
+    """The backward's warps per block (dK/dV kernel, dQ kernel) at seq 4096: forward + backward µs."""
+    import importlib
+    AT = importlib.import_module("cufuse.ops.attention")
+    for d in DIMS:
+        seq, b, h = 4096, 4, 16
+        q, k, v = (torch.randn(b, h, seq, d, device="cuda").to(dt).requires_grad_(True) for _ in range(3))
+        go = torch.randn(b, h, seq, d, device="cuda").to(dt)
+        want = torch.autograd.grad(cufuse.attention(q, k, v), (q, k, v), go)
+        for cfg in [((4, 1, 64 if d <= 64 else 32), (4, 1, 64 if d <= 64 else 32)),
+                    ((4, 1, 64 if d <= 64 else 32), (4, 2, 32)), ((4, 2, 32), (4, 2, 32)),
+                    ((4, 1, 64 if d <= 64 else 32), (4, 2, 16)), ((8, 1, 32), (4, 2, 32))]:
+            AT._BWD_CFG[d] = cfg
+            got = torch.autograd.grad(cufuse.attention(q, k, v), (q, k, v), go)
+            err = max((a.float() - w.float()).abs().max().item() for a, w in zip(got, want))
+            us = event_median(lambda: torch.autograd.grad(cufuse.attention(q, k, v), (q, k, v), go), 10)
+            print(f"  d{d} backward (warps, tiles/warp, tile) kv {cfg[0]} q {cfg[1]}: f+b {us:8.1f} us {3.5 * 4 * b * h * seq * seq * d / us / 1e6:6.1f} "
+                  f"TFLOP/s, max diff {err:.2g}")
+
+
 def main():
     dt = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float16")
     quick = "quick" in sys.argv
     print(torch.cuda.get_device_name(), "torch", torch.__version__, dt)
     if "sweep" in sys.argv:
         return sweep(dt)
+    if "sweep_backward" in sys.argv:
+        return sweep_backward(dt)
     _regs(dt)
     print(f"{'seq':>6} {'d':>4} {'causal':>6} {'impl':8} {'fwd us':>9} {'TFLOP/s':>8} {'f+b us':>9} {'TFLOP/s':>8}")
     impls = {"cufuse": lambda q, k, v, c: cufuse.attention(q, k, v, causal=c)}

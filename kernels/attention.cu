@@ -214,11 +214,12 @@ __global__ void attention_delta(float* __restrict__ delta, const T* __restrict__
 }
 
 // ------------------------------------------------------------ dK and dV
-// A block per 16 * WARPS keys of one kv head; a warp owns 16 keys. For each
-// query head of the group and each query tile (BQ rows, double-buffered):
-// S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO, dP^T = V dO^T,
-// dS^T = P^T (dP^T - delta), dK += dS^T Q; dK scaled once at the end.
-template <typename T, int D, int WARPS>
+// A block per 16 * MT * WARPS keys of one kv head; a warp owns MT tiles of
+// 16 keys. For each query head of the group and each query tile (BQ rows,
+// double-buffered): S^T = K Q^T, P^T = exp2(S^T - lse), dV += P^T dO,
+// dP^T = V dO^T, dS^T = P^T (dP^T - delta), dK += dS^T Q; dK scaled once at
+// the end.
+template <typename T, int D, int WARPS, int MT, int BQ>
 __global__ void __launch_bounds__(WARPS * 32)
     attention_backward_kv(T* __restrict__ dk, T* __restrict__ dv, const T* __restrict__ q, const T* __restrict__ k,
                           const T* __restrict__ v, const T* __restrict__ dout, const float* __restrict__ lse,
@@ -230,7 +231,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                           float scale_log2, float scale, bool causal) {
     using namespace cufuse;
     using namespace cufuse::attn;
-    constexpr int THREADS = WARPS * 32, BN = 16 * WARPS, BQ = D <= 64 ? 64 : 32, LDS = D + 8;
+    constexpr int THREADS = WARPS * 32, BN = 16 * MT * WARPS, LDS = D + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     T* sk = reinterpret_cast<T*>(smem);
     T* sv = sk + BN * LDS;
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
     const int b = bh / kv_heads, hk = bh % kv_heads;
-    const int n0 = tile * BN, kw = warp * 16;
+    const int n0 = tile * BN, kw = warp * 16 * MT;
     const int heads = kv_heads * group;
     k += b * skb + hk * skh;
     v += b * svb + hk * svh;
@@ -260,7 +261,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         const long long lo = (static_cast<long long>(b) * heads + hq) * seq_q;
         for (int i = tid; i < BQ; i += THREADS) {
             const bool in = q0 + i < seq_q;
-            slse[buf * BQ + i] = in ? lse[lo + q0 + i] * kLog2e : attn::ninf();
+            slse[buf * BQ + i] = in ? lse[lo + q0 + i] * kLog2e : ninf();
             sdel[buf * BQ + i] = in ? delta[lo + q0 + i] : 0.0f;
         }
     };
@@ -270,10 +271,13 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (iters > 0) issue(0, 0);
     cp_async_commit();
 
-    float gk[1][D / 8][4], gv[1][D / 8][4];
-    zero(gk[0]);
-    zero(gv[0]);
-    const int ka = n0 + kw + (lane >> 2);  // the thread's keys: ka and ka + 8
+    float gk[MT][D / 8][4], gv[MT][D / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        zero(gk[mt]);
+        zero(gv[mt]);
+    }
+    const int ka = n0 + kw + (lane >> 2);  // the thread's keys: ka + 16 mt + 8 r
     for (int it = 0; it < iters; ++it) {
         cp_async_wait<0>();
         __syncthreads();
@@ -285,43 +289,58 @@ __global__ void __launch_bounds__(WARPS * 32)
         const float* cl = slse + buf * BQ;
         const float* cd = sdel + buf * BQ;
 
-        float p[1][BQ / 8][4];
-        zero(p[0]);
-        warp_mma_sa<1, D, BQ, false, LDS, LDS>(p, sk, kw, cq, lane);  // S^T
+        float p[MT][BQ / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) zero(p[mt]);
+        warp_mma_sa<MT, D, BQ, false, LDS, LDS>(p, sk, kw, cq, lane);  // S^T
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int qi = nt * 8 + (lane & 3) * 2 + (e & 1), key = ka + (e >> 1) * 8;
-                const float l = cl[qi];
-                const bool ok = l != attn::ninf() && key < seq_k && (!causal || key <= q0 + qi + shift);
-                p[0][nt][e] = ok ? ex2(fmaf(p[0][nt][e], scale_log2, -l)) : 0.0f;
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int qi = nt * 8 + (lane & 3) * 2 + (e & 1), key = ka + 16 * mt + (e >> 1) * 8;
+                    const float l = cl[qi];
+                    const bool ok = l != ninf() && key < seq_k && (!causal || key <= q0 + qi + shift);
+                    p[mt][nt][e] = ok ? ex2(fmaf(p[mt][nt][e], scale_log2, -l)) : 0.0f;
+                }
             }
         }
-        unsigned af[1][BQ / 16][4];
-        c_to_a<BQ, T>(af[0], p[0]);
-        warp_mma<1, BQ, D, true, LDS>(gv, af, cdo, lane);  // dV += P^T dO
-        float dp[1][BQ / 8][4];
-        zero(dp[0]);
-        warp_mma_sa<1, D, BQ, false, LDS, LDS>(dp, sv, kw, cdo, lane);  // dP^T = V dO^T
+        unsigned af[MT][BQ / 16][4];
 #pragma unroll
-        for (int nt = 0; nt < BQ / 8; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) c_to_a<BQ, T>(af[mt], p[mt]);
+        warp_mma<MT, BQ, D, true, LDS>(gv, af, cdo, lane);  // dV += P^T dO
+        float dp[MT][BQ / 8][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - cd[nt * 8 + (lane & 3) * 2 + (e & 1)]);
+        for (int mt = 0; mt < MT; ++mt) zero(dp[mt]);
+        warp_mma_sa<MT, D, BQ, false, LDS, LDS>(dp, sv, kw, cdo, lane);  // dP^T = V dO^T
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < BQ / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    dp[mt][nt][e] = p[mt][nt][e] * (dp[mt][nt][e] - cd[nt * 8 + (lane & 3) * 2 + (e & 1)]);
+                }
+            }
+            c_to_a<BQ, T>(af[mt], dp[mt]);
         }
-        c_to_a<BQ, T>(af[0], dp[0]);
-        warp_mma<1, BQ, D, true, LDS>(gk, af, cq, lane);  // dK += dS^T Q
+        warp_mma<MT, BQ, D, true, LDS>(gk, af, cq, lane);  // dK += dS^T Q
     }
     cp_async_wait<0>();
-    store_c<D, T>(dk, skgs, gk[0], n0 + kw, seq_k, scale, scale, lane);
-    store_c<D, T>(dv, svgs, gv[0], n0 + kw, seq_k, 1.0f, 1.0f, lane);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        store_c<D, T>(dk, skgs, gk[mt], n0 + kw + 16 * mt, seq_k, scale, scale, lane);
+        store_c<D, T>(dv, svgs, gv[mt], n0 + kw + 16 * mt, seq_k, 1.0f, 1.0f, lane);
+    }
 }
 
 // ------------------------------------------------------------------- dQ
-// A block per 16 * WARPS query rows of one head; a warp owns 16 rows. For
-// each key tile (BN keys, double-buffered): S = Q K^T, P = exp2(S - lse),
-// dP = dO V^T, dS = P (dP - delta), dQ += dS K; dQ scaled once at the end.
-template <typename T, int D, int WARPS>
+// A block per 16 * MT * WARPS query rows of one head; a warp owns MT tiles
+// of 16 rows. For each key tile (BN keys, double-buffered): S = Q K^T,
+// P = exp2(S - lse), dP = dO V^T, dS = P (dP - delta), dQ += dS K; dQ
+// scaled once at the end.
+template <typename T, int D, int WARPS, int MT, int BN>
 __global__ void __launch_bounds__(WARPS * 32)
     attention_backward_q(T* __restrict__ dq, const T* __restrict__ q, const T* __restrict__ k,
                          const T* __restrict__ v, const T* __restrict__ dout, const float* __restrict__ lse,
@@ -332,7 +351,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                          float scale_log2, float scale, bool causal) {
     using namespace cufuse;
     using namespace cufuse::attn;
-    constexpr int THREADS = WARPS * 32, BM = 16 * WARPS, BN = D <= 64 ? 64 : 32, LDS = D + 8;
+    constexpr int THREADS = WARPS * 32, BM = 16 * MT * WARPS, LDS = D + 8;
     extern __shared__ __align__(16) unsigned char smem[];
     T* sq = reinterpret_cast<T*>(smem);
     T* sdo = sq + BM * LDS;
@@ -341,7 +360,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
     const int b = bh / heads, h = bh % heads, hk = h / group;
-    const int m0 = tile * BM, wr = warp * 16;
+    const int m0 = tile * BM, wr = warp * 16 * MT;
     q += b * sqb + h * sqh;
     dout += b * sdb + h * sdh;
     dq += b * sgb + h * sgh;
@@ -358,17 +377,21 @@ __global__ void __launch_bounds__(WARPS * 32)
         load_rows<BN, D, THREADS>(sv, v, svs, 0, seq_k, tid);
     }
     cp_async_commit();
-    const int ra = m0 + wr + (lane >> 2);
-    float l2[2], del[2];
+    const int ra = m0 + wr + (lane >> 2);  // the thread's rows: ra + 16 mt + 8 r
+    float l2[MT][2], del[MT][2];
     const long long lo = static_cast<long long>(bh) * seq_q;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = ra + r * 8;
-        l2[r] = row < seq_q ? lse[lo + row] * kLog2e : attn::ninf();
-        del[r] = row < seq_q ? delta[lo + row] : 0.0f;
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = ra + 16 * mt + r * 8;
+            l2[mt][r] = row < seq_q ? lse[lo + row] * kLog2e : ninf();
+            del[mt][r] = row < seq_q ? delta[lo + row] : 0.0f;
+        }
     }
-    float gq[1][D / 8][4];
-    zero(gq[0]);
+    float gq[MT][D / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) zero(gq[mt]);
     for (int j = 0; j < n_tiles; ++j) {
         cp_async_wait<0>();
         __syncthreads();
@@ -381,31 +404,39 @@ __global__ void __launch_bounds__(WARPS * 32)
         const T* ck = sk + (j & 1) * BN * LDS;
         const T* cv = sv + (j & 1) * BN * LDS;
         const int n0 = j * BN;
-        float p[1][BN / 8][4];
-        zero(p[0]);
-        warp_mma_sa<1, D, BN, false, LDS, LDS>(p, sq, wr, ck, lane);  // S
+        float p[MT][BN / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) zero(p[mt]);
+        warp_mma_sa<MT, D, BN, false, LDS, LDS>(p, sq, wr, ck, lane);  // S
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), r = e >> 1, row = ra + r * 8;
-                const bool ok = l2[r] != attn::ninf() && col < seq_k && (!causal || col <= row + shift);
-                p[0][nt][e] = ok ? ex2(fmaf(p[0][nt][e], scale_log2, -l2[r])) : 0.0f;
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), r = e >> 1, row = ra + 16 * mt + r * 8;
+                    const bool ok = l2[mt][r] != ninf() && col < seq_k && (!causal || col <= row + shift);
+                    p[mt][nt][e] = ok ? ex2(fmaf(p[mt][nt][e], scale_log2, -l2[mt][r])) : 0.0f;
+                }
             }
         }
-        float dp[1][BN / 8][4];
-        zero(dp[0]);
-        warp_mma_sa<1, D, BN, false, LDS, LDS>(dp, sdo, wr, cv, lane);  // dP = dO V^T
+        float dp[MT][BN / 8][4];
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
+        for (int mt = 0; mt < MT; ++mt) zero(dp[mt]);
+        warp_mma_sa<MT, D, BN, false, LDS, LDS>(dp, sdo, wr, cv, lane);  // dP = dO V^T
+        unsigned af[MT][BN / 16][4];
 #pragma unroll
-            for (int e = 0; e < 4; ++e) dp[0][nt][e] = p[0][nt][e] * (dp[0][nt][e] - del[e >> 1]);
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) dp[mt][nt][e] = p[mt][nt][e] * (dp[mt][nt][e] - del[mt][e >> 1]);
+            }
+            c_to_a<BN, T>(af[mt], dp[mt]);
         }
-        unsigned af[1][BN / 16][4];
-        c_to_a<BN, T>(af[0], dp[0]);
-        warp_mma<1, BN, D, true, LDS>(gq, af, ck, lane);  // dQ += dS K
+        warp_mma<MT, BN, D, true, LDS>(gq, af, ck, lane);  // dQ += dS K
     }
     cp_async_wait<0>();
-    store_c<D, T>(dq, sgs, gq[0], m0 + wr, seq_q, scale, scale, lane);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) store_c<D, T>(dq, sgs, gq[mt], m0 + wr + 16 * mt, seq_q, scale, scale, lane);
 }
-

@@ -26,7 +26,10 @@ from . import _rows
 
 FAMILY = "attention"
 HEAD_DIMS = (16, 32, 48, 64, 80, 96, 112, 128)  # the kernels' head dims (16-bit dtypes on the GPU)
-_WARPS = 4  # kernels: a block is 16 * WARPS query rows (dQ) or keys (dK, dV)
+# the backward per head dim: attention_backward_kv's (warps, key tiles of 16
+# per warp, query rows per tile) and attention_backward_q's (warps, row
+# tiles of 16 per warp, keys per tile)
+_BWD_CFG = {d: ((4, 1, 64 if d <= 64 else 32), (4, 1, 64 if d <= 64 else 32)) for d in HEAD_DIMS}
 # the forward per head dim: (row tiles of 16 per warp, keys per tile, warps
 # per block). Two row tiles let each K and V fragment read from shared
 # memory feed two products; above head dim 64, eight warps share each K and
@@ -47,14 +50,15 @@ _EXPRS: dict = {}
 def _expr(kern, d, dt):
     """The name expression of a kernel, its head dim's part registered on first use (the three kernels
     together, so that the part compiles once)."""
-    key = (kern, d, dt, _FWD_CFG[d])
+    key = (kern, d, dt, _FWD_CFG[d], _BWD_CFG[d])
     e = _EXPRS.get(key)
     if e is None:
         mt, bn, warps = _FWD_CFG[d]
-        cfg = {"attention_forward": (warps, mt, bn)}
+        cfg = {"attention_forward": (warps, mt, bn), "attention_backward_kv": _BWD_CFG[d][0],
+               "attention_backward_q": _BWD_CFG[d][1]}
         for kn in _KERNELS:
-            _EXPRS[(kn, d, dt, _FWD_CFG[d])] = R.register(
-                _part(d, dt), R.name_expression(kn, R.FLOAT_CTYPES[dt], str(d), *map(str, cfg.get(kn, (_WARPS,)))),
+            _EXPRS[(kn, d, dt, _FWD_CFG[d], _BWD_CFG[d])] = R.register(
+                _part(d, dt), R.name_expression(kn, R.FLOAT_CTYPES[dt], str(d), *map(str, cfg[kn])),
                 f"{kn.replace('attention_', '')} d{d}", dt.name, min_arch=80)
         e = _EXPRS[key]
     return e
@@ -78,13 +82,12 @@ def _fwd_rows(d):
 
 def _shared_bytes(kern, d, item):
     """Dynamic shared memory of a launch (kernels/attention.cu's tiles)."""
-    lds, rows = d + 8, 16 * _WARPS
-    other = 64 if d <= 64 else 32
+    lds = d + 8
     if kern == "attention_forward":
         return (_fwd_rows(d) + 4 * _FWD_CFG[d][1]) * lds * item
-    if kern == "attention_backward_kv":
-        return (2 * rows + 4 * other) * lds * item + 4 * other * 4
-    return (2 * rows + 4 * other) * lds * item
+    warps, mt, other = _BWD_CFG[d][0 if kern == "attention_backward_kv" else 1]
+    extra = 4 * other * 4 if kern == "attention_backward_kv" else 0  # (lse and delta of two query tiles)
+    return (2 * 16 * warps * mt + 4 * other) * lds * item + extra
 
 
 # --------------------------------------------------------------- validation
@@ -248,9 +251,14 @@ def _strides(x, kind):
     return tuple(np.int64(s) for s in A.strides_of(x, kind)[:3])
 
 
+def _warps(kern, d):
+    return {"attention_forward": _FWD_CFG[d][2], "attention_backward_kv": _BWD_CFG[d][0][0],
+            "attention_backward_q": _BWD_CFG[d][1][0]}[kern]
+
+
 def _launch(kind, dev, kern, d, dt, blocks, args):
     fn = R.get_function(_part(d, dt), _expr(kern, d, dt), dev)
-    warps = _FWD_CFG[d][2] if kern == "attention_forward" else _WARPS
+    warps = _warps(kern, d)
     R.launch_grid(fn, (blocks,), (32 * warps,), args, D.stream_for(kind, dev), _shared_bytes(kern, d, dt.itemsize))
 
 
@@ -289,14 +297,14 @@ def _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
                           (p(delta, kind), p(o, kind), p(do, kind), *_strides(o, kind), *_strides(do, kind),
                            np.int32(h), np.int32(sq), np.int32(d), np.int64(rows)), stream)
         common = (*_strides(q, kind), *_strides(k, kind), *_strides(v, kind), *_strides(do, kind))
-        kt, bhk = -(-sk // (16 * _WARPS)), b * hk
+        kt, bhk = -(-sk // (16 * _BWD_CFG[d][0][0] * _BWD_CFG[d][0][1])), b * hk
         if kt and bhk:
             _launch(kind, dev, "attention_backward_kv", d, dt, kt * bhk,
                     (p(dk, kind), p(dv, kind), p(q, kind), p(k, kind), p(v, kind), p(do, kind), p(lse, kind),
                      p(delta, kind), *common, *_strides(dk, kind), *_strides(dv, kind), np.int32(bhk),
                      np.int32(hk), np.int32(h // hk), np.int32(sq), np.int32(sk), np.int32(kt),
                      np.float32(scale * _LOG2E), np.float32(scale), np.bool_(causal)))
-        qt, bh = -(-sq // (16 * _WARPS)), b * h
+        qt, bh = -(-sq // (16 * _BWD_CFG[d][1][0] * _BWD_CFG[d][1][1])), b * h
         if qt and bh:
             _launch(kind, dev, "attention_backward_q", d, dt, qt * bh,
                     (p(dq, kind), p(q, kind), p(k, kind), p(v, kind), p(do, kind), p(lse, kind), p(delta, kind),
