@@ -79,6 +79,30 @@ def sweep_backward(dt):
                   f"TFLOP/s, max diff {err:.2g}")
 
 
+def score(dt):
+    """attention_score against torch's matmul(q, k^T) * scale (and with an additive mask), µs and the
+    bytes the scores' one write needs as % of the same run's copy bandwidth."""
+    print(f"{'shape':22} {'impl':14} {'us':>9} {'% copy':>7}")
+    for shape in [(8, 16, 2048, 128), (16, 4096, 64), (32, 1024, 64), (4, 32, 1024, 128)]:
+        g = torch.Generator(device="cuda").manual_seed(sum(shape))
+        q, k = (torch.randn(shape, device="cuda", generator=g).to(dt) for _ in range(2))
+        sc = shape[-1] ** -0.5
+        out_bytes = q.numel() // shape[-1] * shape[-2] * q.element_size()
+        big = torch.empty(out_bytes // 4, device="cuda")
+        copy_gbs = 2 * out_bytes / event_median(lambda: big.clone(), 10) / 1e3
+        mask = torch.randn(shape[-2], shape[-2], device="cuda", generator=g).to(dt)
+        runs = {"cufuse": lambda: cufuse.attention_score(q, k, scale=sc),
+                "torch": lambda: torch.matmul(q, k.transpose(-1, -2)) * sc,
+                "cufuse+mask": lambda: cufuse.attention_score(q, k, scale=sc, mask=mask),
+                "torch+mask": lambda: torch.matmul(q, k.transpose(-1, -2)) * sc + mask}
+        want = runs["torch"]().float()
+        err = (runs["cufuse"]().float() - want).abs().max().item() / want.abs().max().item()
+        for name, fn in runs.items():
+            us = event_median(fn, 20)
+            print(f"{str(shape):22} {name:14} {us:9.1f} {100 * out_bytes / us / 1e3 / copy_gbs:7.1f}"
+                  + (f"   (max rel. diff {err:.1e})" if name == "cufuse" else ""))
+
+
 def main():
     dt = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "float16")
     quick = "quick" in sys.argv
@@ -87,6 +111,8 @@ def main():
         return sweep(dt)
     if "sweep_backward" in sys.argv:
         return sweep_backward(dt)
+    if "score" in sys.argv:
+        return score(dt)
     _regs(dt)
     print(f"{'seq':>6} {'d':>4} {'causal':>6} {'impl':8} {'fwd us':>9} {'TFLOP/s':>8} {'f+b us':>9} {'TFLOP/s':>8}")
     impls = {"cufuse": lambda q, k, v, c: cufuse.attention(q, k, v, causal=c)}

@@ -9,7 +9,7 @@ from ._random import manual_seed
 from ._fuse import Fused, TraceError, fuse
 from ._fuse.functions import (abs, ceil, clip, cos, erf, exp, exp2, expm1, floor, gelu, log, log1p, maximum, minimum,
                               relu, round, rsqrt, sigmoid, silu, sin, softplus, sqrt, tanh, where)
-from .ops import (add_layer_norm, attention, add_mul_exp, add_relu, add_rms_norm, bias_gelu, cross_entropy, dequantize_int8,
+from .ops import (add_layer_norm, attention, attention_score, add_mul_exp, add_relu, add_rms_norm, bias_gelu, cross_entropy, dequantize_int8,
                   fake_quantize_int8, fma, gelu_dropout, layer_norm, layer_norm_relu, log_softmax, mean_abs, mul_tanh,
                   quantize_int8, rms_norm, rope, scatter_add, softmax, sum_squared)
 
@@ -35,7 +35,7 @@ __all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch", "patch",
            "add_relu", "mul_tanh", "add_mul_exp", "fma", "bias_gelu", "gelu_dropout",
            "quantize_int8", "dequantize_int8", "fake_quantize_int8", "manual_seed", "sum_squared", "mean_abs",
            "layer_norm", "layer_norm_relu", "rms_norm", "add_rms_norm", "add_layer_norm", "softmax", "log_softmax",
-           "cross_entropy", "rope", "scatter_add", "attention",
+           "cross_entropy", "rope", "scatter_add", "attention", "attention_score",
            "fuse", "Fused", "TraceError", "where", "abs", "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt",
            "sin", "cos", "tanh", "sigmoid", "erf", "relu", "gelu", "silu", "softplus", "clip", "minimum", "maximum",
            "round", "floor", "ceil"]

@@ -9,11 +9,11 @@
 // bottom right, as FlashAttention: with seq_q == seq_k the usual lower
 // triangle; a row that sees no key gives 0 and lse -inf).
 //
-// Forward (one block per 16 * WARPS query rows of one head; a warp owns 16
-// rows): Q stays in registers, K and V tiles of 64 keys are double-buffered
-// through shared memory with cp.async, S = Q K^T and the online softmax
-// stay in registers (scores in log2 units), P is rounded to T and fed to
-// P V as A fragments. Nothing seq x seq touches global memory.
+// Forward (one block per 16 * MT * WARPS query rows of one head; a warp owns
+// MT tiles of 16 rows): K and V tiles are double-buffered through shared
+// memory with cp.async, S = Q K^T and the online softmax stay in registers
+// (scores in log2 units), P is rounded to T and fed to P V as A fragments.
+// Nothing seq x seq touches global memory.
 //
 // Backward, deterministic (no atomics), FlashAttention-2's recomputation
 // split in two kernels: attention_backward_kv (a block per 16 * WARPS keys
@@ -21,6 +21,9 @@
 // accumulates dK and dV in registers) and attention_backward_q (a block per
 // query rows: loops over the key tiles, accumulates dQ). Both recompute P
 // from the saved lse; delta = rowsum(dO * O) comes first (attention_delta).
+//
+// attention_score: the scaled scores themselves, q k^T * scale (+ a mask),
+// written as T: one pass, the scale and mask applied before the one write.
 #include "common.cuh"
 #include "attention_tiles.cuh"
 
@@ -439,4 +442,68 @@ __global__ void __launch_bounds__(WARPS * 32)
     cp_async_wait<0>();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) store_c<D, T>(dq, sgs, gq[mt], m0 + wr + 16 * mt, seq_q, scale, scale, lane);
+}
+
+// ---------------------------------------------------------------- scores
+// out[b][h][i][j] = scale * q[b][h][i] . k[b][h / group][j], plus mask[b][h][i][j]
+// (MASK 1: additive, T) or -inf where mask[b][h][i][j] is 0 (MASK 2: bytes),
+// the mask read through broadcast strides. A block per 64 query rows x 128
+// keys of one head (4 warps of 16 rows); out rows C-contiguous [seq_k],
+// stored two elements at a time where its row stride is even.
+template <typename T, int D, int MASK>
+__global__ void __launch_bounds__(128)
+    attention_score(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k,
+                    const void* __restrict__ mask, long long sqb, long long sqh, long long sqs, long long skb,
+                    long long skh, long long sks, long long sob, long long soh, long long sos, long long smb,
+                    long long smh, long long smi, long long smj, int bh_count, int heads, int group, int seq_q,
+                    int seq_k, int tiles_n, float scale) {
+    using namespace cufuse;
+    using namespace cufuse::attn;
+    constexpr int THREADS = 128, BM = 64, BN = 128, LDS = D + 8;
+    extern __shared__ __align__(16) unsigned char smem[];
+    T* sq = reinterpret_cast<T*>(smem);
+    T* sk = sq + BM * LDS;
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int bh = blockIdx.x % bh_count, rest = blockIdx.x / bh_count;
+    const int m0 = (rest / tiles_n) * BM, n0 = (rest % tiles_n) * BN;
+    const int b = bh / heads, h = bh % heads, hk = h / group;
+    load_rows<BM, D, THREADS>(sq, q + b * sqb + h * sqh, sqs, m0, seq_q, tid);
+    load_rows<BN, D, THREADS>(sk, k + b * skb + hk * skh, sks, n0, seq_k, tid);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    float acc[1][BN / 8][4];
+    zero(acc[0]);
+    warp_mma_sa<1, D, BN, false, LDS, LDS>(acc, sq, warp * 16, sk, lane);
+    out += b * sob + h * soh;
+    const bool pairs = (sos & 1) == 0;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int row = m0 + warp * 16 + (lane >> 2) + r * 8;
+        if (row >= seq_q) continue;
+        T* po = out + row * sos;
+        const long long mrow = b * smb + h * smh + row * smi;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+            const int col = n0 + nt * 8 + (lane & 3) * 2;
+            if (col >= seq_k) break;
+            float v[2] = {acc[0][nt][2 * r] * scale, acc[0][nt][2 * r + 1] * scale};
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                if (MASK != 0 && col + e < seq_k) {
+                    const long long m = mrow + (col + e) * smj;
+                    if constexpr (MASK == 1) v[e] += to_compute<float>(static_cast<const T*>(mask)[m]);
+                    if constexpr (MASK == 2) {
+                        if (!static_cast<const unsigned char*>(mask)[m]) v[e] = ninf();
+                    }
+                }
+            }
+            if (pairs && col + 1 < seq_k) {
+                *reinterpret_cast<unsigned*>(po + col) = mma_kind<T>::pack(v[0], v[1]);
+            } else {
+                po[col] = from_compute<T>(v[0]);
+                if (col + 1 < seq_k) po[col + 1] = from_compute<T>(v[1]);
+            }
+        }
+    }
 }

@@ -291,3 +291,91 @@ def test_torch_compile(device):
 
     tol = 2e-3 if device == "cuda" else 1e-5
     compiled_matches_eager(f, [q, k, v], tol, tol)
+
+
+# ------------------------------------------------------------------- scores
+SCORE_CASES = {  # name: (batch, heads, k heads, seq_q, seq_k, head dim)
+    "one": (1, 1, 1, 1, 1, 16),
+    "odd": (2, 3, 3, 17, 131, 64),
+    "gqa": (1, 4, 2, 65, 130, 128),
+    "wide": (1, 1, 1, 70, 300, 256),
+    "d48": (2, 2, 1, 33, 64, 48),
+}
+
+
+def _score_reference(q, k, scale, mask):
+    """float64 q k^T scale per batch and head (k's head h // group), then the mask."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    g = q.shape[1] // k.shape[1]
+    s = np.einsum("bhid,bhjd->bhij", q, np.repeat(k, g, axis=1)) * scale
+    if mask is not None:
+        s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask.astype(np.float64)
+    return s
+
+
+@pytest.mark.parametrize("mask", [None, "additive", "boolean", "broadcast"])
+@pytest.mark.parametrize("case", list(SCORE_CASES))
+@pytest.mark.parametrize("dt", DTYPES_ALL, ids=lambda d: d.name)
+def test_attention_score(backend, dt, case, mask):
+    b, h, hk, sq, sk, d = SCORE_CASES[case]
+    q, k = rand((b, h, sq, d), dt, 60), rand((b, hk, sk, d), dt, 61)
+    rng = np.random.default_rng(62)
+    m = None
+    if mask == "additive":
+        m = rand((b, h, sq, sk), dt, 63)
+    elif mask == "boolean":
+        m = rng.random((b, 1, sq, sk)) < 0.7
+    elif mask == "broadcast":
+        m = rand((sq, sk), dt, 64)
+    _poison(backend, b * h * sq * sk * 8)
+    got = cufuse.attention_score(backend.asarray(q), backend.asarray(k), scale=0.37,
+                                 mask=None if m is None else backend.asarray(m))
+    assert backend.is_kind(got)
+    got = backend.to_numpy(got)
+    assert got.dtype == dt and got.shape == (b, h, sq, sk)
+    # the additive mask is added in the scores' dtype: the reference adds the same rounded values
+    want = _score_reference(q, k, 0.37, m)
+    _check(got, want, dt, "scores")
+
+
+def test_attention_score_three_dims_and_default_scale(backend):
+    q, k = rand((3, 20, 32), np.float16, 70), rand((3, 45, 32), np.float16, 71)
+    m = np.random.default_rng(72).random((20, 45)) < 0.5
+    got = backend.to_numpy(cufuse.attention_score(backend.asarray(q), backend.asarray(k), mask=backend.asarray(m)))
+    want = _score_reference(q[:, None], k[:, None], 1 / math.sqrt(32), m)[:, 0]
+    _check(got, want, np.float16, "3-D")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_attention_score_gradients(device):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(73)
+    q = torch.randn(2, 4, 9, 16, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    k = torch.randn(2, 2, 11, 16, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    m = (torch.rand(9, 11, generator=g) < 0.6).to(device)
+    assert torch.autograd.gradcheck(lambda a, b: cufuse.attention_score(a, b, scale=0.3, mask=m).clamp(min=-1e9),
+                                    (q, k))
+    if device == "cuda":  # the kernel's forward with the same backward
+        qh, kh = (x.detach().half().requires_grad_(True) for x in (q, k))
+        go = torch.randn(2, 4, 9, 11, generator=g).to(device).half()
+        torch.autograd.backward(cufuse.attention_score(qh, kh, scale=0.3), go)
+        qr, kr = (x.detach().half().double().requires_grad_(True) for x in (q, k))
+        (qr @ kr.repeat_interleave(2, 1).transpose(-1, -2) * 0.3).backward(go.double())
+        torch.testing.assert_close(qh.grad.double(), qr.grad, rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(kh.grad.double(), kr.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_attention_score_errors(backend):
+    q, k = (backend.asarray(rand((1, 4, 8, 32), np.float16, i)) for i in (1, 2))
+    with pytest.raises(ValueError, match="does not broadcast"):
+        cufuse.attention_score(q, k, mask=backend.asarray(np.ones((3, 8), bool)))
+    with pytest.raises(ValueError, match="would grow"):
+        cufuse.attention_score(q, k, mask=backend.asarray(np.ones((2, 4, 8, 8), bool)))
+    with pytest.raises(TypeError, match="boolean .* or a float additive mask"):
+        cufuse.attention_score(q, k, mask=backend.asarray(np.ones((8, 8), np.int32)))
+    with pytest.raises(ValueError, match="whole multiple"):
+        cufuse.attention_score(q, backend.asarray(rand((1, 3, 8, 32), np.float16, 3)))
+    with pytest.raises(ValueError, match="must agree"):
+        cufuse.attention_score(q, backend.asarray(rand((1, 4, 8, 16), np.float16, 3)))
+    with pytest.raises(TypeError, match="scale must be a float"):
+        cufuse.attention_score(q, k, scale=[1.0])

@@ -76,6 +76,22 @@ _DELTA = {dt: R.register(f"{FAMILY}:delta", R.name_expression("attention_delta",
                          dt.name) for dt in A.HALVES}
 
 
+SCORE_DIMS = tuple(range(16, 257, 16))  # attention_score's kernel head dims
+_MASKS = (0, 1, 2)  # none, additive, boolean
+
+
+def _score_expr(d, dt, mask):
+    return R.register(f"{FAMILY}:score_{d}_{dt.name}",
+                      R.name_expression("attention_score", R.FLOAT_CTYPES[dt], str(d), str(mask)),
+                      f"score d{d}", dt.name, min_arch=80)
+
+
+for _dt in A.HALVES:
+    for _d in SCORE_DIMS:
+        for _m in _MASKS:
+            _score_expr(_d, _dt, _m)
+
+
 def _fwd_rows(d):
     return 16 * _FWD_CFG[d][0] * _FWD_CFG[d][2]
 
@@ -366,6 +382,166 @@ def attention(q: Array, k: Array, v: Array, /, *, causal: bool = False, scale: f
     if three:
         o, lse = o[:, 0], lse[:, 0]
     return (o, lse) if return_lse else o
+
+
+# ------------------------------------------------------------ the scores
+def _score_args(name, q, k, scale, mask):
+    """(kind, dtype, device, q, k as 4-D, scale, mask or None (q's dtype, or bool), 3-D input)."""
+    if any(DK.is_dask(x) for x in (q, k, mask)):
+        raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
+    kind = A.array_kind(name, q, "q")
+    dt = A.dtype_of(q, kind)
+    if dt not in A.FLOAT_DTYPES:
+        raise TypeError(f"cufuse.{name}: q is {A.describe(q, kind)}; accepted dtypes are {A.FLOAT_NAMES}")
+    dev = A.device_of(q, kind)
+    kk = A.array_kind(name, k, "k")
+    if kk != kind:
+        raise TypeError(f"cufuse.{name}: k is {A.describe(k, kk)} but q is a {kind}; pass the same array kind")
+    if A.dtype_of(k, kk) != dt:
+        raise TypeError(f"cufuse.{name}: k has dtype {A.dtype_of(k, kk)} and q {dt}; pass one dtype")
+    if kind in A.GPU_KINDS and A.device_of(k, kk) != dev:
+        raise ValueError(f"cufuse.{name}: k is on GPU {A.device_of(k, kk)} and q on GPU {dev}")
+    nd = len(q.shape)
+    if nd not in (3, 4) or len(k.shape) != nd:
+        raise ValueError(f"cufuse.{name}: q and k must both be (batch, seq, dim) or (batch, heads, seq, dim); got "
+                         f"shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    q4, k4 = (q[:, None], k[:, None]) if nd == 3 else (q, k)
+    (b, h, sq, d), (bk, hk, sk, dk) = tuple(q4.shape), tuple(k4.shape)
+    if bk != b or dk != d:
+        raise ValueError(f"cufuse.{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head dim")
+    if hk == 0 or h % hk:
+        raise ValueError(f"cufuse.{name}: q has {h} heads and k {hk}: the query heads must be a whole multiple of "
+                         "the key heads")
+    if scale is None:
+        scale = 1.0 / math.sqrt(d) if d else 1.0
+    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"cufuse.{name}: scale must be a float or None, got {type(scale).__name__}")
+    elif not math.isfinite(float(scale)):
+        raise ValueError(f"cufuse.{name}: scale must be finite, got {scale!r}")
+    out_shape = (b, sq, sk) if nd == 3 else (b, h, sq, sk)
+    if mask is not None:
+        mk = A.array_kind(name, mask, "mask")
+        if mk != kind:
+            raise TypeError(f"cufuse.{name}: mask is {A.describe(mask, mk)} but q is a {kind}; pass the same "
+                            "array kind")
+        if kind in A.GPU_KINDS and A.device_of(mask, mk) != dev:
+            raise ValueError(f"cufuse.{name}: mask is on GPU {A.device_of(mask, mk)} and q on GPU {dev}")
+        mdt = A.dtype_of(mask, mk)
+        if mdt != np.bool_ and mdt not in A.FLOAT_DTYPES:
+            raise TypeError(f"cufuse.{name}: mask must be boolean (True: keep) or a float additive mask, got dtype "
+                            f"{mdt}")
+        try:
+            np.broadcast_shapes(tuple(mask.shape), out_shape)
+        except ValueError:
+            raise ValueError(f"cufuse.{name}: mask of shape {tuple(mask.shape)} does not broadcast to the scores' "
+                             f"shape {out_shape}") from None
+        if np.broadcast_shapes(tuple(mask.shape), out_shape) != out_shape:
+            raise ValueError(f"cufuse.{name}: mask of shape {tuple(mask.shape)} would grow the scores' shape "
+                             f"{out_shape}")
+        if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+            if mask.requires_grad and A.torch().is_grad_enabled():
+                raise NotImplementedError(f"cufuse.{name}: the mask gets no gradient (pass it detached)")
+            mask = mask.detach()
+        if mdt != np.bool_ and mdt != dt:
+            mask = D.astype(mask, dt, kind)  # (added in the scores' dtype, as torch adds a mask)
+        if nd == 3:
+            mask = mask.reshape((1,) * (3 - len(mask.shape)) + tuple(mask.shape))[:, None]
+    return kind, dt, dev, q4, k4, float(scale), mask, nd == 3
+
+
+def _score_dense(kind, dt, q, k, scale, mask):
+    xp, cdt = _xp(kind), _compute_dtype(kind, dt)
+    qc, kc = (_to_xp(x, kind).astype(cdt) for x in (q, k))
+    s = xp.matmul(qc, xp.swapaxes(_repeat(xp, kc, qc.shape[1] // kc.shape[1]), -1, -2)) * scale
+    if mask is not None:
+        m = _to_xp(mask, kind)
+        s = xp.where(m, s, -xp.inf) if m.dtype == np.bool_ else s + m.astype(cdt)
+    return _from_xp(s.astype(dt), kind)
+
+
+def _score_gpu(kind, dt, dev, q, k, scale, mask):
+    b, h, sq, d = tuple(q.shape)
+    hk, sk = k.shape[1], k.shape[2]
+    p = A.pointer_of
+    with D.on_device(kind, dev):
+        q, k = (_kernel_view(x, kind) for x in (q, k))
+        out = D.empty((b, h, sq, sk), dt, kind, dev)
+        mkind, mptr, mst = 0, 0, (0, 0, 0, 0)
+        if mask is not None:
+            mkind = 2 if A.dtype_of(mask, kind) == np.bool_ else 1
+            mst = A.broadcast_strides(tuple(mask.shape), A.strides_of(mask, kind), (b, h, sq, sk))
+            mptr = p(mask, kind)
+        tm, tn, bh = -(-sq // 64), -(-sk // 128), b * h
+        if tm and tn and bh:
+            fn = R.get_function(f"{FAMILY}:score_{d}_{dt.name}", _score_expr(d, dt, mkind), dev)
+            R.launch_grid(fn, (tm * tn * bh,), (128,),
+                          (p(out, kind), p(q, kind), p(k, kind), mptr, *_strides(q, kind), *_strides(k, kind),
+                           *_strides(out, kind), *(np.int64(x) for x in mst), np.int32(bh), np.int32(h),
+                           np.int32(h // hk), np.int32(sq), np.int32(sk), np.int32(tn), np.float32(scale)),
+                          D.stream_for(kind, dev), (64 + 128) * (d + 8) * dt.itemsize)
+    return out
+
+
+def scores(kind, dt, dev, q, k, scale, mask):
+    """q k^T * scale (+ mask) of 4-D q and k: the kernel or the dense math."""
+    if kind in A.GPU_KINDS and dt in A.HALVES and q.shape[-1] in SCORE_DIMS:
+        return _score_gpu(kind, dt, dev, q, k, scale, mask)
+    return _score_dense(kind, dt, q, k, scale, mask)
+
+
+def attention_score(q: Array, k: Array, /, *, scale: float | None = None, mask: Array | None = None) -> Array:
+    """The attention scores ``q k^T * scale`` (``scale`` defaults to
+    1/sqrt(dim)) with an optional ``mask`` fused in: a float mask is added
+    (in q's dtype), a boolean one keeps the scores where it is True and puts
+    -inf elsewhere (torch's scaled_dot_product_attention convention). q and
+    k are (batch, seq, dim) or (batch, heads, seq, dim) (k may have fewer
+    heads, dividing q's); the mask broadcasts to the result, (batch, seq_q,
+    seq_k) or (batch, heads, seq_q, seq_k), in q's dtype and kind.
+
+    float16 and bfloat16 on the GPU: one tensor-core kernel (head dims 16 to
+    256 in steps of 16) that applies the scale and the mask before its one
+    write. Other dtypes and the CPU: matmul, then the scale and mask.
+    Differentiable for torch tensors with respect to q and k."""
+    name = "attention_score"
+    kind, dt, dev, q4, k4, scale, mask, three = _score_args(name, q, k, scale, mask)
+    if TO.compiling():
+        raise NotImplementedError("cufuse.attention_score: not supported under torch.compile yet")
+    if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((q, k)):
+        s = AG._function_class("attention_score", _score_function).apply(q4, k4, scale, mask)
+    else:
+        if kind in (A.TORCH_CPU, A.TORCH_CUDA):
+            q4, k4 = q4.detach(), k4.detach()
+        s = scores(kind, dt, dev, q4, k4, scale, mask)
+    return s[:, 0] if three else s
+
+
+def _score_function(torch):
+    class AttentionScoreFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, scale, mask):
+            kind, dt, dev = _kind_of(q)
+            ctx.scale, ctx.mask = scale, mask
+            ctx.save_for_backward(q, k)
+            return scores(kind, dt, dev, q.detach(), k.detach(), scale, mask)
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            q, k = ctx.saved_tensors
+            if ctx.mask is not None and ctx.mask.dtype == torch.bool:
+                g = g.masked_fill(~ctx.mask, 0)
+            g = g * ctx.scale
+            group = q.shape[1] // k.shape[1]
+            kr = k.repeat_interleave(group, 1) if group > 1 else k
+            dq = g @ kr if ctx.needs_input_grad[0] else None
+            dk = None
+            if ctx.needs_input_grad[1]:
+                dk = g.transpose(-1, -2) @ q
+                if group > 1:
+                    dk = dk.reshape(k.shape[0], k.shape[1], group, *k.shape[2:]).sum(2)
+            return dq, dk, None, None
+
+    return AttentionScoreFn
 
 
 def _compiled(q, k, v, causal, scale, return_lse):
