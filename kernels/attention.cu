@@ -447,63 +447,88 @@ __global__ void __launch_bounds__(WARPS * 32)
 // ---------------------------------------------------------------- scores
 // out[b][h][i][j] = scale * q[b][h][i] . k[b][h / group][j], plus mask[b][h][i][j]
 // (MASK 1: additive, T) or -inf where mask[b][h][i][j] is 0 (MASK 2: bytes),
-// the mask read through broadcast strides. A block per 64 query rows x 128
-// keys of one head (4 warps of 16 rows); out rows C-contiguous [seq_k],
-// stored two elements at a time where its row stride is even.
-template <typename T, int D, int MASK>
+// the mask read through broadcast strides. A block per 16 * MT * 4 query
+// rows of one head keeps its Q tile in shared memory and streams the key
+// tiles (BN keys, double-buffered); each warp stages its scores through
+// shared memory so that the one write is 16-byte stores of whole rows
+// (where out's rows are 16-byte aligned: vec), else one element at a time.
+template <typename T, int D, int MASK, int MT, int BN>
 __global__ void __launch_bounds__(128)
     attention_score(T* __restrict__ out, const T* __restrict__ q, const T* __restrict__ k,
                     const void* __restrict__ mask, long long sqb, long long sqh, long long sqs, long long skb,
                     long long skh, long long sks, long long sob, long long soh, long long sos, long long smb,
                     long long smh, long long smi, long long smj, int bh_count, int heads, int group, int seq_q,
-                    int seq_k, int tiles_n, float scale) {
+                    int seq_k, int tiles, float scale, bool vec) {
     using namespace cufuse;
     using namespace cufuse::attn;
-    constexpr int THREADS = 128, BM = 64, BN = 128, LDS = D + 8;
+    constexpr int WARPS = 4, THREADS = 128, BM = 16 * MT * WARPS, LDS = D + 8, LDO = BN + 8, WR = 16 * MT;
     extern __shared__ __align__(16) unsigned char smem[];
     T* sq = reinterpret_cast<T*>(smem);
     T* sk = sq + BM * LDS;
+    T* so = sk + 2 * BN * LDS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int bh = blockIdx.x % bh_count, rest = blockIdx.x / bh_count;
-    const int m0 = (rest / tiles_n) * BM, n0 = (rest % tiles_n) * BN;
+    const int bh = blockIdx.x % bh_count, m0 = (tiles - 1 - blockIdx.x / bh_count) * BM;
     const int b = bh / heads, h = bh % heads, hk = h / group;
-    load_rows<BM, D, THREADS>(sq, q + b * sqb + h * sqh, sqs, m0, seq_q, tid);
-    load_rows<BN, D, THREADS>(sk, k + b * skb + hk * skh, sks, n0, seq_k, tid);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    float acc[1][BN / 8][4];
-    zero(acc[0]);
-    warp_mma_sa<1, D, BN, false, LDS, LDS>(acc, sq, warp * 16, sk, lane);
+    k += b * skb + hk * skh;
     out += b * sob + h * soh;
-    const bool pairs = (sos & 1) == 0;
+    T* wo = so + warp * WR * LDO;  // the warp's staging rows
+    const int wr = warp * WR;
+    const int n_tiles = (seq_k + BN - 1) / BN;
+    load_rows<BM, D, THREADS>(sq, q + b * sqb + h * sqh, sqs, m0, seq_q, tid);
+    load_rows<BN, D, THREADS>(sk, k, sks, 0, seq_k, tid);
+    cp_async_commit();
+    for (int j = 0; j < n_tiles; ++j) {
+        cp_async_wait<0>();
+        __syncthreads();
+        if (j + 1 < n_tiles) load_rows<BN, D, THREADS>(sk + ((j + 1) & 1) * BN * LDS, k, sks, (j + 1) * BN, seq_k, tid);
+        cp_async_commit();
+        float acc[MT][BN / 8][4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int row = m0 + warp * 16 + (lane >> 2) + r * 8;
-        if (row >= seq_q) continue;
-        T* po = out + row * sos;
-        const long long mrow = b * smb + h * smh + row * smi;
+        for (int mt = 0; mt < MT; ++mt) zero(acc[mt]);
+        warp_mma_sa<MT, D, BN, false, LDS, LDS>(acc, sq, wr, sk + (j & 1) * BN * LDS, lane);
+        const int n0 = j * BN;
 #pragma unroll
-        for (int nt = 0; nt < BN / 8; ++nt) {
-            const int col = n0 + nt * 8 + (lane & 3) * 2;
-            if (col >= seq_k) break;
-            float v[2] = {acc[0][nt][2 * r] * scale, acc[0][nt][2 * r + 1] * scale};
+        for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                if (MASK != 0 && col + e < seq_k) {
-                    const long long m = mrow + (col + e) * smj;
-                    if constexpr (MASK == 1) v[e] += to_compute<float>(static_cast<const T*>(mask)[m]);
-                    if constexpr (MASK == 2) {
-                        if (!static_cast<const unsigned char*>(mask)[m]) v[e] = ninf();
+            for (int r = 0; r < 2; ++r) {
+                const int lr = mt * 16 + (lane >> 2) + r * 8, row = m0 + wr + lr;
+                const long long mrow = b * smb + h * smh + static_cast<long long>(min(row, seq_q - 1)) * smi;
+#pragma unroll
+                for (int nt = 0; nt < BN / 8; ++nt) {
+                    const int lc = nt * 8 + (lane & 3) * 2;
+                    float v[2] = {acc[mt][nt][2 * r] * scale, acc[mt][nt][2 * r + 1] * scale};
+                    if constexpr (MASK != 0) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int col = min(n0 + lc + e, seq_k - 1);  // (tails: read in bounds, not stored)
+                            const long long m = mrow + col * smj;
+                            if constexpr (MASK == 1) v[e] += to_compute<float>(static_cast<const T*>(mask)[m]);
+                            if constexpr (MASK == 2) {
+                                if (!static_cast<const unsigned char*>(mask)[m]) v[e] = ninf();
+                            }
+                        }
                     }
+                    *reinterpret_cast<unsigned*>(wo + lr * LDO + lc) = mma_kind<T>::pack(v[0], v[1]);
                 }
             }
-            if (pairs && col + 1 < seq_k) {
-                *reinterpret_cast<unsigned*>(po + col) = mma_kind<T>::pack(v[0], v[1]);
-            } else {
-                po[col] = from_compute<T>(v[0]);
-                if (col + 1 < seq_k) po[col + 1] = from_compute<T>(v[1]);
+        }
+        __syncwarp();
+        // the warp's WR rows x BN columns out, row by row
+        if (vec) {
+            constexpr int CH = BN / 8;  // 16-byte chunks per row
+#pragma unroll
+            for (int it = 0; it < WR * CH / 32; ++it) {
+                const int i = lane + it * 32, lr = i / CH, c = (i % CH) * 8, row = m0 + wr + lr;
+                if (row < seq_q && n0 + c < seq_k) {
+                    *reinterpret_cast<int4*>(out + row * sos + n0 + c) = *reinterpret_cast<const int4*>(wo + lr * LDO + c);
+                }
+            }
+        } else {
+            for (int i = lane; i < WR * BN; i += 32) {
+                const int lr = i / BN, c = i % BN, row = m0 + wr + lr;
+                if (row < seq_q && n0 + c < seq_k) out[row * sos + n0 + c] = wo[lr * LDO + c];
             }
         }
+        __syncwarp();
     }
 }

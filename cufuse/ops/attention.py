@@ -80,10 +80,18 @@ SCORE_DIMS = tuple(range(16, 257, 16))  # attention_score's kernel head dims
 _MASKS = (0, 1, 2)  # none, additive, boolean
 
 
+_SCORE_MT, _SCORE_BN = 2, 64  # attention_score: row tiles of 16 per warp (4 warps), keys per tile
+
+
 def _score_expr(d, dt, mask):
     return R.register(f"{FAMILY}:score_{d}_{dt.name}",
-                      R.name_expression("attention_score", R.FLOAT_CTYPES[dt], str(d), str(mask)),
+                      R.name_expression("attention_score", R.FLOAT_CTYPES[dt], str(d), str(mask), str(_SCORE_MT),
+                                        str(_SCORE_BN)),
                       f"score d{d}", dt.name, min_arch=80)
+
+
+def _score_shared(d, item):
+    return ((16 * _SCORE_MT * 4 + 2 * _SCORE_BN) * (d + 8) + 4 * 16 * _SCORE_MT * (_SCORE_BN + 8)) * item
 
 
 for _dt in A.HALVES:
@@ -471,14 +479,16 @@ def _score_gpu(kind, dt, dev, q, k, scale, mask):
             mkind = 2 if A.dtype_of(mask, kind) == np.bool_ else 1
             mst = A.broadcast_strides(tuple(mask.shape), A.strides_of(mask, kind), (b, h, sq, sk))
             mptr = p(mask, kind)
-        tm, tn, bh = -(-sq // 64), -(-sk // 128), b * h
-        if tm and tn and bh:
+        tm, bh = -(-sq // (64 * _SCORE_MT)), b * h
+        if tm and sk and bh:
             fn = R.get_function(f"{FAMILY}:score_{d}_{dt.name}", _score_expr(d, dt, mkind), dev)
-            R.launch_grid(fn, (tm * tn * bh,), (128,),
+            vec = sk % (16 // dt.itemsize) == 0 and p(out, kind) % 16 == 0  # (rows of whole 16-byte chunks)
+            R.launch_grid(fn, (tm * bh,), (128,),
                           (p(out, kind), p(q, kind), p(k, kind), mptr, *_strides(q, kind), *_strides(k, kind),
                            *_strides(out, kind), *(np.int64(x) for x in mst), np.int32(bh), np.int32(h),
-                           np.int32(h // hk), np.int32(sq), np.int32(sk), np.int32(tn), np.float32(scale)),
-                          D.stream_for(kind, dev), (64 + 128) * (d + 8) * dt.itemsize)
+                           np.int32(h // hk), np.int32(sq), np.int32(sk), np.int32(tm), np.float32(scale),
+                           np.bool_(vec)),
+                          D.stream_for(kind, dev), _score_shared(d, dt.itemsize))
     return out
 
 
