@@ -480,6 +480,11 @@ NO_OUT = {
     "scatter_add": (lambda seed: [rand(SHAPE, np.float32, seed),
                                   np.random.default_rng(seed).integers(0, 10, SHAPE[0]).astype(np.int64)],
                     lambda v, i: cufuse.scatter_add(v, i, 10, activation="silu")),
+    "attention": (lambda seed: [rand((2, 4, 40, 64), np.float16, seed), rand((2, 2, 40, 64), np.float16, seed + 1),
+                                rand((2, 2, 40, 64), np.float16, seed + 2)],
+                  lambda q, k, v: cufuse.attention(q, k, v, causal=True)),
+    "attention_score": (lambda seed: [rand((2, 4, 40, 64), np.float16, seed), rand((2, 2, 50, 64), np.float16, seed + 1)],
+                        lambda q, k: cufuse.attention_score(q, k)),
 }
 
 
