@@ -654,8 +654,14 @@ def attention(q, k, v, scale, causal):
     return _OPS["attention"](q, k, v, float(scale), bool(causal))
 
 
+def attention_score(q, k, scale, mask):
+    """cufuse.attention_score of 4-D tensors through its registered operator (torch.compile)."""
+    register()
+    return _OPS["attention_score"](q, k, float(scale), mask)
+
+
 def _register_attention(torch):
-    from .ops.attention import backward_tensors, forward_tensors
+    from .ops.attention import backward_tensors, forward_tensors, score_tensors
 
     @torch.library.custom_op("cufuse::attention", mutates_args=(),
                              schema="(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> (Tensor, Tensor)")
@@ -687,6 +693,33 @@ def _register_attention(torch):
 
     attention_op.register_autograd(grad, setup_context=setup)
     _OPS["attention"] = attention_op
+
+    @torch.library.custom_op("cufuse::attention_score", mutates_args=(),
+                             schema="(Tensor q, Tensor k, float scale, Tensor? mask) -> Tensor")
+    def attention_score_op(q, k, scale, mask):
+        return score_tensors(q, k, scale, mask)
+
+    attention_score_op.register_fake(lambda q, k, scale, mask: q.new_empty((*q.shape[:3], k.shape[2])))
+
+    def score_setup(ctx, inputs, output):
+        q, k, scale, mask = inputs
+        ctx.scale = scale
+        ctx.save_for_backward(q, k, mask)
+
+    def score_grad(ctx, g):  # two matmuls (torch ops: traced as they are)
+        q, k, mask = ctx.saved_tensors
+        if mask is not None and mask.dtype == torch.bool:
+            g = g.masked_fill(~mask, 0)
+        g = g * ctx.scale
+        group = q.shape[1] // k.shape[1]
+        kr = k.repeat_interleave(group, 1) if group > 1 else k
+        dk = g.transpose(-1, -2) @ q
+        if group > 1:
+            dk = dk.reshape(k.shape[0], k.shape[1], group, *k.shape[2:]).sum(2)
+        return g @ kr, dk, None, None
+
+    attention_score_op.register_autograd(score_grad, setup_context=score_setup)
+    _OPS["attention_score"] = attention_score_op
 
 
 # ------------------------------------------------------------ scatter-add

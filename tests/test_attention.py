@@ -291,6 +291,12 @@ def test_torch_compile(device):
 
     tol = 2e-3 if device == "cuda" else 1e-5
     compiled_matches_eager(f, [q, k, v], tol, tol)
+    m = torch.rand(33, 33, generator=g).to(device) < 0.7
+
+    def fs(q, k):
+        return cufuse.attention_score(q, k, mask=m).float().clamp(min=-1e4).square().sum() / 1000
+
+    compiled_matches_eager(fs, [q, k], tol, tol)
 
 
 # ------------------------------------------------------------------- scores

@@ -513,9 +513,9 @@ def attention_score(q: Array, k: Array, /, *, scale: float | None = None, mask: 
     write. Other dtypes and the CPU: matmul, then the scale and mask.
     Differentiable for torch tensors with respect to q and k."""
     name = "attention_score"
+    if TO.compiling():  # torch.compile: checked with torch's attributes, the operator
+        return _score_compiled(q, k, scale, mask)
     kind, dt, dev, q4, k4, scale, mask, three = _score_args(name, q, k, scale, mask)
-    if TO.compiling():
-        raise NotImplementedError("cufuse.attention_score: not supported under torch.compile yet")
     if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((q, k)):
         s = AG._function_class("attention_score", _score_function).apply(q4, k4, scale, mask)
     else:
@@ -523,6 +523,40 @@ def attention_score(q: Array, k: Array, /, *, scale: float | None = None, mask: 
             q4, k4 = q4.detach(), k4.detach()
         s = scores(kind, dt, dev, q4, k4, scale, mask)
     return s[:, 0] if three else s
+
+
+def score_tensors(q, k, scale, mask):
+    """q k^T * scale (+ mask) of 4-D torch tensors: the registered operator's body."""
+    kind, dt, dev = _kind_of(q)
+    return scores(kind, dt, dev, q, k, scale, mask)
+
+
+def _score_compiled(q, k, scale, mask):
+    import torch
+    name = "cufuse.attention_score"
+    for what, x in (("q", q), ("k", k)):
+        if not isinstance(x, torch.Tensor) or x.dtype not in A.torch_floats():
+            raise TypeError(f"{name}: under torch.compile, {what} must be a float tensor")
+    if k.dtype != q.dtype or k.device != q.device or k.dim() != q.dim() or q.dim() not in (3, 4):
+        raise ValueError(f"{name}: q and k must share dtype, device and number of dims (3 or 4)")
+    three = q.dim() == 3
+    if three:
+        q, k = q.unsqueeze(1), k.unsqueeze(1)
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+        raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} do not agree")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.device != q.device:
+            raise TypeError(f"{name}: mask must be a tensor on q's device")
+        if mask.dtype != torch.bool:
+            if not mask.dtype.is_floating_point:
+                raise TypeError(f"{name}: mask must be boolean or float, got {mask.dtype}")
+            mask = mask.detach().to(q.dtype)
+        if three:
+            mask = mask.reshape((1,) * (3 - mask.dim()) + tuple(mask.shape)).unsqueeze(1)
+    s = TO.attention_score(q, k, scale, mask)
+    return s.squeeze(1) if three else s
 
 
 def _score_function(torch):
