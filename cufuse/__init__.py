@@ -42,7 +42,7 @@ __all__ = ["CUDA_AVAILABLE", "__version__", "from_torch", "to_torch", "patch",
 
 
 def __getattr__(name):  # cufuse.bench on first use (python -m cufuse.bench runs it as __main__)
-    if name == "bench":
+    if name in ("bench", "image"):  # cufuse.image: the image pipelines, imported on first use
         import importlib
-        return importlib.import_module(".bench", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'cufuse' has no attribute {name!r}")
