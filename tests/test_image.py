@@ -394,6 +394,7 @@ def test_pipeline_object_and_values_are_arguments(backend, image_launches):
     rng = np.random.default_rng(12)
     img = make_image(rng, (14, 15, 3), U8)
     x = backend.asarray(img)
+    before = set(I._fns)  # (structures other tests compiled in this process)
     for rects in ([(0, 0, 15, 14)], [(1, 2, 3, 4), (5, 5, 10, 9)]):
         got = backend.to_numpy(pipe(x, rects))
         ref = ref_pipeline([img], rects, [0] * len(rects), (6, 7), color="bgr2rgb", mean=(1, 2, 3),
@@ -404,8 +405,8 @@ def test_pipeline_object_and_values_are_arguments(backend, image_launches):
     assert_pipeline_close(got, ref, F16, 255.0)
     if backend.gpu:
         assert len(image_launches) == 3
-        assert len(I._fns) >= 1
-        assert len({k for k in I._fns if k[0][:2] == (U8.str, F16.str)}) == 1  # one structure, one kernel
+        assert len(set(I._fns) - before) <= 1  # one structure, one kernel (none if another test made it)
+        assert any(k[0][:2] == (U8.str, F16.str) for k in I._fns)
 
 
 def test_repeated_calls(backend, image_launches, monkeypatch):
