@@ -309,6 +309,18 @@ def generated_module(source: str, device: int, what: str = "generated kernel"):
         return mod, how
 
 
+_optin: dict[int, int] = {}
+
+
+def shared_optin(device: int) -> int:
+    """Most dynamic shared memory one block may opt in to on ``device`` (bytes:
+    227 KiB on an H100, 99 KiB on sm_86/89 cards)."""
+    n = _optin.get(device)
+    if n is None:
+        n = _optin[device] = int(_cp.cuda.runtime.getDeviceProperties(device)["sharedMemPerBlockOptin"])
+    return n
+
+
 def compute_capability(device: int) -> int:
     """e.g. 90 for an H100/H200."""
     cc = _ccs.get(device)

@@ -33,6 +33,7 @@ CASES = {  # name: (batch, heads, kv heads, seq_q, seq_k, head dim)
     "long_q": (1, 1, 1, 4097, 130, 16),
     "d48": (1, 2, 2, 33, 70, 48),
     "d112": (1, 1, 1, 20, 21, 112),
+    "few_keys": (1, 2, 1, 40, 9, 32),  # causal: the first rows see no key
 }
 
 
@@ -159,11 +160,13 @@ def _torch_reference(q, k, v, scale, causal):
     if causal:
         sq, sk = s.shape[-2:]
         mask = torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq)
-        s = s.masked_fill(mask, -math.inf)
+        seen = (~mask).any(-1, keepdim=True)  # rows that see no key give 0 (and no gradient)
+        s = torch.where(seen, s.masked_fill(mask, -math.inf), 0.0)
+        return (torch.softmax(s, -1) * seen) @ v
     return torch.softmax(s, -1) @ v
 
 
-GRAD_CASES = ["odd", "gqa", "long_k", "short_q", "d48"]
+GRAD_CASES = ["odd", "gqa", "long_k", "short_q", "d48", "few_keys"]
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -306,6 +309,7 @@ SCORE_CASES = {  # name: (batch, heads, k heads, seq_q, seq_k, head dim)
     "gqa": (1, 4, 2, 65, 130, 128),
     "wide": (1, 1, 1, 70, 300, 256),
     "d48": (2, 2, 1, 33, 64, 48),
+    "tiles": (1, 2, 2, 70, 200, 64),  # several key tiles, the last partial, rows of whole 16-byte chunks
 }
 
 
@@ -385,3 +389,39 @@ def test_attention_score_errors(backend):
         cufuse.attention_score(q, backend.asarray(rand((1, 4, 8, 16), np.float16, 3)))
     with pytest.raises(TypeError, match="scale must be a float"):
         cufuse.attention_score(q, k, scale=[1.0])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_gradients_of_views(device):
+    """Gradients through the views the kernels copy or read in place: q as a
+    transposed (batch, seq, heads, dim) storage, k misaligned by one element,
+    v of the 3-D form's head dim inserted; a tiny positive scale (the dense path on the GPU)."""
+    torch = pytest.importorskip("torch")
+    dt = torch.float16 if device == "cuda" else torch.float64
+    g = torch.Generator().manual_seed(80)
+    b, s, h, d = 2, 37, 2, 64
+    qs = torch.randn(b, s, h, d, generator=g).to(device, dt).requires_grad_(True)
+    flat = torch.randn(b * h * s * d + 1, generator=g).to(device, dt).requires_grad_(True)
+    v = torch.randn(b, h, s, d, generator=g).to(device, dt).requires_grad_(True)
+    go = torch.randn(b, h, s, d, generator=g).to(device, dt)
+    for scale in (0.2, 1e-30):
+        ins = (qs, flat, v)
+        o = cufuse.attention(qs.transpose(1, 2), flat[1:].view(b, h, s, d), v, causal=True, scale=scale)
+        got = torch.autograd.grad(o, ins, go)
+        ref = [x.detach().double().requires_grad_(True) for x in ins]
+        want = torch.autograd.grad(_torch_reference(ref[0].transpose(1, 2), ref[1][1:].view(b, h, s, d), ref[2],
+                                                    scale, True), ref, go.double())
+        for a, w in zip(got, want):
+            err = (a.double() - w).abs().max().item() / max(w.abs().max().item(), 1e-30)
+            assert err <= (1e-2 if device == "cuda" else 1e-10), err
+
+
+def test_compiled_checks_mask_and_scale():
+    """Under torch.compile the mask's shape and the scale are checked as in eager mode."""
+    torch = pytest.importorskip("torch")
+    q = torch.randn(1, 4, 33, 16)
+    with pytest.raises(Exception, match="does not broadcast"):
+        torch.compile(lambda a: cufuse.attention_score(a, a, mask=torch.ones(32, 33, dtype=torch.bool)),
+                      fullgraph=True)(q)
+    with pytest.raises(Exception, match="scale must be a finite"):
+        torch.compile(lambda a: cufuse.attention(a, a, a, scale=float("inf")), fullgraph=True)(q)

@@ -485,6 +485,13 @@ NO_OUT = {
                   lambda q, k, v: cufuse.attention(q, k, v, causal=True)),
     "attention_score": (lambda seed: [rand((2, 4, 40, 64), np.float16, seed), rand((2, 2, 50, 64), np.float16, seed + 1)],
                         lambda q, k: cufuse.attention_score(q, k)),
+    # the dense path (float32) and a mask cast to q's dtype, on the arrays' GPU
+    "attention_dense": (lambda seed: [rand((2, 4, 40, 64), np.float32, seed), rand((2, 2, 40, 64), np.float32, seed + 1),
+                                      rand((2, 2, 40, 64), np.float32, seed + 2)],
+                        lambda q, k, v: cufuse.attention(q, k, v, causal=True)),
+    "attention_score_mask": (lambda seed: [rand((2, 4, 40, 64), np.float16, seed), rand((40, 50), np.float32, seed + 1),
+                                           rand((2, 2, 50, 64), np.float16, seed + 2)],
+                             lambda q, m, k: cufuse.attention_score(q, k, mask=m)),
 }
 
 

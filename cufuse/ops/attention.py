@@ -162,13 +162,9 @@ def _args(name, q, k, v, causal, scale):
         raise TypeError(f"cufuse.{name}: scale must be a float or None, got {type(scale).__name__}")
     elif not math.isfinite(float(scale)):
         raise ValueError(f"cufuse.{name}: scale must be finite, got {scale!r}")
-    if kind in A.GPU_KINDS and dt in A.HALVES:
-        if d not in HEAD_DIMS:
-            raise ValueError(f"cufuse.{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
-                             f"(supported: {', '.join(map(str, HEAD_DIMS))})")
-        if R.compute_capability(dev) < 80:
-            raise RuntimeError(f"cufuse.{name}: the float16/bfloat16 kernels need a GPU of compute capability 8.0 "
-                               f"or newer; GPU {dev} is {R.compute_capability(dev)}")
+    if kind in A.GPU_KINDS and dt in A.HALVES and _kernels_fit(dev, d) and d not in HEAD_DIMS:
+        raise ValueError(f"cufuse.{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
+                         f"(supported: {', '.join(map(str, HEAD_DIMS))})")
     return kind, dt, dev, q, k, v, float(scale), bool(causal), nd == 3
 
 
@@ -337,23 +333,41 @@ def _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
     return dq, dk, dv
 
 
-def _uses_kernels(kind, dt, scale):
-    # (the kernels' softmax takes the row max of the raw scores: a positive scale; another goes dense)
-    return kind in A.GPU_KINDS and dt in A.HALVES and scale > 0
+def _kernels_fit(dev, d, kernels=_KERNELS):
+    """The tensor-core kernels run on ``dev`` at head dim ``d``: compute capability 8.0 or newer (cp.async,
+    bfloat16 mma) and their shared memory within what a block may opt in to there (other GPUs: the dense
+    path). Head dims the kernels lack are refused by the callers, not sent dense."""
+    if R.compute_capability(dev) < 80:
+        return False
+    return d not in HEAD_DIMS or all(_shared_bytes(kern, d, 2) <= R.shared_optin(dev) for kern in kernels)
+
+
+def _scale_fits(scale):
+    # the kernels' softmax takes the row max of the raw scores: a positive scale whose float32 log2 form is a
+    # normal number (another, e.g. negative or 1e-50, goes dense)
+    with np.errstate(over="ignore"):
+        s2 = np.float32(scale * _LOG2E)
+    return bool(np.isfinite(s2)) and s2 >= np.finfo(np.float32).tiny
+
+
+def _uses_kernels(kind, dt, dev, q, scale):
+    return kind in A.GPU_KINDS and dt in A.HALVES and _scale_fits(scale) and _kernels_fit(dev, q.shape[-1])
 
 
 def forward(kind, dt, dev, q, k, v, scale, causal):
-    """(o, lse) of 4-D q, k, v: the kernels or the dense path."""
-    if _uses_kernels(kind, dt, scale):
+    """(o, lse) of 4-D q, k, v: the kernels or the dense path (on the arrays' GPU, whichever is current)."""
+    if _uses_kernels(kind, dt, dev, q, scale):
         return _gpu_forward(kind, dt, dev, q, k, v, scale, causal)
-    return _dense_forward(kind, dt, q, k, v, scale, causal)
+    with D.on_device(kind, dev):
+        return _dense_forward(kind, dt, q, k, v, scale, causal)
 
 
 def backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
     """(dq, dk, dv) from the forward's o and lse and the gradient do of o."""
-    if _uses_kernels(kind, dt, scale):
+    if _uses_kernels(kind, dt, dev, q, scale):
         return _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal)
-    return _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal)
+    with D.on_device(kind, dev):
+        return _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal)
 
 
 # --------------------------------------------------------------- the call
@@ -451,7 +465,8 @@ def _score_args(name, q, k, scale, mask):
                 raise NotImplementedError(f"cufuse.{name}: the mask gets no gradient (pass it detached)")
             mask = mask.detach()
         if mdt != np.bool_ and mdt != dt:
-            mask = D.astype(mask, dt, kind)  # (added in the scores' dtype, as torch adds a mask)
+            with D.on_device(kind, dev):
+                mask = D.astype(mask, dt, kind)  # (added in the scores' dtype, as torch adds a mask)
         if nd == 3:
             mask = mask.reshape((1,) * (3 - len(mask.shape)) + tuple(mask.shape))[:, None]
     return kind, dt, dev, q4, k4, float(scale), mask, nd == 3
@@ -493,10 +508,14 @@ def _score_gpu(kind, dt, dev, q, k, scale, mask):
 
 
 def scores(kind, dt, dev, q, k, scale, mask):
-    """q k^T * scale (+ mask) of 4-D q and k: the kernel or the dense math."""
-    if kind in A.GPU_KINDS and dt in A.HALVES and q.shape[-1] in SCORE_DIMS:
+    """q k^T * scale (+ mask) of 4-D q and k: the kernel (compute capability 8.0 or newer, its shared memory
+    allowed there) or the dense math, on the arrays' GPU whichever is current."""
+    d = q.shape[-1]
+    if (kind in A.GPU_KINDS and dt in A.HALVES and d in SCORE_DIMS and R.compute_capability(dev) >= 80
+            and _score_shared(d, dt.itemsize) <= R.shared_optin(dev)):
         return _score_gpu(kind, dt, dev, q, k, scale, mask)
-    return _score_dense(kind, dt, q, k, scale, mask)
+    with D.on_device(kind, dev):
+        return _score_dense(kind, dt, q, k, scale, mask)
 
 
 def attention_score(q: Array, k: Array, /, *, scale: float | None = None, mask: Array | None = None) -> Array:
@@ -544,11 +563,15 @@ def _score_compiled(q, k, scale, mask):
         q, k = q.unsqueeze(1), k.unsqueeze(1)
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} do not agree")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1]) if q.shape[-1] else 1.0
+    scale = _compiled_scale(name, scale, q.shape[-1])
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.device != q.device:
             raise TypeError(f"{name}: mask must be a tensor on q's device")
+        want = (*q.shape[:3], k.shape[2]) if not three else (q.shape[0], q.shape[2], k.shape[2])
+        ms = tuple(mask.shape)  # (compared by hand: Dynamo traces torch.broadcast_shapes)
+        if len(ms) > len(want) or any(m not in (1, w) for m, w in zip(reversed(ms), reversed(want))):
+            raise ValueError(f"{name}: mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
+                             f"{tuple(want)}")
         if mask.dtype != torch.bool:
             if not mask.dtype.is_floating_point:
                 raise TypeError(f"{name}: mask must be boolean or float, got {mask.dtype}")
@@ -608,8 +631,7 @@ def _compiled(q, k, v, causal, scale, return_lse):
                          "(k and v of one shape, q's batch and head dim, heads a multiple of k's)")
     if not isinstance(causal, bool):
         raise TypeError(f"{name}: causal must be a bool")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
+    scale = _compiled_scale(name, scale, d)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d not in HEAD_DIMS:
         raise ValueError(f"{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
                          f"(supported: {', '.join(map(str, HEAD_DIMS))})")
@@ -617,6 +639,15 @@ def _compiled(q, k, v, causal, scale, return_lse):
     if three:
         o, lse = o.squeeze(1), lse.squeeze(1)
     return (o, lse) if return_lse else o
+
+
+def _compiled_scale(name, scale, d):
+    """The scale under torch.compile: a finite number (1/sqrt(d) by default), as eager mode checks."""
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"{name}: scale must be a finite float or None, got {scale!r}")
+    return float(scale)
 
 
 def _kind_of(t):
