@@ -19,12 +19,13 @@ import sys as _sys
 from typing import Any as _Any
 
 
-def patch(model: _Any) -> _Any:
+def patch(model: _Any, *, attention: bool = False) -> _Any:
     """Swap cufuse's modules (cufuse.nn) into a torch model in place, e.g. a
     Hugging Face Llama, GPT-2, BERT or ViT; returns what it replaced
-    (cufuse.nn.PatchReport). See cufuse/_patch.py and docs/pytorch.md."""
+    (cufuse.nn.PatchReport). ``attention=True``: its attention too, through
+    cufuse.attention. See cufuse/_patch.py and docs/pytorch.md."""
     from ._patch import patch as _patch
-    return _patch(model)
+    return _patch(model, attention=attention)
 
 
 if "torch" in _sys.modules:  # torch.ops.cufuse now (else at the first call on a tensor)

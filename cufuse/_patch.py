@@ -25,6 +25,14 @@ Recognized, by module type and layout (not by model name):
   float32 copy of the logits, the gradient written in place of them (after
   ``loss.backward()`` the model output's ``logits`` hold their gradient).
 
+- with ``attention=True``, the attention of models that use transformers'
+  attention interface (Llama, Mistral, Qwen2, GPT-2, BERT, ViT in
+  transformers 5) -> ``cufuse.attention`` (``attention_forward``, registered
+  as the implementation "cufuse"): calls without a padding mask, dropout or
+  extras it lacks, on CUDA float16/bfloat16 at the kernels' head dims (or on
+  the CPU); any other call runs transformers' SDPA path as before. Off by
+  default: on an H200 torch's flash backend is still faster (docs/ops.md).
+
 The new modules take over the old ones' Parameter objects (and the MLP's
 Linear layers), so ``state_dict`` keys and tensors, and an optimizer built
 before the patch, are unchanged. Every replacement is planned before any is
@@ -188,13 +196,61 @@ def _plan(name, mod):
     return None, None
 
 
-def patch(model):
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      **kwargs):
+    """transformers' attention interface through cufuse.attention where it
+    applies (no mask tensor, no dropout in training, none of softcap,
+    sinks, position bias or attention weights asked for; CUDA float16 /
+    bfloat16 at the kernels' head dims, or the CPU), else transformers' SDPA
+    function. q, k, v are (batch, heads, seq, dim); k and v may have fewer
+    heads. Returns ((batch, seq, heads, dim), None) as the interface wants."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from .ops.attention import HEAD_DIMS
+    extras = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
+    fits = (not query.is_cuda) or (query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] in HEAD_DIMS)
+    if (attention_mask is not None or (dropout and module.training) or extras or kwargs.get("output_attentions")
+            or not fits or value.shape[-1] != query.shape[-1]):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # (as transformers' SDPA path: one query token attends to every key; cufuse aligns a causal mask to the
+    # bottom right, so a chunk of queries after a cache sees the cache and its own past)
+    causal = bool(causal) and query.shape[2] > 1
+    from .ops.attention import attention
+    out = attention(query, key, value, causal=causal, scale=scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _use_cufuse_attention(model):
+    """Register attention_forward as transformers' attention implementation "cufuse" and switch the model
+    to it; False where the model does not use the attention interface."""
+    try:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+    except ImportError:
+        return False
+    if not hasattr(model, "set_attn_implementation") or not getattr(model, "config", None):
+        return False
+    AttentionInterface.register("cufuse", attention_forward)
+    AttentionMaskInterface.register("cufuse", sdpa_mask)  # masks as for SDPA: None where purely causal
+    try:
+        model.set_attn_implementation("cufuse")
+    except (ValueError, NotImplementedError):
+        return False
+    return True
+
+
+def patch(model, *, attention=False):
     """Replace, in place, the modules of ``model`` that cufuse has (see the
-    module doc) and return a ``PatchReport``. TypeError for anything but a
-    torch.nn.Module; ValueError when it holds none of those modules."""
+    module doc) and return a ``PatchReport``; with ``attention=True`` also
+    its attention (transformers models using the attention interface).
+    TypeError for anything but a torch.nn.Module; ValueError when it holds
+    none of those modules."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"cufuse.patch: expected a torch.nn.Module, got {type(model).__module__}."
                         f"{type(model).__name__}")
+    if not isinstance(attention, bool):
+        raise TypeError(f"cufuse.patch: attention must be a bool, got {type(attention).__name__}")
     report = PatchReport()
     steps = []
     done: set = set()  # a swapped MLP's own submodules are its old ones: not planned again
@@ -227,4 +283,10 @@ def patch(model):
     if loss:
         model.loss_function = causal_lm_loss
         report.replaced.append(("loss_function", "ForCausalLMLoss", "cufuse.cross_entropy"))
+    if attention:
+        before = getattr(model.config, "_attn_implementation", None) if hasattr(model, "config") else None
+        if _use_cufuse_attention(model):
+            report.replaced.append(("attention", str(before), "cufuse.attention"))
+        else:
+            report.skipped.append(("attention", "the model does not use transformers' attention interface"))
     return report

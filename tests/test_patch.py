@@ -215,3 +215,60 @@ def test_patched_llama_compiles_whole(device):
     b.backward()
     for (k, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=k)
+
+
+ATTN_MODELS = ["llama", "qwen2", "gpt2", "bert", "vit"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ATTN_MODELS)
+def test_patch_attention(family, device):
+    """patch(model, attention=True): the model's attention runs cufuse.attention
+    (counted), with outputs and gradients equal to the unpatched model's; a
+    padding mask takes transformers' SDPA path and still agrees."""
+    from cufuse import _patch as P
+    make, inputs, _ = MODELS[family]
+    torch.manual_seed(0)
+    # the GPU kernels are float16/bfloat16: float64 on the CPU, bfloat16 on the GPU
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    model = make().to(device=device, dtype=dtype).eval()
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("eager")
+    report = cufuse.patch(model, attention=True)
+    assert ("attention", "sdpa", "cufuse.attention") in report.replaced, str(report)
+    calls = []
+    real = P.attention_forward
+
+    def counting(module, query, *args, **kwargs):
+        calls.append(kwargs.get("is_causal"))
+        return real(module, query, *args, **kwargs)
+
+    from transformers import AttentionInterface
+    AttentionInterface.register("cufuse", counting)
+    try:
+        x = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in inputs().items()}
+        y, y_ref = _main(model(**x)), _main(ref(**x))
+        assert len(calls) == 2  # two layers
+        tol = 1e-6 if dtype == torch.float64 else 3e-2
+        torch.testing.assert_close(y.float(), y_ref.float(), rtol=tol, atol=tol)
+        y.float().square().mean().backward()
+        y_ref.float().square().mean().backward()
+        for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            if q.grad is not None:
+                s = max(1.0, float(q.grad.float().abs().max()))
+                torch.testing.assert_close(p.grad.float(), q.grad.float(), rtol=tol * 10, atol=tol * 10 * s, msg=k)
+        if "input_ids" in x:  # a padded batch: the mask goes to SDPA
+            mask = torch.ones_like(x["input_ids"])
+            mask[0, :3] = 0
+            with torch.no_grad():
+                a = _main(model(**x, attention_mask=mask))
+                b = _main(ref(**x, attention_mask=mask))
+            torch.testing.assert_close(a[1].float(), b[1].float(), rtol=tol, atol=tol)
+    finally:
+        AttentionInterface.register("cufuse", real)
+
+
+def test_patch_attention_errors():
+    model = MODELS["llama"][0]()
+    with pytest.raises(TypeError, match="attention must be a bool"):
+        cufuse.patch(model, attention="yes")
