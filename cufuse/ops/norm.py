@@ -397,30 +397,37 @@ def _np_layer_norm(x, ns, w, b, eps, relu):
     # Shifted by each row's first element: a constant row gives exactly 0 (its
     # mean rounded in float32 is not its value, and / sqrt(eps) magnified the
     # difference to 2e-5, found by the fuzz suite), and large offsets do not cancel.
+    # (In place on the one new array: fresh temporaries cost page faults, not arithmetic.)
     first = x[(Ellipsis,) + (slice(0, 1),) * len(ns)]
-    xs = x - first
-    d = xs - xs.mean(axis=axes, keepdims=True)
-    var = (d * d).mean(axis=axes, keepdims=True)
-    y = d / np.sqrt(var + x.dtype.type(eps))
+    d = x - first
+    d -= d.mean(axis=axes, keepdims=True)
+    var = np.square(d).mean(axis=axes, keepdims=True)
+    d /= np.sqrt(var + x.dtype.type(eps))
     if w is not None:
-        y = y * w
+        d *= w
     if b is not None:
-        y = y + b
-    return np.where(y < 0, x.dtype.type(0), y) if relu else y
+        d += b
+    if relu:
+        np.copyto(d, x.dtype.type(0), where=d < 0)  # (NaN and -0.0 stay, as the kernels give)
+    return d
 
 
 def _np_rms_norm(x, ns, w, eps):
     axes = tuple(range(x.ndim - len(ns), x.ndim))
-    y = x / np.sqrt((x * x).mean(axis=axes, keepdims=True) + x.dtype.type(eps))
-    return y if w is None else y * w
+    y = x / np.sqrt(np.square(x).mean(axis=axes, keepdims=True) + x.dtype.type(eps))
+    if w is not None:
+        y *= w
+    return y
 
 
 def _np_softmax(x, log):
-    m = x.max(axis=-1, keepdims=True)
-    d = x - m
-    e = np.exp(d)
-    s = e.sum(axis=-1, keepdims=True)
-    return d - np.log(s) if log else e / s
+    d = x - x.max(axis=-1, keepdims=True)
+    if log:
+        d -= np.log(np.exp(d).sum(axis=-1, keepdims=True))
+        return d
+    np.exp(d, out=d)
+    d /= d.sum(axis=-1, keepdims=True)
+    return d
 
 
 # --------------------------------------------------------------- the calls
@@ -451,9 +458,10 @@ def _run(op, x, kind, dt, dev, lead, w, b, eps, out, np_impl, key):
         return out if out is not None else D.empty_like(x, kind)
     if kind not in A.GPU_KINDS:
         cdt = A.compute_dtype(dt)
-        vals = [None if a is None else _rows.to_numpy(a, kind).astype(cdt) for a in (x, w, b)]
+        # (no copies where the dtype is already the compute dtype: the NumPy paths never write their inputs)
+        vals = [None if a is None else _rows.to_numpy(a, kind).astype(cdt, copy=False) for a in (x, w, b)]
         with np.errstate(all="ignore"):
-            res = np.asarray(np_impl(*vals), dtype=cdt).astype(dt)
+            res = np.asarray(np_impl(*vals), dtype=cdt).astype(dt, copy=False)
         return _rows.from_numpy(res, kind, out)
     rows = A.count(shape[:lead])
     cols = A.count(shape[lead:])
