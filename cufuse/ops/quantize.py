@@ -42,12 +42,28 @@ def _rname(dt):
 
 
 def _quantize_np(x, scale, zero_point):
-    v = np.rint(x / scale + zero_point)
-    return np.where(np.isnan(v), 0, np.clip(v, -128, 127)).astype(np.int8)
+    # in place on the one new array where the dtypes allow it (fresh temporaries cost page faults)
+    v = np.asarray(x / scale)
+    if np.ndim(zero_point) == 0 and zero_point == 0 and v.flags.writeable:
+        pass  # (x / s + 0 is x / s, -0.0 included after rint and the int8 cast)
+    elif np.result_type(v, zero_point) == v.dtype and v.flags.writeable:
+        v += zero_point
+    else:
+        v = np.asarray(v + zero_point)
+    np.rint(v, out=v)
+    np.clip(v, -128, 127, out=v)
+    np.copyto(v, 0, where=np.isnan(v))
+    return v.astype(np.int8)
 
 
 def _dequantize_np(q, scale, zero_point, real):
-    return (q.astype(real) - zero_point) * scale
+    v = q.astype(real)
+    if np.result_type(v, zero_point, scale) == v.dtype:
+        if np.ndim(zero_point) or zero_point != 0:
+            v -= zero_point
+        v *= scale
+        return v
+    return (v - zero_point) * scale
 
 
 # Packs per thread of each kernel (ElementwiseOp's packs_per_thread), where
