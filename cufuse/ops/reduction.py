@@ -67,7 +67,7 @@ class _Reduction:
             warnings.simplefilter("ignore", RuntimeWarning)  # mean of nothing is NaN, as the GPU gives
             if self.mean:
                 return np.mean(np.abs(v), axis=axes, keepdims=keepdims)
-            return np.sum(v * v, axis=axes, keepdims=keepdims)
+            return np.sum(np.square(v), axis=axes, keepdims=keepdims)
 
     def _recorded(self, x, axis, keepdims, dtype, out):
         """The call through its registered operator (autograd, torch.compile)."""
@@ -113,7 +113,7 @@ class _Reduction:
             A.check_out(name, out, kind, odt, res_shape, dev)
         acc = _acc(dt, odt)
         if kind not in A.GPU_KINDS:
-            v = _rows.to_numpy(x, kind).astype(acc)
+            v = _rows.to_numpy(x, kind).astype(acc, copy=False)  # (read only: no copy in the accumulator dtype)
             with np.errstate(over="ignore"):  # a float16 result may overflow to inf, as on the GPU
                 res = np.asarray(self.numpy(v, axes, bool(keepdims))).astype(odt)
             return _rows.from_numpy(res, kind, out)
