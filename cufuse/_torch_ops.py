@@ -661,7 +661,7 @@ def attention_score(q, k, scale, mask):
 
 
 def _register_attention(torch):
-    from .ops.attention import backward_tensors, forward_tensors, score_tensors
+    from .ops.attention import backward_tensors, forward_tensors, score_backward, score_tensors
 
     @torch.library.custom_op("cufuse::attention", mutates_args=(),
                              schema="(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> (Tensor, Tensor)")
@@ -706,17 +706,9 @@ def _register_attention(torch):
         ctx.scale = scale
         ctx.save_for_backward(q, k, mask)
 
-    def score_grad(ctx, g):  # two matmuls (torch ops: traced as they are)
+    def score_grad(ctx, g):
         q, k, mask = ctx.saved_tensors
-        if mask is not None and mask.dtype == torch.bool:
-            g = g.masked_fill(~mask, 0)
-        g = g * ctx.scale
-        group = q.shape[1] // k.shape[1]
-        kr = k.repeat_interleave(group, 1) if group > 1 else k
-        dk = g.transpose(-1, -2) @ q
-        if group > 1:
-            dk = dk.reshape(k.shape[0], k.shape[1], group, *k.shape[2:]).sum(2)
-        return g @ kr, dk, None, None
+        return (*score_backward(g, q, k, ctx.scale, mask), None, None)
 
     attention_score_op.register_autograd(score_grad, setup_context=score_setup)
     _OPS["attention_score"] = attention_score_op

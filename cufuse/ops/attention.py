@@ -115,16 +115,15 @@ def _shared_bytes(kern, d, item):
 
 
 # --------------------------------------------------------------- validation
-def _args(name, q, k, v, causal, scale):
-    """(kind, dtype, device, q, k, v as 4-D (batch, heads, seq, dim) views, scale, causal, 3-D input)."""
-    if any(DK.is_dask(x) for x in (q, k, v)):
-        raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
+def _operands(name, q, others):
+    """(kind, dtype, device) of q, a float array; each of ``others`` ((name, array) pairs) of its kind, dtype
+    and GPU."""
     kind = A.array_kind(name, q, "q")
     dt = A.dtype_of(q, kind)
     if dt not in A.FLOAT_DTYPES:
         raise TypeError(f"cufuse.{name}: q is {A.describe(q, kind)}; accepted dtypes are {A.FLOAT_NAMES}")
     dev = A.device_of(q, kind)
-    for what, x in (("k", k), ("v", v)):
+    for what, x in others:
         xk = A.array_kind(name, x, what)
         if xk != kind:
             raise TypeError(f"cufuse.{name}: {what} is {A.describe(x, xk)} but q is a {kind}; pass the same "
@@ -133,6 +132,25 @@ def _args(name, q, k, v, causal, scale):
             raise TypeError(f"cufuse.{name}: {what} has dtype {A.dtype_of(x, xk)} and q {dt}; pass one dtype")
         if kind in A.GPU_KINDS and A.device_of(x, xk) != dev:
             raise ValueError(f"cufuse.{name}: {what} is on GPU {A.device_of(x, xk)} and q on GPU {dev}")
+    return kind, dt, dev
+
+
+def _scale_arg(name, scale, d):
+    """The scale as a float: 1/sqrt(d) by default, else a finite number."""
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+        raise TypeError(f"cufuse.{name}: scale must be a float or None, got {type(scale).__name__}")
+    if not math.isfinite(float(scale)):
+        raise ValueError(f"cufuse.{name}: scale must be finite, got {scale!r}")
+    return float(scale)
+
+
+def _args(name, q, k, v, causal, scale):
+    """(kind, dtype, device, q, k, v as 4-D (batch, heads, seq, dim) views, scale, causal, 3-D input)."""
+    if any(DK.is_dask(x) for x in (q, k, v)):
+        raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
+    kind, dt, dev = _operands(name, q, (("k", k), ("v", v)))
     nd = len(q.shape)
     if nd not in (3, 4) or len(k.shape) != nd or len(v.shape) != nd:
         raise ValueError(f"cufuse.{name}: q, k and v must all be (batch, seq, dim) or all (batch, heads, seq, "
@@ -156,12 +174,7 @@ def _args(name, q, k, v, causal, scale):
         raise ValueError(f"cufuse.{name}: the head dim is 0")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"cufuse.{name}: causal must be a bool, got {type(causal).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d)
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"cufuse.{name}: scale must be a float or None, got {type(scale).__name__}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"cufuse.{name}: scale must be finite, got {scale!r}")
+    scale = _scale_arg(name, scale, d)
     if kind in A.GPU_KINDS and dt in A.HALVES and _kernels_fit(dev, d) and d not in HEAD_DIMS:
         raise ValueError(f"cufuse.{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
                          f"(supported: {', '.join(map(str, HEAD_DIMS))})")
@@ -337,9 +350,15 @@ def _kernels_fit(dev, d, kernels=_KERNELS):
     """The tensor-core kernels run on ``dev`` at head dim ``d``: compute capability 8.0 or newer (cp.async,
     bfloat16 mma) and their shared memory within what a block may opt in to there (other GPUs: the dense
     path). Head dims the kernels lack are refused by the callers, not sent dense."""
-    if R.compute_capability(dev) < 80:
-        return False
-    return d not in HEAD_DIMS or all(_shared_bytes(kern, d, 2) <= R.shared_optin(dev) for kern in kernels)
+    key = (dev, d, kernels, _FWD_CFG.get(d), _BWD_CFG.get(d))  # (once per GPU, head dim and tile choice)
+    fit = _FITS.get(key)
+    if fit is None:
+        fit = _FITS[key] = R.compute_capability(dev) >= 80 and (
+            d not in HEAD_DIMS or all(_shared_bytes(kern, d, 2) <= R.shared_optin(dev) for kern in kernels))
+    return fit
+
+
+_FITS: dict = {}
 
 
 def _scale_fits(scale):
@@ -411,18 +430,7 @@ def _score_args(name, q, k, scale, mask):
     """(kind, dtype, device, q, k as 4-D, scale, mask or None (q's dtype, or bool), 3-D input)."""
     if any(DK.is_dask(x) for x in (q, k, mask)):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
-    kind = A.array_kind(name, q, "q")
-    dt = A.dtype_of(q, kind)
-    if dt not in A.FLOAT_DTYPES:
-        raise TypeError(f"cufuse.{name}: q is {A.describe(q, kind)}; accepted dtypes are {A.FLOAT_NAMES}")
-    dev = A.device_of(q, kind)
-    kk = A.array_kind(name, k, "k")
-    if kk != kind:
-        raise TypeError(f"cufuse.{name}: k is {A.describe(k, kk)} but q is a {kind}; pass the same array kind")
-    if A.dtype_of(k, kk) != dt:
-        raise TypeError(f"cufuse.{name}: k has dtype {A.dtype_of(k, kk)} and q {dt}; pass one dtype")
-    if kind in A.GPU_KINDS and A.device_of(k, kk) != dev:
-        raise ValueError(f"cufuse.{name}: k is on GPU {A.device_of(k, kk)} and q on GPU {dev}")
+    kind, dt, dev = _operands(name, q, (("k", k),))
     nd = len(q.shape)
     if nd not in (3, 4) or len(k.shape) != nd:
         raise ValueError(f"cufuse.{name}: q and k must both be (batch, seq, dim) or (batch, heads, seq, dim); got "
@@ -434,12 +442,7 @@ def _score_args(name, q, k, scale, mask):
     if hk == 0 or h % hk:
         raise ValueError(f"cufuse.{name}: q has {h} heads and k {hk}: the query heads must be a whole multiple of "
                          "the key heads")
-    if scale is None:
-        scale = 1.0 / math.sqrt(d) if d else 1.0
-    elif isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-        raise TypeError(f"cufuse.{name}: scale must be a float or None, got {type(scale).__name__}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"cufuse.{name}: scale must be finite, got {scale!r}")
+    scale = _scale_arg(name, scale, d)
     out_shape = (b, sq, sk) if nd == 3 else (b, h, sq, sk)
     if mask is not None:
         mk = A.array_kind(name, mask, "mask")
@@ -582,6 +585,23 @@ def _score_compiled(q, k, scale, mask):
     return s.squeeze(1) if three else s
 
 
+def score_backward(g, q, k, scale, mask, want_q=True, want_k=True):
+    """(dq, dk) of the scores q k^T * scale (+ mask) from their gradient g: two matmuls (torch ops, so that
+    torch.compile traces them too); a boolean mask's -inf entries pass no gradient."""
+    if mask is not None and mask.dtype == A.torch().bool:
+        g = g.masked_fill(~mask, 0)
+    g = g * scale
+    group = q.shape[1] // k.shape[1]
+    dq = dk = None
+    if want_q:
+        dq = g @ (k.repeat_interleave(group, 1) if group > 1 else k)
+    if want_k:
+        dk = g.transpose(-1, -2) @ q
+        if group > 1:
+            dk = dk.reshape(k.shape[0], k.shape[1], group, *k.shape[2:]).sum(2)
+    return dq, dk
+
+
 def _score_function(torch):
     class AttentionScoreFn(torch.autograd.Function):
         @staticmethod
@@ -595,17 +615,7 @@ def _score_function(torch):
         @torch.autograd.function.once_differentiable
         def backward(ctx, g):
             q, k = ctx.saved_tensors
-            if ctx.mask is not None and ctx.mask.dtype == torch.bool:
-                g = g.masked_fill(~ctx.mask, 0)
-            g = g * ctx.scale
-            group = q.shape[1] // k.shape[1]
-            kr = k.repeat_interleave(group, 1) if group > 1 else k
-            dq = g @ kr if ctx.needs_input_grad[0] else None
-            dk = None
-            if ctx.needs_input_grad[1]:
-                dk = g.transpose(-1, -2) @ q
-                if group > 1:
-                    dk = dk.reshape(k.shape[0], k.shape[1], group, *k.shape[2:]).sum(2)
+            dq, dk = score_backward(g, q, k, ctx.scale, ctx.mask, *ctx.needs_input_grad[:2])
             return dq, dk, None, None
 
     return AttentionScoreFn
