@@ -176,41 +176,166 @@ def capturing(kind, dev):
 
 
 # Host data (launch tables, per-channel parameters given as NumPy arrays) on
-# the GPU, kept by content: (device, dtype, shape, bytes) -> CuPy array. Each
-# is copied on a stream of its own and waited for (microseconds: that stream
+# the GPU, kept by content: (device, dtype, shape, bytes) -> _Upload. Each is
+# copied on a stream of its own and waited for (microseconds: that stream
 # holds nothing else), so it is ready for every stream at once and a call
 # inside a CUDA graph capture, which cannot copy from host memory or query an
 # event, can use a copy made before (the graph then keeps it for good).
+#
+# Eviction (issue 37). A copy's memory comes from the upload stream's part of
+# CuPy's pool: freed, it goes to the next upload on that stream with no
+# ordering behind the kernels callers queued on THEIR streams to read it, and
+# once a caller's launch is queued the cache's reference is usually the last.
+# So an evicted copy waits in _RETIRING with an event recorded at eviction on
+# each stream it was returned for, and is dropped (back to the pool) only once
+# those events are done: checked on later copies, never waited for. A full
+# cache evicts its least recently used eighth (by ``_Upload.used``, a count of
+# calls), so an entry a call just got, whose launch may not be queued yet, is
+# not evicted under it; a hit on a stream already noted takes no lock.
 _UPLOADS: dict = {}
 _UPLOADS_MAX = 128
+_UPLOAD_USERS_MAX = 8  # streams noted per entry past which those no one else holds give way to events
 _upload_streams: dict = {}  # device -> the CuPy stream uploads are copied on
+_uploads_lock = threading.Lock()  # taken for misses, evictions and a stream new to an entry
+_RETIRING: list = []  # (array, events) of evicted copies, in eviction order
+_tick = 0  # calls of uploaded so far (about: threads may lose an increment)
 
 
-def uploaded(host, kind, dev, what):
+class _Upload:
+    """A copy in _UPLOADS: ``users`` {handle: stream} it was returned for,
+    ``events`` recorded on users since forgotten (``_prune_users``), ``used``
+    the ``_tick`` of its last call, ``evicted`` (see ``_evict``)."""
+    __slots__ = ("arr", "users", "events", "used", "evicted")
+
+    def __init__(self, arr, tick):
+        self.arr, self.users, self.events, self.used, self.evicted = arr, {}, [], tick, False
+
+
+def uploaded(host, kind, dev, what, stream=None):
     """NumPy array ``host`` on GPU ``dev`` (a CuPy array; hold it while it is
-    used), its copy complete. Inside a capture with no earlier copy of the
-    same content: RuntimeError naming ``what``, before anything is queued."""
+    used), its copy complete. ``stream``: the CuPy stream the caller launches
+    on (``stream_for``'s result; None: ``current_stream(kind, dev)``, where the
+    driver's launches for ``kind`` go); once evicted, the copy goes back to the
+    pool only after the work queued by then on such streams is done. Inside a
+    capture with no earlier copy of the same content: RuntimeError naming
+    ``what``, before anything is queued."""
+    global _tick
     key = (dev, host.dtype.str, host.shape, host.tobytes())
-    arr = _UPLOADS.get(key)
-    if capturing(kind, dev):
-        if arr is None:
-            raise RuntimeError(f"cufuse: {what} must be copied to the GPU, which cannot happen while a CUDA "
-                               "graph is being captured; make the same call once before capturing (a warm-up, "
-                               "on any stream), or pass device arrays")
-        _CAPTURED_TEMPS.append(arr)  # the graph keeps its address: never freed
-        return arr
-    if arr is None:
-        if len(_UPLOADS) >= _UPLOADS_MAX:
-            _UPLOADS.clear()
-        with _cp.cuda.Device(dev):
-            s = _upload_streams.get(dev)
-            if s is None:
-                s = _upload_streams[dev] = _cp.cuda.Stream(non_blocking=True)
-            with s:
-                arr = _cp.asarray(host)
-            s.synchronize()
-        _UPLOADS[key] = arr
-    return arr
+    s = current_stream(kind, dev) if stream is None else stream
+    captured = s.is_capturing()
+    _tick += 1
+    e = _UPLOADS.get(key)
+    if e is not None:
+        e.used = _tick  # then read e.evicted (see _evict)
+        if captured:
+            _CAPTURED_TEMPS.append(e.arr)  # the graph keeps its address: never freed
+            return e.arr
+        if e.evicted or s.ptr not in e.users:
+            with _uploads_lock:
+                e = _use(key, e, s)
+        return e.arr
+    if captured:
+        raise RuntimeError(f"cufuse: {what} must be copied to the GPU, which cannot happen while a CUDA "
+                           "graph is being captured; make the same call once before capturing (a warm-up, "
+                           "on any stream), or pass device arrays")
+    with _cp.cuda.Device(dev):  # outside the lock: the wait would hold up other threads
+        u = _upload_streams.get(dev)
+        if u is None:
+            u = _upload_streams[dev] = _cp.cuda.Stream(non_blocking=True)
+        with u:
+            arr = _cp.asarray(host)
+        u.synchronize()
+    with _uploads_lock:
+        e = _UPLOADS.get(key)
+        if e is None:  # (else another thread copied it meanwhile: ours, read by nothing, is dropped)
+            while _RETIRING and all(ev.done for ev in _RETIRING[0][1]):
+                del _RETIRING[0]  # (in order: one still running holds up later ones, a little longer)
+            if len(_UPLOADS) >= _UPLOADS_MAX:
+                _evict()
+            e = _UPLOADS[key] = _Upload(arr, _tick)
+        return _use(key, e, s).arr
+
+
+def _use(key, e, s):
+    """(Under the lock.) Note ``s`` among the streams entry ``e`` of ``key`` is
+    returned for; if another thread evicted it since it was looked up, the
+    entry cached now for ``key`` instead, or ``e`` cached again. The entry."""
+    if e.evicted:
+        cur = _UPLOADS.get(key)
+        if cur is None:  # cached again; its uses so far wait in _RETIRING
+            e.users, e.events, e.evicted = {}, [], False
+            cur = _UPLOADS[key] = e
+        e = cur
+    if s.ptr not in e.users:
+        if len(e.users) >= _UPLOAD_USERS_MAX:
+            _prune_users(e, key[0])  # before noting s: its caller's launch is not queued yet
+        e.users[s.ptr] = s
+    return e
+
+
+def _evict():
+    """(Under the lock.) Evict the least recently used eighth of the entries
+    into _RETIRING (``_retire``). A hit in another thread sets ``used``, then
+    reads ``evicted``; this sets ``evicted``, then reads ``used`` again: one
+    of the two sees the other, and the entry stays (here) or is cached again
+    (``_use``), so no call gets a copy whose eviction missed its stream."""
+    for k in sorted(_UPLOADS, key=lambda k: _UPLOADS[k].used)[:max(1, _UPLOADS_MAX // 8)]:
+        e = _UPLOADS.pop(k)
+        used = e.used
+        e.evicted = True
+        if e.used != used:  # hit meanwhile: keep it
+            e.evicted = False
+            _UPLOADS[k] = e
+        else:
+            _retire(e, k[0])
+
+
+def _events(streams, dev):
+    """An event recorded now on each stream (of device ``dev``), or None when
+    one is being captured (its earlier work cannot be waited for by event)."""
+    out = []
+    for st in streams:
+        if st.is_capturing():
+            return None
+        d = getattr(st, "device_id", -1)  # -1: not known (the null stream, some external ones)
+        with _cp.cuda.Device(dev if d < 0 else d):  # an event is recorded on a stream of its device
+            ev = _cp.cuda.Event(block=False, disable_timing=True)
+            try:
+                ev.record(st)
+            except _cp.cuda.runtime.CUDARuntimeError:  # a stream of another device after all: wait for it
+                st.synchronize()
+                continue
+        out.append(ev)
+    return out
+
+
+def _retire(e, dev):
+    """Evicted ``e`` waits in _RETIRING for the work queued so far on its streams."""
+    evs = _events(e.users.values(), dev)
+    if evs is None:
+        _CAPTURED_TEMPS.append(e.arr)  # kept for good (rare)
+    else:
+        _RETIRING.append((e.arr, e.events + evs))
+
+
+def _prune_users(e, dev):
+    """Swap the streams of ``e`` that no one else holds (a CuPy stream made
+    per call, say) for events recorded on them now, and drop its events done.
+    A stream someone holds stays: a launch on it may still be on its way
+    from another thread (one no one holds cannot be current anywhere)."""
+    import sys
+    gone = []
+    for p in list(e.users):
+        st = e.users[p]
+        if sys.getrefcount(st) <= 3:  # the dict's, ``st``'s and getrefcount's argument's
+            gone.append(st)
+            del e.users[p]
+        del st
+    evs = _events(gone, dev)
+    if evs is None:
+        _CAPTURED_TEMPS.append(e.arr)  # kept for good (rare)
+        evs = []
+    e.events = [ev for ev in e.events if not ev.done] + evs
 
 
 _stream_buffers: dict = {}  # (device, stream handle) -> zeroed CuPy uint8 array

@@ -671,3 +671,245 @@ def test_eight_threads_every_family(lib):
     for th in threads:
         th.join(300)
     assert not errors, "\n".join(errors[:5])
+
+
+# ------------------------------------------- uploads kept by content (issue 37)
+class _FakeStream:
+    """A stream whose queued work is a count; ``finish`` completes it."""
+
+    def __init__(self, ptr):
+        self.ptr, self.queued, self.finished, self.capturing = ptr, 0, 0, False
+
+    def is_capturing(self):
+        return self.capturing
+
+    def synchronize(self):
+        self.finished = self.queued
+
+    def finish(self):
+        self.finished = self.queued
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _FakeEvent:
+    def __init__(self, block=False, disable_timing=False):
+        self.stream, self.mark = None, 0
+
+    def record(self, stream):
+        self.stream, self.mark = stream, stream.queued
+
+    @property
+    def done(self):
+        return self.stream.finished >= self.mark
+
+
+@pytest.fixture
+def fake_uploads(monkeypatch):
+    """``uploaded`` on a fake CuPy (NumPy copies, fake streams and events) and
+    an empty cache of 4 entries."""
+    import contextlib
+    import types
+    cuda = types.SimpleNamespace(Device=lambda dev: contextlib.nullcontext(), Event=_FakeEvent,
+                                 Stream=lambda non_blocking=False: _FakeStream(-1),
+                                 runtime=types.SimpleNamespace(CUDARuntimeError=RuntimeError))
+    monkeypatch.setattr(D, "_cp", types.SimpleNamespace(cuda=cuda, asarray=lambda h: h.copy()))
+    for name, v in (("_UPLOADS", {}), ("_RETIRING", []), ("_upload_streams", {}), ("_CAPTURED_TEMPS", []),
+                    ("_UPLOADS_MAX", 4)):
+        monkeypatch.setattr(D, name, v)
+
+
+def _up(k, s):
+    return D.uploaded(np.full(3, k, np.int64), "cupy", 0, "test data", stream=s)
+
+
+def test_uploads_evict_least_recently_used(fake_uploads):
+    """A full cache evicts its least recently used entries, not every entry;
+    a hit returns the same array and counts as a use."""
+    s = _FakeStream(1)
+    first = [_up(k, s) for k in range(4)]
+    assert _up(0, s) is first[0]                      # a hit: 1 is now the least recently used
+    _up(4, s)
+    assert sorted(int(np.frombuffer(k[3], np.int64)[0]) for k in D._UPLOADS) == [0, 2, 3, 4]
+    assert _up(0, s) is first[0] and _up(3, s) is first[3]
+    assert [a for a, _ in D._RETIRING] == [first[1]]
+
+
+def test_evicted_upload_held_until_its_streams_are_done(fake_uploads):
+    """An evicted copy stays referenced (not back to the pool) until the work
+    queued, up to its eviction, on every stream it was returned for is done;
+    only then is it dropped, on a later copy, without waiting."""
+    import weakref
+    s1, s2, s3 = _FakeStream(1), _FakeStream(2), _FakeStream(3)
+    a = weakref.ref(_up(0, s1))
+    s1.queued += 1                                    # a kernel reading it, queued on s1
+    assert _up(0, s2) is a()                          # a hit on s2, which queues a kernel too
+    s2.queued += 1
+    for k in range(1, 5):                             # on another stream: evicts 0 at k == 4
+        _up(k, s3)
+    s1.queued += 1                                    # queued after the eviction: not waited for
+    assert len(D._RETIRING) == 1 and D._RETIRING[0][0] is a()
+    assert sorted(ev.stream.ptr for ev in D._RETIRING[0][1]) == [1, 2]
+    s2.finish()
+    _up(5, s3)                                        # s1 still busy: kept
+    assert a() is not None
+    s1.finished = 1                                   # done up to the eviction (its later kernel is not)
+    s3.finish()
+    _up(6, s3)
+    assert a() is None                                # dropped: its block may go back to the pool
+    assert all(arr is not None for arr, _ in D._RETIRING)
+
+
+def test_upload_default_stream_and_capture(fake_uploads, monkeypatch):
+    """No stream given: the call's stream (current_stream) is the one noted.
+    Inside a capture a hit is kept for good and a miss raises before copying;
+    an entry evicted while a stream it was returned for is being captured is
+    kept for good (no event can tell when that stream's earlier work is done)."""
+    s, c = _FakeStream(7), _FakeStream(8)
+    monkeypatch.setattr(D, "current_stream", lambda kind, dev: s)
+    first = D.uploaded(np.full(3, 9, np.int64), "cupy", 0, "test data")
+    assert list(D._UPLOADS.values())[0].users == {7: s}
+    c.capturing = True
+    assert _up(9, c) is first and D._CAPTURED_TEMPS == [first]
+    with pytest.raises(RuntimeError, match="test data must be copied"):
+        _up(10, c)
+    assert len(D._UPLOADS) == 1
+    c.capturing = False
+    _up(9, c)                                         # c notes the entry, then captures again
+    c.capturing = True
+    for k in range(4):
+        _up(k, s)
+    assert all(e.arr is not first for e in D._UPLOADS.values())
+    assert not D._RETIRING and D._CAPTURED_TEMPS[-1] is first
+
+
+def test_upload_entry_streams_bounded(fake_uploads):
+    """Streams made per call (one entry, many streams) do not pile up: past
+    _UPLOAD_USERS_MAX, those no one else holds give way to events recorded on
+    them (a held one stays noted), and events done are dropped."""
+    held = _FakeStream(99)
+    held.queued = 1
+    _up(0, held)
+    n = 3 * D._UPLOAD_USERS_MAX
+    for k in range(n):
+        st = _FakeStream(100 + k)
+        st.queued = 1                                 # its caller's kernel, queued after the call
+        _up(0, st)
+        del st
+    e = next(iter(D._UPLOADS.values()))
+    assert held in e.users.values() and len(e.users) <= D._UPLOAD_USERS_MAX
+    assert {ev.stream.ptr for ev in e.events} | set(e.users) == {99, *range(100, 100 + n)}  # each covered
+    assert not any(ev.done for ev in e.events)
+    for ev in e.events:
+        ev.stream.finish()
+    for k in range(D._UPLOAD_USERS_MAX):
+        _up(0, _FakeStream(200 + k))
+    assert len(e.events) <= D._UPLOAD_USERS_MAX       # the next pruning dropped the events done
+    for st in [ev.stream for ev in e.events] + list(e.users.values()):
+        st.finish()
+    for k in range(1, 6):
+        _up(k, held)                                  # evicts 0, then drops it: all its work is done
+    assert all(arr is not e.arr for arr, _ in D._RETIRING)
+
+
+def test_upload_evicted_under_a_hit_is_cached_again(fake_uploads):
+    """A hit in another thread that looked an entry up just before its
+    eviction (and so may launch after the eviction's events) sees it evicted
+    and caches it again, its stream noted for the next eviction."""
+    s, t = _FakeStream(1), _FakeStream(2)
+    _up(0, s)
+    key, e = next(iter(D._UPLOADS.items()))
+    for k in range(1, 4):
+        _up(k, s)
+    with D._uploads_lock:
+        D._evict()                                    # 0, the least recently used
+    assert e.evicted and key not in D._UPLOADS and D._RETIRING[0][0] is e.arr
+    with D._uploads_lock:
+        assert D._use(key, e, t) is e                 # what the hit does on seeing ``evicted``
+    assert D._UPLOADS[key] is e and e.users == {2: t} and not e.evicted
+
+
+_WAIT_FLAG = r"""
+extern "C" __global__ void wait_flag(const volatile int* flag, long long max_cycles, int* timed_out) {
+    long long t0 = clock64();
+    while (*flag == 0) {
+        if (clock64() - t0 > max_cycles) { *timed_out = 1; return; }
+    }
+}
+"""
+
+
+@pytest.mark.cuda
+def test_evicted_upload_outlives_queued_kernel():
+    """Issue 37: a per-channel quantize_int8 (NumPy scale, so its scale comes
+    from the upload cache) queued on a stream behind a kernel that waits for
+    the host, then 300 uploads of other contents: the cache evicts that scale
+    while the queued kernel has not read it yet. The result must still be the
+    one of that scale. The uploads take their memory from a LIFO allocator (a
+    freed block is the next one handed out), so memory released too early is
+    overwritten for sure: before the fix, the cache cleared itself at 128
+    entries and the scale's block held another upload's numbers by the time
+    the kernel ran."""
+    import ctypes
+    import cupy as cp
+    from cufuse import _arrays as A
+    dev = cp.cuda.Device().id
+    C = 256
+    x = cp.asarray(rand((64, C), np.float32, 61)) * 4
+    scale0 = np.linspace(0.04, 0.06, C, dtype=np.float32)
+    others = [np.full(C, 1000 + k, np.float32) for k in range(300)]
+    cufuse.quantize_int8(x, scale0 * 2, axis=-1)      # warm: kernel compiled, zero point and upload stream
+    cp.cuda.Device().synchronize()
+    D._UPLOADS.clear()                                 # (nothing queued: safe)
+
+    slab, free = cp.empty(4 << 20, np.uint8), []       # the LIFO allocator's memory, made before the wait
+    bump = [slab.data.ptr]
+
+    class _Block:
+        def __init__(self, ptr):
+            self.ptr, self.slab = ptr, slab           # the slab lives as long as its blocks
+
+        def __del__(self):
+            free.append(self.ptr)
+
+    def lifo_malloc(size):
+        assert size <= 4096, size
+        if free:
+            ptr = free.pop()
+        else:
+            ptr, bump[0] = bump[0], bump[0] + 4096
+            assert bump[0] <= slab.data.ptr + slab.nbytes, "LIFO allocator exhausted"
+        return cp.cuda.MemoryPointer(cp.cuda.UnownedMemory(ptr, size, _Block(ptr), dev), 0)
+
+    with cp.cuda.using_allocator(lifo_malloc):
+        D.uploaded(scale0, A.CUPY, dev, "the test's scale")
+    wait = cp.RawKernel(_WAIT_FLAG, "wait_flag")
+    timed_out = cp.zeros(1, np.int32)
+    flag = cp.cuda.runtime.hostAlloc(4, cp.cuda.runtime.hostAllocMapped)  # mapped: the kernel reads it
+    ctypes.c_int.from_address(flag).value = 0
+    s = cp.cuda.Stream(non_blocking=True)
+    with s:
+        cp.empty(x.shape, np.int8)                     # the result's block, kept for s: no cudaMalloc below
+    cp.cuda.Device().synchronize()                     # timed_out zeroed, everything above done
+    try:
+        with s:
+            wait((1,), (1,), (np.uint64(flag), np.int64(20 * 2_000_000_000), timed_out))  # at most ~20 s
+            got = cufuse.quantize_int8(x, scale0, axis=-1)                      # queued behind it
+        with cp.cuda.using_allocator(lifo_malloc):
+            for o in others:
+                D.uploaded(o, A.CUPY, dev, "the test's other data")
+        assert not s.done, "the waiting kernel ended before the uploads"
+    finally:
+        ctypes.c_int.from_address(flag).value = 1
+        s.synchronize()
+        cp.cuda.runtime.freeHost(flag)
+    assert int(timed_out[0]) == 0, "the waiting kernel timed out (something waited for it)"
+    cp.cuda.Device().synchronize()
+    D._UPLOADS.clear()                                 # (nothing queued: safe)
+    want = cufuse.quantize_int8(x, scale0, axis=-1)
+    np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
+    assert int(cp.count_nonzero(want)) > want.size // 2
