@@ -117,6 +117,21 @@ def test_bfloat16_with_float16_is_float32(bk):
     assert_bf16(bk.to_numpy(res), reference("add_relu", [x, y], F32), FLOAT32_RESULT, F32)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_zero_dim_float16_with_bfloat16_tensor(device):
+    """torch: a zero-dim float16 tensor with a bfloat16 tensor gives bfloat16,
+    the float16 value rounded to bfloat16 first (float16 holds 3 more bits);
+    the NumPy path of torch CPU tensors rounded it only when wider (found by
+    the device fuzz run: 2 bfloat16 ulps apart where the sum cancels)."""
+    torch = pytest.importorskip("torch")
+    x = torch.tensor(0.1257, dtype=torch.float16, device=device)
+    y = torch.from_numpy(rand((5, 7), F32, 6)).to(device, torch.bfloat16) - 0.125
+    got = cufuse.add_relu(x, y)
+    want = torch.relu(x.to(torch.bfloat16).float() + y.float()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got.cpu(), want.cpu())
+
+
 def test_out_and_poisoned_output(bk):
     x, y = bf(rand((6, 40), F32, 6)), bf(rand((40,), F32, 7))
     out = bk.asarray(bf(np.full((6, 40), np.nan)))

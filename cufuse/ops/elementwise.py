@@ -196,8 +196,10 @@ class ElementwiseOp:
                 vals.append(np.asarray(s, dtype=plan.dtype).astype(cdt))
             else:
                 arr = A.torch_numpy(x) if torch_cpu else x
-                if arr.dtype.itemsize > plan.dtype.itemsize:  # a wider operand (torch's zero-dim rule): rounded
-                    arr = arr.astype(plan.dtype)                # to the result dtype first, as on the GPU
+                # an operand the result dtype cannot hold exactly (torch's zero-dim rule: a float32 or, for a
+                # bfloat16 result, a float16 zero-dim tensor) is rounded to the result dtype first, as on the GPU
+                if arr.dtype != plan.dtype and not np.can_cast(arr.dtype, plan.dtype, "safe"):
+                    arr = arr.astype(plan.dtype)
                 vals.append(arr.astype(cdt, copy=False))
         with np.errstate(all="ignore"):  # overflow to inf is the answer, as on the GPU
             if self.np_dtype:
