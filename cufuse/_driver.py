@@ -132,8 +132,31 @@ def contiguous(x, kind):
 
 
 def on_device(kind, dev):
-    """A context in which CuPy allocates on ``dev`` (GPU kinds), else nothing."""
+    """A context in which CuPy allocates on ``dev`` (GPU kinds), else
+    nothing; for torch tensors CuPy's current stream is also torch's current
+    stream there, so that CuPy work inside (copies, the dense math of
+    attention) is ordered with the caller's torch work, as every launch is."""
+    if kind == A.TORCH_CUDA:
+        return _OnTorchStream(dev)
     return _cp.cuda.Device(dev) if kind in A.GPU_KINDS else contextlib.nullcontext()
+
+
+class _OnTorchStream:
+    """GPU ``dev`` and torch's current stream on it, as CuPy's current ones."""
+    __slots__ = ("device", "stream")
+
+    def __init__(self, dev):
+        self.device = _cp.cuda.Device(dev)
+        self.stream = stream_for(A.TORCH_CUDA, dev)
+
+    def __enter__(self):
+        self.device.__enter__()
+        self.stream.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.stream.__exit__(*exc)
+        self.device.__exit__(*exc)
 
 
 def fresh_copy(x, kind):

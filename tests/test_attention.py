@@ -428,3 +428,31 @@ def test_compiled_checks_mask_and_scale():
                       fullgraph=True)(q)
     with pytest.raises(Exception, match="scale must be a finite"):
         torch.compile(lambda a: cufuse.attention(a, a, a, scale=float("inf")), fullgraph=True)(q)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_torch_current_stream_is_the_calls_stream(dtype):
+    """Under torch.cuda.stream(s), q produced on s behind a long kernel is read
+    after it: the kernels and the dense path (float32: CuPy's math, run on
+    torch's current stream) are queued on s. Before, the dense path ran on
+    CuPy's default stream and read q before it was written."""
+    torch = pytest.importorskip("torch")
+    dt = getattr(torch, dtype)
+    g = torch.Generator().manual_seed(81)
+    b, h, s, d = 1, 2, 200, 64
+    base, k, v = (torch.randn(b, h, s, d, generator=g).to("cuda", dt) for _ in range(3))
+    torch.cuda.synchronize()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # tens of milliseconds on the side stream
+        q = base * 2
+        o = cufuse.attention(q, k, v, causal=True)
+        sc = cufuse.attention_score(q, k)
+    side.synchronize()
+    ref = [x.detach().cpu().double() for x in (base * 2, k, v)]
+    want = _torch_reference(*ref, 1 / math.sqrt(d), True)
+    tol = 1e-4 if dtype == "float32" else 1e-2
+    assert (o.cpu().double() - want).abs().max().item() <= tol * want.abs().max().item()
+    want_s = ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(d)
+    assert (sc.cpu().double() - want_s).abs().max().item() <= tol * want_s.abs().max().item()
