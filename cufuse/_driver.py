@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 
 import operator
 import struct
@@ -151,12 +152,18 @@ class _OnTorchStream:
 
     def __enter__(self):
         self.device.__enter__()
-        self.stream.__enter__()
+        try:
+            self.stream.__enter__()
+        except BaseException:
+            self.device.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc):
-        self.stream.__exit__(*exc)
-        self.device.__exit__(*exc)
+        try:
+            self.stream.__exit__(*exc)
+        finally:
+            self.device.__exit__(*exc)
 
 
 def fresh_copy(x, kind):
@@ -190,7 +197,7 @@ def moveaxis(x, kind, src, dst):
 def current_stream(kind, dev):
     """The CuPy stream object a call on ``kind`` runs on (torch's current stream
     for torch tensors, CuPy's current stream otherwise)."""
-    return stream_for(kind, dev) or _cp.cuda.get_current_stream()
+    return stream_for(kind, dev) or _cp.cuda.get_current_stream(dev)
 
 
 def capturing(kind, dev):
@@ -214,20 +221,26 @@ def capturing(kind, dev):
 # those events are done: checked on later copies, never waited for. A full
 # cache evicts its least recently used eighth (by ``_Upload.used``, a count of
 # calls), so an entry a call just got, whose launch may not be queued yet, is
-# not evicted under it; a hit on a stream already noted takes no lock.
+# not evicted under it (unless 7/8 of the cache were used by other threads in
+# the microseconds between that call and its launch); a hit on a stream
+# already noted takes no lock. Objects that keep a copy and launch it later
+# (a foreach plan, an image launcher) hold it as any CuPy array is held: it
+# is freed when they are, which the caller orders as with its own arrays.
 _UPLOADS: dict = {}
 _UPLOADS_MAX = 128
-_UPLOAD_USERS_MAX = 8  # streams noted per entry past which those no one else holds give way to events
+_UPLOAD_USERS_MAX = 8  # streams noted per entry past which those not used lately give way to events
+_UPLOAD_STALE = 1024   # calls of uploaded after which a stream noted on an entry counts as not used lately
 _upload_streams: dict = {}  # device -> the CuPy stream uploads are copied on
 _uploads_lock = threading.Lock()  # taken for misses, evictions and a stream new to an entry
 _RETIRING: list = []  # (array, events) of evicted copies, in eviction order
-_tick = 0  # calls of uploaded so far (about: threads may lose an increment)
+_ticks = itertools.count(1)  # calls of uploaded (next() of a count is atomic under the GIL)
 
 
 class _Upload:
-    """A copy in _UPLOADS: ``users`` {handle: stream} it was returned for,
-    ``events`` recorded on users since forgotten (``_prune_users``), ``used``
-    the ``_tick`` of its last call, ``evicted`` (see ``_evict``)."""
+    """A copy in _UPLOADS: ``users`` {handle: (stream, tick of its last call)}
+    it was returned for, ``events`` recorded on users since forgotten
+    (``_prune_users``), ``used`` the tick of its last call, ``evicted`` (see
+    ``_evict``)."""
     __slots__ = ("arr", "users", "events", "used", "evicted")
 
     def __init__(self, arr, tick):
@@ -242,20 +255,21 @@ def uploaded(host, kind, dev, what, stream=None):
     pool only after the work queued by then on such streams is done. Inside a
     capture with no earlier copy of the same content: RuntimeError naming
     ``what``, before anything is queued."""
-    global _tick
     key = (dev, host.dtype.str, host.shape, host.tobytes())
     s = current_stream(kind, dev) if stream is None else stream
     captured = s.is_capturing()
-    _tick += 1
+    tick = next(_ticks)
     e = _UPLOADS.get(key)
     if e is not None:
-        e.used = _tick  # then read e.evicted (see _evict)
+        e.used = tick  # then read e.evicted (see _evict)
         if captured:
             _CAPTURED_TEMPS.append(e.arr)  # the graph keeps its address: never freed
             return e.arr
         if e.evicted or s.ptr not in e.users:
             with _uploads_lock:
-                e = _use(key, e, s)
+                e = _use(key, e, s, tick)
+        else:
+            e.users[s.ptr] = (s, tick)  # (a known key: no resize, safe beside a locked reader)
         return e.arr
     if captured:
         raise RuntimeError(f"cufuse: {what} must be copied to the GPU, which cannot happen while a CUDA "
@@ -275,11 +289,11 @@ def uploaded(host, kind, dev, what, stream=None):
                 del _RETIRING[0]  # (in order: one still running holds up later ones, a little longer)
             if len(_UPLOADS) >= _UPLOADS_MAX:
                 _evict()
-            e = _UPLOADS[key] = _Upload(arr, _tick)
-        return _use(key, e, s).arr
+            e = _UPLOADS[key] = _Upload(arr, tick)
+        return _use(key, e, s, tick).arr
 
 
-def _use(key, e, s):
+def _use(key, e, s, tick):
     """(Under the lock.) Note ``s`` among the streams entry ``e`` of ``key`` is
     returned for; if another thread evicted it since it was looked up, the
     entry cached now for ``key`` instead, or ``e`` cached again. The entry."""
@@ -289,22 +303,21 @@ def _use(key, e, s):
             e.users, e.events, e.evicted = {}, [], False
             cur = _UPLOADS[key] = e
         e = cur
-    if s.ptr not in e.users:
-        if len(e.users) >= _UPLOAD_USERS_MAX:
-            _prune_users(e, key[0])  # before noting s: its caller's launch is not queued yet
-        e.users[s.ptr] = s
+    if s.ptr not in e.users and len(e.users) >= _UPLOAD_USERS_MAX:
+        _prune_users(e, key[0], tick)  # before noting s: its caller's launch is not queued yet
+    e.users[s.ptr] = (s, tick)
     return e
 
 
 def _evict():
     """(Under the lock.) Evict the least recently used eighth of the entries
     into _RETIRING (``_retire``). A hit in another thread sets ``used``, then
-    reads ``evicted``; this sets ``evicted``, then reads ``used`` again: one
-    of the two sees the other, and the entry stays (here) or is cached again
-    (``_use``), so no call gets a copy whose eviction missed its stream."""
-    for k in sorted(_UPLOADS, key=lambda k: _UPLOADS[k].used)[:max(1, _UPLOADS_MAX // 8)]:
+    reads ``evicted``; this takes ``used`` when it chooses, sets ``evicted``,
+    then reads ``used`` again: a hit after the choice is seen here (the entry
+    stays) or sees ``evicted`` (``_use`` caches it again)."""
+    chosen = sorted((e.used, k) for k, e in _UPLOADS.items())[:max(1, _UPLOADS_MAX // 8)]
+    for used, k in chosen:
         e = _UPLOADS.pop(k)
-        used = e.used
         e.evicted = True
         if e.used != used:  # hit meanwhile: keep it
             e.evicted = False
@@ -325,36 +338,30 @@ def _events(streams, dev):
             ev = _cp.cuda.Event(block=False, disable_timing=True)
             try:
                 ev.record(st)
-            except _cp.cuda.runtime.CUDARuntimeError:  # a stream of another device after all: wait for it
-                st.synchronize()
-                continue
+            except _cp.cuda.runtime.CUDARuntimeError:  # a stream of another device after all
+                return None
         out.append(ev)
     return out
 
 
 def _retire(e, dev):
-    """Evicted ``e`` waits in _RETIRING for the work queued so far on its streams."""
-    evs = _events(e.users.values(), dev)
+    """Evicted ``e`` waits in _RETIRING for the work queued so far on its
+    streams; kept for good where no event can say so (a stream being
+    captured, or of another device: rare)."""
+    evs = _events([st for st, _ in list(e.users.values())], dev)
     if evs is None:
-        _CAPTURED_TEMPS.append(e.arr)  # kept for good (rare)
+        _CAPTURED_TEMPS.append(e.arr)
     else:
         _RETIRING.append((e.arr, e.events + evs))
 
 
-def _prune_users(e, dev):
-    """Swap the streams of ``e`` that no one else holds (a CuPy stream made
-    per call, say) for events recorded on them now, and drop its events done.
-    A stream someone holds stays: a launch on it may still be on its way
-    from another thread (one no one holds cannot be current anywhere)."""
-    import sys
-    gone = []
-    for p in list(e.users):
-        st = e.users[p]
-        if sys.getrefcount(st) <= 3:  # the dict's, ``st``'s and getrefcount's argument's
-            gone.append(st)
-            del e.users[p]
-        del st
-    evs = _events(gone, dev)
+def _prune_users(e, dev, tick):
+    """Swap the streams of ``e`` not noted in the last _UPLOAD_STALE calls
+    (a CuPy stream made per call, say) for events recorded on them now, and
+    drop its events done. A stream noted lately stays: a launch on it may
+    still be on its way from another thread."""
+    gone = [p for p, (_, t) in list(e.users.items()) if tick - t > _UPLOAD_STALE]
+    evs = _events([e.users.pop(p)[0] for p in gone], dev)
     if evs is None:
         _CAPTURED_TEMPS.append(e.arr)  # kept for good (rare)
         evs = []

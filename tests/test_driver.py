@@ -772,7 +772,7 @@ def test_upload_default_stream_and_capture(fake_uploads, monkeypatch):
     s, c = _FakeStream(7), _FakeStream(8)
     monkeypatch.setattr(D, "current_stream", lambda kind, dev: s)
     first = D.uploaded(np.full(3, 9, np.int64), "cupy", 0, "test data")
-    assert list(D._UPLOADS.values())[0].users == {7: s}
+    assert _streams(list(D._UPLOADS.values())[0]) == {7: s}
     c.capturing = True
     assert _up(9, c) is first and D._CAPTURED_TEMPS == [first]
     with pytest.raises(RuntimeError, match="test data must be copied"):
@@ -787,29 +787,36 @@ def test_upload_default_stream_and_capture(fake_uploads, monkeypatch):
     assert not D._RETIRING and D._CAPTURED_TEMPS[-1] is first
 
 
-def test_upload_entry_streams_bounded(fake_uploads):
+def _streams(e):
+    """{handle: stream} an upload entry notes."""
+    return {p: st for p, (st, _) in e.users.items()}
+
+
+def test_upload_entry_streams_bounded(fake_uploads, monkeypatch):
     """Streams made per call (one entry, many streams) do not pile up: past
-    _UPLOAD_USERS_MAX, those no one else holds give way to events recorded on
-    them (a held one stays noted), and events done are dropped."""
+    _UPLOAD_USERS_MAX, those not noted in the last _UPLOAD_STALE calls give
+    way to events recorded on them (a stream used all along stays noted), and
+    events done are dropped."""
+    monkeypatch.setattr(D, "_UPLOAD_STALE", 4)
     held = _FakeStream(99)
     held.queued = 1
-    _up(0, held)
     n = 3 * D._UPLOAD_USERS_MAX
     for k in range(n):
+        _up(0, held)
         st = _FakeStream(100 + k)
         st.queued = 1                                 # its caller's kernel, queued after the call
         _up(0, st)
         del st
     e = next(iter(D._UPLOADS.values()))
-    assert held in e.users.values() and len(e.users) <= D._UPLOAD_USERS_MAX
+    assert held in _streams(e).values() and len(e.users) <= D._UPLOAD_USERS_MAX
     assert {ev.stream.ptr for ev in e.events} | set(e.users) == {99, *range(100, 100 + n)}  # each covered
     assert not any(ev.done for ev in e.events)
     for ev in e.events:
         ev.stream.finish()
-    for k in range(D._UPLOAD_USERS_MAX):
+    for k in range(D._UPLOAD_USERS_MAX + 8):
         _up(0, _FakeStream(200 + k))
-    assert len(e.events) <= D._UPLOAD_USERS_MAX       # the next pruning dropped the events done
-    for st in [ev.stream for ev in e.events] + list(e.users.values()):
+    assert len(e.events) <= D._UPLOAD_USERS_MAX + 8   # the next prunings dropped the events done
+    for st in [ev.stream for ev in e.events] + list(_streams(e).values()):
         st.finish()
     for k in range(1, 6):
         _up(k, held)                                  # evicts 0, then drops it: all its work is done
@@ -829,8 +836,8 @@ def test_upload_evicted_under_a_hit_is_cached_again(fake_uploads):
         D._evict()                                    # 0, the least recently used
     assert e.evicted and key not in D._UPLOADS and D._RETIRING[0][0] is e.arr
     with D._uploads_lock:
-        assert D._use(key, e, t) is e                 # what the hit does on seeing ``evicted``
-    assert D._UPLOADS[key] is e and e.users == {2: t} and not e.evicted
+        assert D._use(key, e, t, 99) is e             # what the hit does on seeing ``evicted``
+    assert D._UPLOADS[key] is e and _streams(e) == {2: t} and not e.evicted
 
 
 _WAIT_FLAG = r"""
