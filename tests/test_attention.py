@@ -435,24 +435,59 @@ def test_compiled_checks_mask_and_scale():
 def test_torch_current_stream_is_the_calls_stream(dtype):
     """Under torch.cuda.stream(s), q produced on s behind a long kernel is read
     after it: the kernels and the dense path (float32: CuPy's math, run on
-    torch's current stream) are queued on s. Before, the dense path ran on
-    CuPy's default stream and read q before it was written."""
+    torch's current stream) are queued on s, whatever CuPy's current stream
+    is. Before, the dense path ran on CuPy's current stream: CuPy's legacy
+    default stream waits for torch's streams, but a non-blocking CuPy stream
+    (here, current in a program that mixes CuPy and torch) does not, and the
+    math read q before it was written."""
     torch = pytest.importorskip("torch")
+    import cupy as cp
     dt = getattr(torch, dtype)
     g = torch.Generator().manual_seed(81)
     b, h, s, d = 1, 2, 200, 64
     base, k, v = (torch.randn(b, h, s, d, generator=g).to("cuda", dt) for _ in range(3))
     torch.cuda.synchronize()
     side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
+    with cp.cuda.Stream(non_blocking=True), torch.cuda.stream(side):
         torch.cuda._sleep(50_000_000)  # tens of milliseconds on the side stream
         q = base * 2
         o = cufuse.attention(q, k, v, causal=True)
         sc = cufuse.attention_score(q, k)
     side.synchronize()
+    torch.cuda.synchronize()
     ref = [x.detach().cpu().double() for x in (base * 2, k, v)]
     want = _torch_reference(*ref, 1 / math.sqrt(d), True)
     tol = 1e-4 if dtype == "float32" else 1e-2
     assert (o.cpu().double() - want).abs().max().item() <= tol * want.abs().max().item()
     want_s = ref[0] @ ref[1].transpose(-1, -2) / math.sqrt(d)
     assert (sc.cpu().double() - want_s).abs().max().item() <= tol * want_s.abs().max().item()
+
+
+@pytest.mark.cuda
+def test_dense_path_refuses_capture():
+    """float32 attention and scores (CuPy math, whose temporaries a graph
+    cannot keep) raise inside a CUDA graph capture, before anything is
+    queued; float16 ones (the kernels) are captured and replay right."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(82)
+    q, k, v = (torch.randn(1, 2, 40, 64, generator=g).cuda() for _ in range(3))
+    qh, kh, vh = (x.half() for x in (q, k, v))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        cufuse.attention(qh, kh, vh)  # the warm-up
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    for call in (lambda: cufuse.attention(q, k, v), lambda: cufuse.attention_score(q, k)):
+        graph = torch.cuda.CUDAGraph()
+        with pytest.raises(RuntimeError, match="dense path"):
+            with torch.cuda.graph(graph):
+                call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = cufuse.attention(qh, kh, vh)
+    qh.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    want = cufuse.attention(qh, kh, vh)
+    assert torch.equal(o, want)

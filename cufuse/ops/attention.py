@@ -227,6 +227,17 @@ def _repeat(xp, x, group):
     return xp.repeat(x, group, axis=1) if group > 1 else x
 
 
+def _not_captured(kind, dev, name):
+    """The dense path computes with CuPy, whose temporaries go back to its
+    pool when the call returns: a CUDA graph that captured them would replay
+    into memory reused since. Raised before anything is queued."""
+    if kind in A.GPU_KINDS and D.capturing(kind, dev):
+        raise RuntimeError(f"cufuse.{name}: this call takes the dense path (float32 or float64, a negative "
+                           "scale, or a head dim or GPU the kernels do not cover), which cannot be captured in "
+                           "a CUDA graph; capture float16/bfloat16 calls the kernels take, or make this call "
+                           "outside the capture")
+
+
 def _dense_forward(kind, dt, q, k, v, scale, causal):
     """(o in dt, lse float32) by the dense math, in the compute dtype."""
     xp, cdt = _xp(kind), _compute_dtype(kind, dt)
@@ -377,6 +388,7 @@ def forward(kind, dt, dev, q, k, v, scale, causal):
     """(o, lse) of 4-D q, k, v: the kernels or the dense path (on the arrays' GPU, whichever is current)."""
     if _uses_kernels(kind, dt, dev, q, scale):
         return _gpu_forward(kind, dt, dev, q, k, v, scale, causal)
+    _not_captured(kind, dev, "attention")
     with D.on_device(kind, dev):
         return _dense_forward(kind, dt, q, k, v, scale, causal)
 
@@ -385,6 +397,7 @@ def backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
     """(dq, dk, dv) from the forward's o and lse and the gradient do of o."""
     if _uses_kernels(kind, dt, dev, q, scale):
         return _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal)
+    _not_captured(kind, dev, "attention")
     with D.on_device(kind, dev):
         return _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal)
 
@@ -517,6 +530,7 @@ def scores(kind, dt, dev, q, k, scale, mask):
     if (kind in A.GPU_KINDS and dt in A.HALVES and d in SCORE_DIMS and R.compute_capability(dev) >= 80
             and _score_shared(d, dt.itemsize) <= R.shared_optin(dev)):
         return _score_gpu(kind, dt, dev, q, k, scale, mask)
+    _not_captured(kind, dev, "attention_score")
     with D.on_device(kind, dev):
         return _score_dense(kind, dt, q, k, scale, mask)
 
