@@ -434,12 +434,12 @@ def test_compiled_checks_mask_and_scale():
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_torch_current_stream_is_the_calls_stream(dtype):
     """Under torch.cuda.stream(s), q produced on s behind a long kernel is read
-    after it: the kernels and the dense path (float32: CuPy's math, run on
-    torch's current stream) are queued on s, whatever CuPy's current stream
-    is. Before, the dense path ran on CuPy's current stream: CuPy's legacy
-    default stream waits for torch's streams, but a non-blocking CuPy stream
-    (here, current in a program that mixes CuPy and torch) does not, and the
-    math read q before it was written."""
+    after it, whatever CuPy's current stream is (here a non-blocking one, as
+    in a program that mixes CuPy and torch): the kernels are queued on s, and
+    the dense path (float32: CuPy's math) runs on s too (D.on_device). Before
+    that change the dense path ran on CuPy's current stream and was still
+    right: the DLPack import of q makes that stream wait for torch's (this
+    test passed on the old code too; it guards the ordering, not a fix)."""
     torch = pytest.importorskip("torch")
     import cupy as cp
     dt = getattr(torch, dtype)
