@@ -1,0 +1,12 @@
+"""Registers and local bytes of the split and pipe norm kernels (a GPU)."""
+from cupy.cuda import driver
+
+from cufuse import _runtime as R
+from cufuse.ops import norm as N
+
+for name, op in N._OPS.items():
+    for (dt, key), e in sorted(op.exprs.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        if key[0] in ("split", "pipe") and dt.name in ("float16", "float32"):
+            fn = R.get_function(*e, 0)
+            print(f"{name:11} {dt.name:8} {'-'.join(map(str, key)):16} regs {driver.funcGetAttribute(4, fn.ptr):3d} "
+                  f"local {driver.funcGetAttribute(3, fn.ptr)}")
