@@ -777,10 +777,13 @@ def test_generated_sources_compile():
     from cufuse._build import _compile
     sources = {I._source(p) for p in _structures()}
     assert len(sources) > 30
-    for src in sorted(sources):
+    # kernels/image.cuh has no code that differs between sm_80 and sm_90 (the
+    # guards it includes from common.cuh are at 8.0): every source for sm_80,
+    # one in 16 for sm_90 too (both for all: 32 s of the CPU suite)
+    for k, src in enumerate(sorted(sources)):
         assert "image_pipeline(" in src
         full = R.expand_includes(src)
-        for arch in ("80", "90"):
+        for arch in ("80", "90") if k % 16 == 0 else ("80",):
             _compile(full, R.compile_options() + ("-ftz=true",), arch, None)  # raises CompileException
 
 
