@@ -46,6 +46,7 @@ from torch import nn
 
 from . import nn as cnn
 from .nn import PatchReport
+from .ops.attention import HEAD_DIMS, attention as _attention
 
 _GELU_ERF = {"GELUActivation"}
 _GELU_TANH = {"NewGELUActivation", "GELUTanh", "PytorchGELUTanh", "FastGELUActivation"}
@@ -204,20 +205,18 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     bfloat16 at the kernels' head dims, or the CPU), else transformers' SDPA
     function. q, k, v are (batch, heads, seq, dim); k and v may have fewer
     heads. Returns ((batch, seq, heads, dim), None) as the interface wants."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from .ops.attention import HEAD_DIMS
     extras = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
     fits = (not query.is_cuda) or (query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] in HEAD_DIMS)
     if (attention_mask is not None or (dropout and module.training) or extras or kwargs.get("output_attentions")
             or not fits or value.shape[-1] != query.shape[-1]):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # (only where it is used)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # (as transformers' SDPA path: one query token attends to every key; cufuse aligns a causal mask to the
     # bottom right, so a chunk of queries after a cache sees the cache and its own past)
     causal = bool(causal) and query.shape[2] > 1
-    from .ops.attention import attention
-    out = attention(query, key, value, causal=causal, scale=scaling)
+    out = _attention(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

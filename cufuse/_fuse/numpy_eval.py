@@ -119,13 +119,12 @@ def evaluate(g, arrays, params, shape):
                     del vals[j]
             vals[i] = v
         outs = []
-        given = {id(a) for a in arrays}
         for node, kind, keep, odt in g.outputs:
             v = np.broadcast_to(vals[node], shape)
             if kind is None:
                 w = vals[node]
                 # an intermediate this call made, of the full shape, returned once: no copy
-                owned = (w.base is None and id(w) not in given and w.shape == tuple(shape)
+                owned = (w.base is None and id(w) not in inputs and w.shape == tuple(shape)
                          and not any(o is w for o in outs))
                 outs.append(w.astype(odt, copy=False) if owned else np.array(v, dtype=odt))
                 continue
