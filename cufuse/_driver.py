@@ -706,11 +706,14 @@ class RecipeBuilder:
         return s
 
     def temp(self, nbytes, zeroed=0):
-        """A per-call temporary of ``nbytes``, its first ``zeroed`` bytes set to 0 on the call's stream."""
+        """A per-call temporary of ``nbytes``, its first ``zeroed`` bytes set to 0 on the call's stream.
+        Allocated rounded up to 16 bytes, as row kernels read whole 16-byte packs: a memset of all
+        ``nbytes`` covers the tail too, else the kernel that writes the temporary must (initcheck)."""
         s = Slot("tmp", len(self.temps))
-        self.temps.append(int(nbytes))
+        n = -(-int(nbytes) // 16) * 16
+        self.temps.append(n)
         if zeroed:
-            self.steps.append(("memset", s, int(zeroed)))
+            self.steps.append(("memset", s, n if zeroed >= nbytes else int(zeroed)))
         return s
 
     def launch(self, fn, grid, block, args, shared=0):

@@ -35,6 +35,12 @@ template <typename Tout, typename A> __device__ __forceinline__ void finish(Tout
     else out[i] = from_compute<Tout>(static_cast<compute_t<Tout>>(acc * static_cast<A>(scale)));
 }
 
+// The last partial sum of a row launch also zeroes the rest of its 16-byte pack (the temporary is
+// rounded up to 16 bytes: RecipeBuilder.temp), which the second pass reads whole (row_part's tail).
+template <typename A> __device__ __forceinline__ void zero_pack_tail(A* partial, long long i) {
+    for (long long j = i + 1; j % (16 / sizeof(A)); ++j) partial[j] = A(0);
+}
+
 // This thread's part of the sum of map(x) over chunk `split` of `splits` of
 // a row of `cols` elements at xr: the thread is `lane` of `tpr` (a power of
 // two) reading the chunk's whole packs in passes of U packs (the loads of a
@@ -121,8 +127,10 @@ __global__ void __launch_bounds__(512) reduce_rows(Tout* out, A* partial, const 
     const int split = blockIdx.y, splits = gridDim.y;
     const A part = row_part<2, Map, Tin, A>(x + row * ldx, cols, per, split, splits, g.lane, tpr, active);
     const A sum = g.reduce(part, SumOp{}, 0);
-    if (active && g.lane == 0)
+    if (active && g.lane == 0) {
         finish(out, splits > 1 ? partial : static_cast<A*>(nullptr), splits > 1 ? row * splits + split : row, sum, scale);
+        if (splits > 1 && row == rows - 1 && split == splits - 1) zero_pack_tail(partial, row * splits + split);
+    }
 }
 
 // Long rows: one block per (row, split) = (blockIdx.x, blockIdx.y), its
@@ -162,8 +170,10 @@ __global__ void __launch_bounds__(kRowBlock) reduce_rows_block(Tout* out, A* par
 #pragma unroll
         for (int o = kRowBlock / 64; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     }
-    if (threadIdx.x == 0)
+    if (threadIdx.x == 0) {
         finish(out, splits > 1 ? partial : static_cast<A*>(nullptr), splits > 1 ? row * splits + split : row, v, scale);
+        if (splits > 1 && row == gridDim.x - 1 && split == splits - 1) zero_pack_tail(partial, row * splits + split);
+    }
 }
 
 // Column reduction over x[outer][R][inner]: a block of 256 threads, (BX, BY)

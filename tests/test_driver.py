@@ -565,6 +565,19 @@ def test_recipe_arguments_from_slots_and_constants():
     assert s2.get(s2.consts + (9, 8)) == (9,)
 
 
+def test_temps_are_whole_16_byte_packs():
+    """A temporary is allocated rounded up to 16 bytes (row kernels read whole
+    packs); a memset of all its bytes covers the rounding too, a partial one
+    only what it asked for."""
+    b = D.RecipeBuilder("cupy.ndarray", 0, 1, 1)
+    b.temp(44)
+    b.temp(40, zeroed=40)
+    b.temp(72, zeroed=16)
+    b.temp(32, zeroed=32)
+    assert b.temps == [48, 48, 80, 32]
+    assert [st[2] for st in b.steps] == [48, 16, 32]
+
+
 def test_packed_arguments_as_cupy_passes_them():
     """The driver-level launch packs each argument as CuPy would: Python int
     as int64, float as double, NumPy scalars as their dtype, records as their

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import cufuse
+from cufuse import _driver as D
 from cufuse import _runtime as R
 from cufuse.ops import reduction as RD
 
@@ -170,6 +171,28 @@ def test_long_row_last_split_only_tail(backend, op):
     the partial tail pack (1 x 2093049 one element into the buffer)."""
     flat = rand((1 + 2093049,), F16, 460, 0.1)
     reduce(backend, op, backend.asarray(flat)[1:].reshape(1, -1), flat[1:].reshape(1, -1))
+
+
+@pytest.mark.parametrize("dt", [F16, F32, F64], ids=str)
+@pytest.mark.parametrize("rows, cols, offset", [(1, 46395, 33), (3, 300001, 1), (2, 8195, 0)], ids=str)
+def test_split_row_partials_are_whole_packs(monkeypatch, dt, rows, cols, offset):
+    """Split rows' partial sums go to a temporary rounded up to 16 bytes: the
+    second pass reads its last pack whole, past the sums, where the first
+    pass's last block writes zeros (compute-sanitizer initcheck, issue 37:
+    scripts/sanitize_all.py's sum_squared(axis=(0, 1)) of 45 x 1031 one
+    element in, 11 float32 partial sums). Host side, on an H200's 132 SMs."""
+    class Fn:
+        ptr = 0
+
+    monkeypatch.setattr(R, "sm_count", lambda dev: 132)
+    acc = RD._acc(dt, dt)
+    b = D.RecipeBuilder("cupy.ndarray", 0, 1, 1)
+    RD._reduce_rows(b, (Fn(), Fn(), Fn()), Fn(), 4096 + offset * dt.itemsize, rows, cols, cols, dt, acc, dt, 1.0,
+                    0)
+    first, second = [st for st in b.steps if st[0] == "launch"]
+    splits = first[2][1]
+    assert splits > 1 and second[5][3:5] == (rows, splits)
+    assert b.temps == [-(-rows * splits * acc.itemsize // 16) * 16]
 
 
 @op_param

@@ -269,6 +269,7 @@ def _reduce_rows(b, fns, final, xp, rows, cols, ldx, dt, acc, odt, scale, dev):
     if splits == 1:
         b.launch(fn, grid, block, args(yp, 0, scale))
         return
+    # (rounded up to 16 bytes; the first launch zeroes the tail that the second reads as a whole pack)
     pp = b.temp(rows * splits * acc.itemsize)
     b.launch(fn, grid, block, args(0, pp, 1.0))
     npack2 = -(-splits // (16 // acc.itemsize)) + 1
