@@ -112,6 +112,20 @@ def empty(shape, dtype, kind, dev):
     return _cp.ndarray(shape, dtype)
 
 
+def empty_padded(shape, dtype, kind, dev):
+    """``empty``, in a buffer that goes on to the end of its last 16-byte
+    pack, those bytes zeroed: the row kernels read a row's last pack whole
+    (lanes past the end masked), and compute-sanitizer's initcheck reports
+    bytes that nobody wrote. For the temporaries that cufuse hands to them."""
+    n = A.count(tuple(shape))
+    pad = -(-n * dtype.itemsize // 16) * 16 // dtype.itemsize - n
+    with _cp.cuda.Device(dev):
+        buf = empty((n + pad,), dtype, kind, dev)
+        if pad:
+            buf[n:] = 0
+    return buf[:n].reshape(shape)
+
+
 def empty_like(x, kind):
     """A new C-contiguous array of x's shape, dtype and kind (NumPy kinds too)."""
     if kind in (A.TORCH_CPU, A.TORCH_CUDA):
@@ -373,7 +387,9 @@ _stream_buffers: dict = {}  # (device, stream handle) -> zeroed CuPy uint8 array
 
 def stream_buffer(dev, stream, nbytes):
     """Address of a zeroed buffer of at least ``nbytes`` for launches on
-    ``stream`` (None: CuPy's current) of ``dev``, which leave it zeroed. Made
+    ``stream`` (None: CuPy's current) of ``dev``, which leave it zeroed (a
+    recipe's last launch may zero it again: ``execute`` queues a recipe's
+    launches with no other thread's in between). Made
     (zeroed on that stream, before the launch) on first use; a call captured
     in a CUDA graph must have run once on its stream before."""
     s = stream or _cp.cuda.get_current_stream()
@@ -823,6 +839,22 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
         else:
             tptrs = [*tptrs, *[stream_buffer(dev, sobj, n) for n in rec.sbufs]]
     vals = (*optrs, *in_ptrs, *tptrs, *values)
+    if rec.sbufs and len(rec.steps) > 1:
+        # The launches that use the stream's buffer, and the one that zeroes
+        # it again after them, queued with no other thread's in between
+        with _SBUF_LOCK:
+            _queue(rec, vals, kind, dev, sptr)
+    else:
+        _queue(rec, vals, kind, dev, sptr)
+    del temps  # queued: the allocators order the memory's reuse after the launches
+    return outs
+
+
+_SBUF_LOCK = threading.Lock()
+
+
+def _queue(rec, vals, kind, dev, sptr):
+    """Queue ``rec``'s steps on the stream ``sptr`` with the call's ``vals``."""
     for st in rec.steps:
         if type(st) is not Launch:
             _cp.cuda.runtime.memsetAsync(vals[st.slot], 0, st.nbytes, sptr)
@@ -843,8 +875,6 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
                 st.packed[0] = Packed(st, args) if type(st.fn) is _Function else False
             except TypeError:
                 st.packed[0] = False
-    del temps  # queued: the allocators order the memory's reuse after the launches
-    return outs
 
 
 _U8 = np.dtype(np.uint8)

@@ -436,7 +436,9 @@ __device__ __forceinline__ void norm_rows_body(const G& g, T* y, const T* x, con
     T* const yr = y + r * ldy;
     RowView<T, NP, G, Resident, Whole> view(g, x + r * ldx, cols, active);
     const auto stat = view.combine(Op::part(view));
-    Op::finish(view, stat, yr, w, b, eps);
+    bool store = true;
+    if constexpr (G::kMayQuit) store = !g.quit;  // else norm_rows_rescue stores this part (rows.cuh SplitGroup)
+    if (store) Op::finish(view, stat, yr, w, b, eps);
     g.finish();
 }
 
@@ -484,9 +486,9 @@ __global__ void __cluster_dims__(CS, 1, 1)
 template <typename Op, typename T, int NP, bool Whole>
 __global__ void __launch_bounds__(512) norm_rows_split(T* y, const T* x, const T* w, const T* b, long long rows,
                                                        long long cols, long long ldy, long long ldx, int parts,
-                                                       double eps, unsigned* work) {
-    cufuse::norm_rows_body<Op, T, NP, true, Whole>(cufuse::SplitGroup(work, rows, parts), y, x, w, b, rows, cols, ldy,
-                                                   ldx, eps);
+                                                       double eps, unsigned* work, unsigned patience) {
+    cufuse::norm_rows_body<Op, T, NP, true, Whole>(cufuse::SplitGroup(work, rows, parts, patience), y, x, w, b, rows,
+                                                   cols, ldy, ldx, eps);
 }
 
 template <typename Op, typename T>
@@ -516,7 +518,7 @@ constexpr int kPipeThreads = 512;
 template <typename Op, typename T, int NP, int D>
 __global__ void __launch_bounds__(kPipeThreads, 2)
     norm_rows_pipe(T* y, const T* x, const T* w, const T* b, long long rows, long long cols, long long ldy,
-                   long long ldx, int parts, int groups, double eps, unsigned* work) {
+                   long long ldx, int parts, int groups, double eps, unsigned* work, unsigned patience) {
     using namespace cufuse;
     using View = RowView<T, NP, PipeGroup<kPipeThreads>, true, true>;
     using P = typename View::P;
@@ -577,12 +579,99 @@ __global__ void __launch_bounds__(kPipeThreads, 2)
             if (i == 0) __syncthreads();
         }
         if (i >= 1) {
-            const S s = g.collect(row_of(i - 1), merged);
-            View v = view(i - 1);  // every thread reads only the slots it copied: no barrier
-            v.columns_held = held;
-            Op::finish(v, s, y + row_of(i - 1) * ldy, w, b, eps);
+            // (once the block gave up it goes on publishing, and stores nothing)
+            const S s = g.collect(row_of(i - 1), i - 1, merged, work, rows, patience);
+            if (!g.quit()) {
+                View v = view(i - 1);  // every thread reads only the slots it copied: no barrier
+                v.columns_held = held;
+                Op::finish(v, s, y + row_of(i - 1) * ldy, w, b, eps);
+            }
             issue(i - 1 + D);
         }
     }
     wait_async<0>();
+}
+
+// The launch after every norm_rows_split (Pipe false) or norm_rows_pipe (Pipe
+// true) launch on the same stream, with the same arguments: where any block
+// gave up waiting for the other parts of its row (rows.cuh SplitGroup,
+// PipeGroup), stores the parts left (a part's x is read only by its block
+// and here: intact in place too), from the statistics that every part
+// published, merged in the same order as the blocks merge them. Then the
+// first `zero_bytes` of the workspace are zeroed for the next launch on the
+// stream (the host keeps one per stream, zeroed once): as a rule at once by
+// every block, else by the last block to end (work[3] counts them).
+struct RescueGroup {
+    static constexpr bool kOnePart = false;
+    static constexpr bool kStaged = false;
+    static constexpr bool kCluster = false;
+    int tpr, lane, nparts;
+    unsigned rank;
+    __device__ __forceinline__ int parts() const { return nparts; }
+    template <typename C, typename F> __device__ __forceinline__ C reduce(C v, F f, int slot) const {
+        return cufuse::group_reduce(v, f, slot, tpr, 0);  // (not called: the types of Op::part)
+    }
+};
+
+template <typename Op, typename T, bool Whole, bool Pipe>
+__global__ void __launch_bounds__(256)
+    norm_rows_rescue(T* y, const T* x, const T* w, const T* b, long long rows, long long cols, long long ldy,
+                     long long ldx, int parts, int groups, double eps, unsigned* work, long long zero_bytes) {
+    using namespace cufuse;
+    auto zero = [&](long long first, long long step) {
+        uint4* p = reinterpret_cast<uint4*>(work);
+        for (long long i = first; i < zero_bytes / 16; i += step) p[i] = make_uint4(0u, 0u, 0u, 0u);
+    };
+    if (!gave_up(work)) {
+        zero(static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
+             static_cast<long long>(gridDim.x) * blockDim.x);
+        return;
+    }
+    using View = RowView<T, 1, RescueGroup, false, Whole>;
+    using S = decltype(Op::part(*static_cast<View*>(nullptr)));
+    __shared__ S merged;
+    __shared__ bool last;
+    RescueGroup g{static_cast<int>(blockDim.x), static_cast<int>(threadIdx.x), parts, 0u};
+    const SplitWork sw(work, rows, parts);
+    const unsigned long long* words = reinterpret_cast<const unsigned long long*>(work + 4);
+    const unsigned* stops = reinterpret_cast<const unsigned*>(words + rows * parts * kPipeWords);
+    for (long long item = blockIdx.x; item < rows * parts; item += gridDim.x) {
+        const long long row = item / parts;
+        g.rank = static_cast<unsigned>(item % parts);
+        bool left;
+        if constexpr (Pipe) {
+            const unsigned stop = stops[(row % groups) * parts + g.rank];
+            left = stop != 0 && row / groups >= stop - 1;
+        } else {
+            left = sw.marks[item] != 0;
+        }
+        if (!left) continue;  // the same for every thread of the block
+        if (threadIdx.x < 32) {
+            S acc;
+            if constexpr (Pipe) {
+                unsigned long long got[kPipeWords] = {};
+                if (threadIdx.x < static_cast<unsigned>(parts))
+#pragma unroll
+                    for (int i = 0; i < int(sizeof(S) / 4); ++i)
+                        got[i] = words[(row * parts + threadIdx.x) * kPipeWords + i];
+                acc = pipe_merge<S>(got, parts);
+            } else {
+                acc = sw.merged<S>(row, parts);
+            }
+            if (threadIdx.x == 0) merged = acc;
+        }
+        __syncthreads();
+        View v(g, x + row * ldx, cols, true);
+        Op::finish(v, merged, y + row * ldy, w, b, eps);
+        __syncthreads();  // `merged` is written again at the next item
+    }
+    if (threadIdx.x == 0) {
+        __threadfence();
+        last = atomicAdd(work + 3, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (last) {
+        __threadfence();
+        zero(threadIdx.x, blockDim.x);
+    }
 }

@@ -165,6 +165,7 @@ template <int CS> struct Group {
     static constexpr bool kOnePart = CS == 1;  // a group holds its whole row
     static constexpr bool kStaged = false;     // rows are read from global memory
     static constexpr bool kCluster = CS > 1;   // a block holds one part of a cluster's row
+    static constexpr bool kMayQuit = false;    // blocks never give up (SplitGroup)
     __device__ __forceinline__ int parts() const { return CS; }
     // Index of the group's item (row, or row split) in the launch.
     __device__ __forceinline__ long long item() const {
@@ -206,30 +207,78 @@ template <int CS> struct Group {
 // ---- rows split over blocks through global memory (any architecture) ----------
 // `parts` blocks share a row, one slice each, as a cluster's blocks do; the
 // merge of their statistics goes through a workspace in global memory that
-// the host zeroes before the launch (cufuse/ops/norm.py):
+// is zeroed before the launch, all but the slots (cufuse/ops/norm.py):
 //   work[0]                    ticket counter
+//   work[1]                    set once any block gave up waiting (see below)
+//   work[3]                    norm_rows_rescue's blocks that have ended
 //   work[4 .. 4 + rows)        per row: the parts that have published
+//   then [rows][parts] bytes   per part: 1 where its block gave up (16-byte aligned)
 //   then [rows][parts]         kPartBytes per part's statistic (16-byte aligned)
 // Each block writes its statistic, counts it in (release), waits until all
 // parts of its row have (acquire) and merges them in a fixed order (lanes,
 // then the shuffle tree), so that every block of a row gets the same bits.
 // A block takes its (row, part) from the ticket counter in the order blocks
 // start, not from blockIdx: the parts it waits for are held by running
-// blocks or taken by the next blocks to start, so a launch cannot deadlock
-// while the GPU has a free block slot besides the `parts - 1` its waiting
-// blocks may hold. Launches on other streams may hold slots too: the host
-// keeps parts at most a quarter of the multiprocessors, so that four split
-// launches in flight at once fit even at one resident block per SM.
+// blocks or taken by the next blocks to start. The wait is bounded, because
+// nothing guarantees those blocks can start (other kernels may hold the
+// multiprocessors, as under MPS, green contexts or beside a persistent
+// kernel): a block that has waited `patience` ns, or sees that another block
+// gave up, marks its part and leaves without storing it (patience 0: every
+// block does, so that tests take the rescue for every part); every block still
+// publishes first, so after the launch every row's statistics are complete,
+// and norm_rows_rescue (the next launch on the stream) stores the marked
+// parts from them, merged in the same order. Progress needs one free block
+// slot. The host keeps the workspace per stream; norm_rows_rescue zeroes it
+// again for the next launch.
 constexpr int kPartBytes = 32;
+
+// The low 32 bits of the global nanosecond timer: differences of up to 4 s,
+// across a wrap too, in one register.
+__device__ __forceinline__ unsigned global_ns() {
+    unsigned t;
+    asm volatile("mov.u32 %0, %%globaltimer_lo;" : "=r"(t));
+    return t;
+}
+__device__ __forceinline__ bool gave_up(const unsigned* work) {
+    return *reinterpret_cast<const volatile unsigned*>(work + 1) != 0;
+}
+
+// SplitGroup's workspace: the part marks and the statistics' slots.
+struct SplitWork {
+    unsigned* work;
+    unsigned char* marks;  // [rows][parts]
+    char* slots;           // [rows][parts][kPartBytes]
+    __device__ __forceinline__ SplitWork(unsigned* work_, long long rows, int parts) : work(work_) {
+        marks = reinterpret_cast<unsigned char*>(work + 4 + ((rows + 3) & ~3LL));
+        slots = reinterpret_cast<char*>(marks) + ((rows * parts + 15) & ~15LL);
+    }
+    // The parts' statistics of a row merged by warp 0 into lane 0: lanes in
+    // order, then a shuffle tree (lower lane, higher lane), so that every
+    // block of the row, and norm_rows_rescue, gets the same bits. Loaded
+    // through L2 (ld.global.cg): another row's part may share a line that
+    // this SM's L1 holds from before it was written.
+    template <typename S> __device__ __forceinline__ S merged(long long row, int nparts) const {
+        const char* base = slots + row * nparts * kPartBytes;
+        S acc = S::identity();
+        for (int i = threadIdx.x; i < nparts; i += 32)
+            acc = S::merge(acc, load_cg(reinterpret_cast<const S*>(base + i * kPartBytes)));
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) acc = S::merge(acc, shfl_down(acc, o));
+        return acc;
+    }
+};
 
 struct SplitGroup {
     int tpr, lane, group, groups, nparts;
     unsigned rank;
     long long row, rows;
     unsigned* work;
+    unsigned patience;  // ns a block waits for its row's other parts (< 2**32)
+    mutable bool quit = false;    // this block gave up (block-uniform after combine)
 
-    __device__ __forceinline__ SplitGroup(unsigned* work_, long long rows_, int parts_)
-        : tpr(blockDim.x), lane(threadIdx.x), group(0), groups(1), nparts(parts_), rows(rows_), work(work_) {
+    __device__ __forceinline__ SplitGroup(unsigned* work_, long long rows_, int parts_, unsigned patience_)
+        : tpr(blockDim.x), lane(threadIdx.x), group(0), groups(1), nparts(parts_), rows(rows_), work(work_),
+          patience(patience_) {
         __shared__ unsigned ticket;
         if (threadIdx.x == 0) ticket = atomicAdd(work, 1u);
         __syncthreads();
@@ -239,6 +288,7 @@ struct SplitGroup {
     static constexpr bool kOnePart = false;
     static constexpr bool kStaged = false;
     static constexpr bool kCluster = false;
+    static constexpr bool kMayQuit = true;
     __device__ __forceinline__ int parts() const { return nparts; }
     __device__ __forceinline__ long long item() const { return row; }
 
@@ -246,37 +296,45 @@ struct SplitGroup {
         return group_reduce(v, f, slot, tpr, 0);
     }
 
+    // The row's statistic (see SplitWork::merged), or, where this block
+    // gave up waiting (`quit`), nothing: the block then stores nothing.
     template <typename S> __device__ __forceinline__ S combine(const S& v) const {
         static_assert(sizeof(S) <= kPartBytes, "a part's statistic exceeds its workspace slot");
+        const SplitWork sw(work, rows, nparts);
         unsigned* count = work + 4 + row;
-        char* base = reinterpret_cast<char*>(work + 4 + ((rows + 3) & ~3LL)) + row * nparts * kPartBytes;
+        __shared__ bool left;
         if (threadIdx.x == 0) {
-            *reinterpret_cast<S*>(base + rank * kPartBytes) = v;
+            *reinterpret_cast<S*>(sw.slots + (row * nparts + rank) * kPartBytes) = v;
             __threadfence();  // the statistic before the count
             atomicAdd(count, 1u);
-            while (load_acquire(count) < static_cast<unsigned>(nparts)) {
+            // (the flag and the clock every 16th round: a round is then one load, as without them)
+            bool gone = patience == 0;
+            if (!gone && load_acquire(count) < static_cast<unsigned>(nparts)) {
+                const unsigned t0 = global_ns();
+                for (unsigned round = 1; load_acquire(count) < static_cast<unsigned>(nparts); ++round) {
+                    if ((round & 15) == 0 && (gave_up(work) || global_ns() - t0 > patience)) {
+                        gone = true;
+                        break;
+                    }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-                __nanosleep(32);
+                    __nanosleep(32);
 #endif
+                }
             }
+            if (gone) {
+                sw.marks[row * nparts + rank] = 1;
+                atomicExch(work + 1, 1u);
+            }
+            left = gone;
         }
         __syncthreads();
-        // Warp 0 merges the parts: lanes in order, then a shuffle tree into
-        // lane 0 (lower lane, higher lane), so that every block of the row
-        // gets the same bits; the block reads lane 0's result. Every warp merging, as
-        // before, put layer_norm's merges (two divisions each) into the
-        // instructions of every thread, which holds only 32 values: H200,
-        // layer_norm 256 x 262144, % of copy, float32 53.5 -> 61.2, float16
-        // 56.1 -> 60.1 (scratch/split_probe.py).
-        // Loaded through L2 (ld.global.cg): another row's part may share a
-        // line that this SM's L1 holds from before it was written.
+        quit = left;
+        // Warp 0 merges (every warp merging, as before, put layer_norm's
+        // merges, two divisions each, into the instructions of every thread,
+        // which holds only 32 values: H200, layer_norm 256 x 262144, % of
+        // copy, float32 53.5 -> 61.2, float16 56.1 -> 60.1).
         S acc = S::identity();
-        if (threadIdx.x < 32) {
-            for (int i = threadIdx.x; i < nparts; i += 32)
-                acc = S::merge(acc, load_cg(reinterpret_cast<const S*>(base + i * kPartBytes)));
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc = S::merge(acc, shfl_down(acc, o));
-        }
+        if (threadIdx.x < 32 && !quit) acc = sw.merged<S>(row, nparts);
         return block_broadcast(acc, threadIdx.x == 0);
     }
     __device__ __forceinline__ void finish() const {}
@@ -298,17 +356,34 @@ struct SplitGroup {
 // A launch of `groups` x `parts` blocks, each holding one part (slice of
 // columns) of the rows g, g + groups, ... of its group g. Parts publish a
 // statistic S (a struct of float words) per row as tagged 64-bit words
-// (value | 1 << 32) in a workspace the host zeroes before the launch:
+// (value | 1 << 32) in a workspace zeroed before the launch:
 //   work[0]                    ticket counter
+//   work[1]                    set once any block gave up waiting
+//   work[3]                    norm_rows_rescue's blocks that have ended
 //   then [rows][parts][kPipeWords] tagged words (8-byte aligned)
+//   then [groups][parts] u32   per block: 0, or 1 + the index (in its group's
+//                              rows) of the first row it did not store
 // A 64-bit aligned word is read or written whole (single-copy atomic), so a
 // reader sees each word either unwritten (tag 0) or complete: no fence, no
 // counter, and the words can be read ahead (`fetch`) and checked later
 // (`collect`), so that the exchange's round trips through L2 overlap the
 // next row's work instead of stalling the block. One lane of warp 0 per
-// part: at most 32 parts. Tickets as in SplitGroup (no deadlock while a
-// free block slot exists besides the `parts - 1` a waiting group may hold).
+// part: at most 32 parts. Tickets as in SplitGroup, and the wait bounded as
+// there: a block that gave up (`quit`) stores no more rows but still
+// publishes the statistics of all of its rows, and norm_rows_rescue stores
+// the rows it left.
 constexpr int kPipeWords = 3;
+
+// The merge of part `lane`'s statistic (words `got`, lane < nparts) over
+// warp 0 into lane 0, as PipeGroup::collect and norm_rows_rescue do it.
+template <typename S> __device__ __forceinline__ S pipe_merge(const unsigned long long (&got)[kPipeWords], int nparts) {
+    S acc = S::identity();
+    if (threadIdx.x < static_cast<unsigned>(nparts))
+        acc = from_words<S>([&](int i) { return static_cast<unsigned>(got[i]); });
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc = S::merge(acc, shfl_down(acc, o));
+    return acc;
+}
 
 template <int TPB> struct PipeGroup {
     static constexpr bool kOnePart = false;
@@ -321,15 +396,25 @@ template <int TPB> struct PipeGroup {
     unsigned long long* words;
     const void* staged;   // the packs of the current row, in shared memory (RowView)
     unsigned long long got[kPipeWords];  // warp 0: lane l's read of part l's words
+    // (The workspace's address and the patience are not kept: kernel
+    // parameters, read where needed, hold no registers across the row loop.)
 
     __device__ __forceinline__ PipeGroup(unsigned* work, int parts_)
         : lane(threadIdx.x), nparts(parts_), staged(nullptr) {
         __shared__ unsigned ticket;
-        if (threadIdx.x == 0) ticket = atomicAdd(work, 1u);
+        if (threadIdx.x == 0) {
+            ticket = atomicAdd(work, 1u);
+            quit() = false;
+        }
         __syncthreads();
         first = ticket / static_cast<unsigned>(nparts);
         rank = ticket % static_cast<unsigned>(nparts);
         words = reinterpret_cast<unsigned long long*>(work + 4);
+    }
+    // Block-uniform: this block gave up waiting (stores no more rows).
+    static __device__ __forceinline__ bool& quit() {
+        __shared__ bool q;
+        return q;
     }
     __device__ __forceinline__ int parts() const { return nparts; }
 
@@ -356,11 +441,20 @@ template <int TPB> struct PipeGroup {
             for (int i = 0; i < int(sizeof(S) / 4); ++i) got[i] = load_relaxed(slot + i);
         }
     }
-    // Every thread: the parts' statistics of `row` merged (lane l holds part
-    // l; a shuffle tree into lane 0, so that every block of the row gets the
-    // same bits), after `fetch(row)` by warp 0; waits for parts not yet written.
-    // All threads must call it; `out` is a shared slot of the block.
-    template <typename S> __device__ __forceinline__ S collect(long long row, S& out) {
+    // Every thread: the parts' statistics of `row` (the `seq`-th of this
+    // block's rows) merged (lane l holds part l; a shuffle tree into lane 0,
+    // so that every block of the row gets the same bits), after `fetch(row)`
+    // by warp 0; waits for parts not yet written, at most `patience` ns
+    // (then, or once another block gave up, `quit()`, and the result is not
+    // to be stored). All threads must call it; `out` is a shared slot of the
+    // block; `work` and `rows` as the launch's.
+    template <typename S>
+    __device__ __forceinline__ S collect(long long row, int seq, S& out, unsigned* work, long long rows,
+                                         unsigned patience) {
+        if (quit()) {  // the barrier still: group_reduce's slots are written again at the next row
+            __syncthreads();
+            return out;
+        }
         if (threadIdx.x < 32) {
             auto ready = [&]() {
                 bool ok = true;
@@ -369,18 +463,35 @@ template <int TPB> struct PipeGroup {
                     for (int i = 0; i < int(sizeof(S) / 4); ++i) ok = ok && (got[i] >> 32) != 0;
                 return ok;
             };
-            while (!__all_sync(0xffffffffu, ready())) {
+            bool gone = patience == 0;
+            if (!gone && !__all_sync(0xffffffffu, ready())) {
+                const unsigned t0 = global_ns();
+                for (unsigned round = 1;; ++round) {
+                    // (the flag and the clock every 16th round, by lane 0, for the warp)
+                    if ((round & 15) == 0 &&
+                        __shfl_sync(0xffffffffu, threadIdx.x == 0 && (gave_up(work) || global_ns() - t0 > patience),
+                                    0)) {
+                        gone = true;
+                        break;
+                    }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-                __nanosleep(32);
+                    __nanosleep(32);
 #endif
-                fetch<S>(row);
+                    fetch<S>(row);
+                    if (__all_sync(0xffffffffu, ready())) break;
+                }
             }
-            S acc = S::identity();
-            if (threadIdx.x < static_cast<unsigned>(nparts))
-                acc = from_words<S>([&](int i) { return static_cast<unsigned>(got[i]); });
-#pragma unroll
-            for (int o = 16; o > 0; o >>= 1) acc = S::merge(acc, shfl_down(acc, o));
-            if (threadIdx.x == 0) out = acc;
+            if (gone) {
+                if (threadIdx.x == 0) {
+                    unsigned* stops = reinterpret_cast<unsigned*>(words + rows * nparts * kPipeWords);
+                    stops[first * nparts + rank] = static_cast<unsigned>(seq) + 1;
+                    atomicExch(work + 1, 1u);
+                    quit() = true;
+                }
+            } else {
+                const S acc = pipe_merge<S>(got, nparts);
+                if (threadIdx.x == 0) out = acc;
+            }
         }
         __syncthreads();
         return out;

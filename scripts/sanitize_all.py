@@ -77,7 +77,17 @@ def norm(dt, dev, g):
         outs = [cufuse.layer_norm(x, cols, w, b), cufuse.layer_norm_relu(x, cols, w, b), cufuse.rms_norm(x, cols, w),
                 cufuse.softmax(x), cufuse.log_softmax(x)]
         sum(o.float().sum() for o in outs).backward()
-    cufuse.layer_norm(_t((8, 500001), torch.float32, dev, g), 500001)  # the split rows
+    if dev != "cuda":
+        return
+    from cufuse import _driver
+    from cufuse.ops import norm as N
+    patience = N.PATIENCE_NS
+    for N.PATIENCE_NS in (patience, 0):  # then every part stored by the rescue launch
+        _driver.clear_fast_paths()
+        cufuse.layer_norm(_t((8, 500001), torch.float32, dev, g), 500001)  # the split rows
+        cufuse.layer_norm(_t((9, 20000), torch.float32, dev, g), 20000, _t((20000,), torch.float32, dev, g))  # pipe
+    N.PATIENCE_NS = patience
+    _driver.clear_fast_paths()
 
 
 def add_norm(dt, dev, g):

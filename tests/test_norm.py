@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import cufuse
+from cufuse import _driver as D
 
 from _reference import DTYPES, Backend, check_kind, gpu_count, rand
 from _reference_norm import (F16, F32, F64, NORM_REF, NORM_TOL_OFFSET, OFFSET, SOFTMAX_REF, assert_close, check,
@@ -180,6 +181,21 @@ def pipe_kernel(op, dtype):
     return f"norm_rows_pipe<{FUNCTOR[op]}, {'__half' if dtype == F16 else 'float'}, 4, 3>"
 
 
+def row_kernels(launches, kernel=None):
+    """The row kernels of ``launches`` (``Launch``); with ``kernel``, what a
+    call taking it launches: it, and after a kernel whose blocks wait for one
+    another (split, pipe) the launch that stores the parts of blocks that
+    gave up (kernels/norm.cu norm_rows_rescue<Op, T, Whole, Pipe>)."""
+    if kernel is None:
+        return [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")]
+    args = kernel[kernel.index("<") + 1:-1].rsplit(", ", 2)  # (Op, T), then two more
+    if kernel.startswith("norm_rows_split"):
+        return [kernel, f"norm_rows_rescue<{args[0]}, {args[2]}, false>"]
+    if kernel.startswith("norm_rows_pipe"):
+        return [kernel, f"norm_rows_rescue<{args[0]}, true, true>"]
+    return [kernel]
+
+
 @pytest.mark.parametrize("op, dtype, n, kernel", [
     ("layer_norm", F32, 20000, pipe_kernel("layer_norm", F32)),
     ("layer_norm", F32, 32768, pipe_kernel("layer_norm", F32)),
@@ -222,7 +238,7 @@ def test_long_row_kernel_taken(backend, op, dtype, n, kernel, launches):
         soft(backend, op, backend.asarray(x), x)
     else:
         normalize(backend, op, backend.asarray(x), x, n)
-    assert [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")] == [kernel], launches
+    assert row_kernels(launches) == row_kernels(None, kernel), launches
 
 
 @norm_param
@@ -275,8 +291,8 @@ def check_pipe_taken(backend, launches, op, dtype):
     if backend.gpu:
         import cupy as cp
         if int(cp.cuda.Device().compute_capability) >= 80:
-            taken = [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")]
-            assert taken == [pipe_kernel(op, dtype)], taken
+            taken = row_kernels(launches)
+            assert taken == row_kernels(None, pipe_kernel(op, dtype)), taken
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "softmax", "log_softmax"])
@@ -372,24 +388,20 @@ extern "C" __global__ void hog(const volatile int* flag, int* started, int* time
 """
 
 
-_WAITS = pytest.mark.xfail(strict=True, reason="the split and pipe kernels' blocks wait for blocks that may not "
-                           "start (issue 37: co-residency; branches steal-split and abandon-split)")
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("op, dtype, rows, n, kernel", [
     ("layer_norm", F32, 64, 4096, "norm_rows<"),  # a control: no block waits for another
-    pytest.param("layer_norm", F32, 6, 500001, "norm_rows_split", marks=_WAITS),
-    pytest.param("softmax", F16, 4, 1000000, "norm_rows_split", marks=_WAITS),
-    pytest.param("layer_norm", F32, 48, 65536, "norm_rows_pipe", marks=_WAITS),
-    pytest.param("rms_norm", F16, 40, 262144, "norm_rows_pipe", marks=_WAITS),
+    ("layer_norm", F32, 6, 500001, "norm_rows_split"),
+    ("softmax", F16, 4, 1000000, "norm_rows_split"),
+    ("layer_norm", F32, 48, 65536, "norm_rows_pipe"),
+    ("rms_norm", F16, 40, 262144, "norm_rows_pipe"),
 ], ids=str)
 def test_split_rows_beside_a_kernel_holding_the_gpu(op, dtype, rows, n, kernel, launches):
-    """Rows whose blocks wait for one another should be done while another
-    kernel holds all multiprocessors but two until they are. Today the split
-    and pipe kernels wait for the other kernel to end (here its time limit:
-    xfail); the control, whose blocks never wait, is done. A fix that keeps
-    the kernels' speed is issue 37's (bench/NOTES.md, session 45)."""
+    """Rows whose blocks wait for one another are done, and right, while
+    another kernel holds all multiprocessors but two until they are: the
+    blocks give up waiting and the launch after the kernel stores their
+    parts (kernels/rows.cuh SplitGroup, norm.cu norm_rows_rescue). Before, the split and pipe kernels
+    waited for the other kernel to end (bench/NOTES.md, sessions 45-46)."""
     import cupy as cp
     from cufuse import _runtime as R
     dev = cp.cuda.Device().id
@@ -399,8 +411,8 @@ def test_split_rows_beside_a_kernel_holding_the_gpu(op, dtype, rows, n, kernel, 
     args = () if op in SOFTMAX_OPS else ((n, cp.asarray(w)) if op == "rms_norm" else (n,))
     xd = cp.asarray(x)
     want = cp.asnumpy(fn(op)(xd, *args))  # the kernel built and its recipe kept, uncontended
-    taken = [ln.kernel for ln in launches if ln.kernel.startswith("norm_rows")]
-    assert taken and all(k.startswith(kernel) for k in taken), taken
+    taken = row_kernels(launches)
+    assert taken and taken == row_kernels(None, taken[0]) and taken[0].startswith(kernel), taken
     hog = cp.RawKernel(_HOG, "hog")
     flag, started, timed_out = (cp.zeros(1, cp.int32) for _ in range(3))
     out = cp.full((rows, n), np.nan, dtype)
@@ -429,6 +441,52 @@ def test_split_rows_beside_a_kernel_holding_the_gpu(op, dtype, rows, n, kernel, 
     ref = SOFTMAX_REF[op](x) if op in SOFTMAX_OPS else NORM_REF[op](x, (n,), *((w,) if op == "rms_norm" else ()))
     check(op, got, ref, dtype, n)
     np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-6, atol=1e-6)
+
+
+# Every part of split and pipe rows stored by the rescue launch after the
+# kernel (patience 0: every block gives up, kernels/rows.cuh): x as a view at an offset (the
+# kernels for any row) or aligned (whole packs), out poisoned or x itself
+# (in place: a part's x is read only by its block and the rescue), checked
+# against the float64 reference and against the same call with blocks
+# that wait (the same statistics, merged in the same order).
+@pytest.mark.cuda
+@pytest.mark.parametrize("op, dtype, rows, n, offset, kernel", [
+    ("layer_norm", F32, 3, 300001, 3, "norm_rows_split"),
+    ("layer_norm", F16, 2, 262144, 0, "norm_rows_split"),
+    ("rms_norm", F64, 2, 262144, 1, "norm_rows_split"),
+    ("softmax", F32, 5, 65536, 0, "norm_rows_split"),
+    ("layer_norm_relu", F32, 40, 262144, 0, "norm_rows_pipe"),
+    ("rms_norm", F16, 20, 262144, 0, "norm_rows_pipe"),
+    ("log_softmax", F32, 7, 70000, 0, "norm_rows_pipe"),
+], ids=str)
+@pytest.mark.parametrize("where", ["out", "in_place"])
+def test_rows_stored_by_the_rescue(op, dtype, rows, n, offset, kernel, where, launches, monkeypatch):
+    import cupy as cp
+    from cufuse.ops import norm as N
+    x, nx, out = split_case(Backend("cupy"), dtype, rows, n, offset, 3960 + n, 3.0 if "softmax" in op else 1.0)
+    w = rand((n,), dtype, 3961) if op != "log_softmax" and "softmax" not in op else None
+    args = () if "softmax" in op else (n,)
+    kw = {} if w is None else {"weight": cp.asarray(w)}
+
+    def call(target):
+        res = fn(op)(target if where == "in_place" else x, *args, out=target, **kw)
+        assert res is target
+        return cp.asnumpy(res)
+    waited = call(x.copy() if where == "in_place" else cp.full((rows, n), np.nan, dtype))
+    monkeypatch.setattr(N, "PATIENCE_NS", 0)
+    D.clear_fast_paths()
+    del launches[:]
+    got = call(x.copy() if where == "in_place" else cp.full((rows, n), np.nan, dtype))
+    taken = row_kernels(launches)
+    assert taken and taken == row_kernels(None, taken[0]) and taken[0].startswith(kernel), taken
+    if "softmax" in op:
+        ref = SOFTMAX_REF[op](nx, -1)
+    else:
+        ref = NORM_REF[op](nx, (n,), *((w,) if op == "rms_norm" else (w, None)), DEFAULT_EPS[op])
+    check(op, got, ref, dtype, n)
+    tol = {F16: 1e-3, F32: 1e-6, F64: 1e-14}[dtype]
+    np.testing.assert_allclose(got.astype(np.float64), waited.astype(np.float64), rtol=tol, atol=tol)
+    D.clear_fast_paths()
 
 
 @pytest.mark.parametrize("op", NORM_OPS + SOFTMAX_OPS)

@@ -49,6 +49,13 @@ _STREAM_TPR = 512
 # words of 8 bytes)
 _PIPE_NP, _PIPE_SLOTS, _PIPE_TPB, _PIPE_MOST_PARTS, _PIPE_PART_BYTES = 4, 3, 512, 32, 24
 _ONE_GROUP_PACKS = 4096      # rows of up to this many 16-byte packs: one thread group (no cluster)
+_RESCUE_TPB = 256            # threads per block of norm_rows_rescue (kernels/norm.cu: its launch bounds)
+# How long (ns) a block of norm_rows_split / norm_rows_pipe waits for the other
+# parts of its row before it gives up and leaves its part to norm_rows_rescue
+# (kernels/rows.cuh SplitGroup).
+# Waits last a block's lifetime (microseconds) unless other kernels hold the
+# GPU; tests set 0 (every block gives up) to take the rescue path.
+PATIENCE_NS = 1_000_000  # (below 2**32: kernels/rows.cuh global_ns)
 
 
 def _cbool(v):
@@ -79,17 +86,24 @@ class _RowOp:
                     self._register(dt, ("cluster", 8, cs) + tag,
                                    R.name_expression("norm_rows_cluster", functor, ct, "8", str(cs),
                                                      _cbool(whole)), 90)
+                # kernels whose blocks wait for one another, each with the
+                # launch after it that stores the parts of blocks that gave up
                 self._register(dt, ("split", _SPLIT_NP) + tag,
-                               R.name_expression("norm_rows_split", functor, ct, str(_SPLIT_NP), _cbool(whole)))
+                               R.name_expression("norm_rows_split", functor, ct, str(_SPLIT_NP), _cbool(whole)),
+                               rescue=R.name_expression("norm_rows_rescue", functor, ct, _cbool(whole), "false"))
             self._register(dt, ("stream",), R.name_expression("norm_rows_stream", functor, ct))
             if dt in self.pipe:
                 self._register(dt, ("pipe", _PIPE_NP, _PIPE_SLOTS),
-                               R.name_expression("norm_rows_pipe", functor, ct, str(_PIPE_NP), str(_PIPE_SLOTS)), 80)
+                               R.name_expression("norm_rows_pipe", functor, ct, str(_PIPE_NP), str(_PIPE_SLOTS)), 80,
+                               rescue=R.name_expression("norm_rows_rescue", functor, ct, "true", "true"))
 
-    def _register(self, dt, key, expr, min_arch=0):
+    def _register(self, dt, key, expr, min_arch=0, rescue=None):
         family = f"{FAMILY}:{self.name}:{dt.name}:{'-'.join(map(str, key))}"
         R.register(family, expr, self.name, dt.name, min_arch)
         self.exprs[(dt, key)] = (family, expr)
+        if rescue:  # in its kernel's module: built with it
+            R.register(family, rescue, self.name, dt.name, min_arch)
+            self.exprs[(dt, key, "rescue")] = (family, rescue)
 
     def plan(self, dt, cols, aligned, dev, whole=False):
         """(kernel key, threads per row, blocks per row) for rows of ``cols``.
@@ -189,26 +203,34 @@ class _RowOp:
         eps = D.val(0)
         args = (D.out_(0), D.in_(0), D.in_(1) if has_w else 0, D.in_(1 + has_w) if has_b else 0,
                 rows, cols, ldy, ldx, np.int32(tpr), eps)
-        if key[0] == "pipe":
-            # groups x parts persistent blocks, as many as run at once; the
-            # workspace of kernels/rows.cuh PipeGroup (ticket, tagged words) zeroed
-            smem = _PIPE_SLOTS * _PIPE_NP * _PIPE_TPB * 16
-            groups = max(1, min(rows, R.resident_blocks(fn, dev, tpr, smem) // cs))
-            nbytes = 16 + rows * cs * _PIPE_PART_BYTES
-            work = b.temp(nbytes, zeroed=nbytes)
-            b.launch(fn, (groups * cs,), (tpr,), args[:8] + (np.int32(cs), np.int32(groups), eps, work), smem)
+        if key[0] in ("pipe", "split"):
+            # The workspace of kernels/rows.cuh (PipeGroup, SplitGroup): the
+            # stream's buffer, zeroed once, and again after each use by
+            # norm_rows_rescue (which first stores the parts of blocks that
+            # gave up waiting: none, as a rule); it costs what a memset per call did
+            if key[0] == "pipe":
+                # groups x parts persistent blocks, as many as run at once;
+                # zeroed: all (ticket, flag, counter, tagged words, a word per block)
+                smem = _PIPE_SLOTS * _PIPE_NP * _PIPE_TPB * 16
+                groups = max(1, min(rows, R.resident_blocks(fn, dev, tpr, smem) // cs))
+                zeroed = -(-(16 + rows * cs * _PIPE_PART_BYTES + 4 * groups * cs) // 16) * 16
+                work = b.stream_buffer(zeroed)
+                b.launch(fn, (groups * cs,), (tpr,),
+                         args[:8] + (np.int32(cs), np.int32(groups), eps, work, np.uint32(PATIENCE_NS)), smem)
+            else:
+                # one block of tpr threads per (row, part): header, counts,
+                # marks, the statistics' slots (which need no zeroing, but
+                # other kernels on the stream share the buffer)
+                groups = 0
+                zeroed = 16 + 4 * (-(-rows // 4) * 4) + (-(-(rows * cs) // 16) * 16) + rows * cs * _PART_BYTES
+                work = b.stream_buffer(zeroed)
+                b.launch(fn, (rows * cs,), (tpr,), args[:8] + (np.int32(cs), eps, work, np.uint32(PATIENCE_NS)))
+            rescue = R.get_function(*self.exprs[(dt, key, "rescue")], dev)
+            b.launch(rescue, (max(1, min(rows * cs, R.sm_count(dev))),), (_RESCUE_TPB,),
+                     args[:8] + (np.int32(cs), np.int32(groups), eps, work, np.int64(zeroed)))
             return b
-        if key[0] == "split":
-            # one block of tpr threads per (row, part); the workspace of
-            # kernels/rows.cuh SplitGroup, its ticket and counts zeroed
-            counts = 16 + 4 * (-(-rows // 4) * 4)
-            work = b.temp(counts + rows * cs * _PART_BYTES, zeroed=counts)
-            args = args[:8] + (np.int32(cs), eps, work)
-            block, grid = tpr, rows * cs
-        else:
-            block = max(tpr, 128) if cs == 1 else tpr
-            grid = -(-rows // (block // tpr)) * cs
-        b.launch(fn, (grid,), (block,), args)
+        block = max(tpr, 128) if cs == 1 else tpr
+        b.launch(fn, (-(-rows // (block // tpr)) * cs,), (block,), args)
         return b
 
 
@@ -645,7 +667,8 @@ def _add_norm_values(name, x, residual, normalized_shape, weight, bias, eps, key
             res = _add_norm_kernel(fwd_kind, kind, dt, dev, x, residual, n, w, b, e, key)
         if res is not None:
             return res
-    h = _ADD(x, residual)
+    h = D.empty_padded(tuple(x.shape), dt, kind, dev) if kind in A.GPU_KINDS else None
+    h = _ADD(x, residual, out=h)
     return _norm(norm, h, ns, w, b, e, None), h
 
 
