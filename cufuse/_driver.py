@@ -238,8 +238,8 @@ def capturing(kind, dev):
 # not evicted under it (unless 7/8 of the cache were used by other threads in
 # the microseconds between that call and its launch); a hit on a stream
 # already noted takes no lock. Objects that keep a copy and launch it later
-# (a foreach plan, an image launcher) hold it as any CuPy array is held: it
-# is freed when they are, which the caller orders as with its own arrays.
+# (a foreach plan, an image launcher) hold it in a ``Held``, which retires it
+# the same way when they are dropped.
 _UPLOADS: dict = {}
 _UPLOADS_MAX = 128
 _UPLOAD_USERS_MAX = 8  # streams noted per entry past which those not used lately give way to events
@@ -305,6 +305,37 @@ def uploaded(host, kind, dev, what, stream=None):
                 _evict()
             e = _UPLOADS[key] = _Upload(arr, tick)
         return _use(key, e, s, tick).arr
+
+
+class Held:
+    """Copies made by ``uploaded`` that an object keeps and launches later (a
+    foreach plan, an image launcher): ``on(stream)`` notes each stream (None:
+    CuPy's current) a launch reading them goes on. Once the Held is dropped
+    the copies wait in _RETIRING for the work queued by then on those
+    streams, as an evicted cache entry does: the cache's own reference may be
+    gone by then, and the upload stream's next copy would take the memory
+    while a kernel queued on another stream still reads it."""
+    __slots__ = ("arrs", "streams", "__weakref__")
+
+    def __init__(self, dev, *arrs):
+        self.arrs, self.streams = arrs, {}
+        weakref.finalize(self, _retire_held, arrs, self.streams, dev)
+
+    def on(self, stream):
+        s = stream if stream is not None else _cp.cuda.get_current_stream()
+        if s.ptr not in self.streams:
+            self.streams[s.ptr] = s
+
+
+def _retire_held(arrs, streams, dev):
+    try:
+        evs = _events(list(streams.values()), dev)
+    except Exception:  # (the interpreter is exiting: nothing left to order)
+        return
+    if evs is None:
+        _CAPTURED_TEMPS.extend(arrs)
+    else:
+        _RETIRING.append((arrs, evs))  # (one append: atomic beside the locked readers)
 
 
 def _use(key, e, s, tick):

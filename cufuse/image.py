@@ -863,7 +863,7 @@ class _Launcher:
         self.base_rel = base - first  # the kernel's base pointer, from the first image's array's
         images = D.uploaded(table, kind, dev, "cufuse.image's table of source images")
         items = D.uploaded(plan.items.astype(np.int32), kind, dev, "cufuse.image's crop rectangles")
-        self.held = (images, items)  # the tables live as long as this launcher
+        self.held = D.Held(dev, images, items)  # the tables live as long as this launcher, and its launches
         grid_xy = (-(-plan.ow // _TILE), -(-plan.oh // _TILE))
         self.chunks = []
         for s in range(0, n, _MAX_ITEMS_PER_LAUNCH):
@@ -883,6 +883,7 @@ class _Launcher:
     def launch(self, first_ptr: int, out_ptr: int, stream) -> None:
         base = first_ptr + self.base_rel  # pointers as Python ints: CuPy passes them as 64-bit values
         with R._cp.cuda.Device(self.dev):
+            self.held.on(stream)
             for grid, images, items, off, P in self.chunks:
                 self.fn(grid, _BLOCK, (base, images, items, out_ptr + off, P), stream=stream)
 

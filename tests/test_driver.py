@@ -777,6 +777,30 @@ def test_evicted_upload_held_until_its_streams_are_done(fake_uploads):
     assert all(arr is not None for arr, _ in D._RETIRING)
 
 
+def test_held_copy_waits_for_its_holders_launches(fake_uploads):
+    """A copy that an object keeps and launches later (a foreach plan, an
+    image launcher: D.Held), once the holder is dropped, stays referenced
+    until the work queued by then on every stream it launched on is done,
+    also when the cache evicted and dropped its own reference before."""
+    import gc
+    import weakref
+    s1, s2, s3 = _FakeStream(1), _FakeStream(2), _FakeStream(3)
+    held = D.Held(0, _up(0, s1))
+    a = weakref.ref(held.arrs[0])
+    held.on(s2)                                       # the holder's launch on s2, queued
+    s2.queued += 1
+    for k in range(1, 6):                             # 0 evicted at k == 4 (s1 idle), dropped at 5
+        _up(k, s3)
+    assert all(arr is not a() for arr, _ in D._RETIRING)
+    del held
+    gc.collect()
+    assert a() is not None                            # s2's launch may still read it
+    s2.finish()
+    s3.finish()
+    _up(6, s3)
+    assert a() is None
+
+
 def test_upload_default_stream_and_capture(fake_uploads, monkeypatch):
     """No stream given: the call's stream (current_stream) is the one noted.
     Inside a capture a hit is kept for good and a miss raises before copying;

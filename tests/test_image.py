@@ -993,6 +993,7 @@ def host_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(D_, "empty", lambda shape, dt, kind, dev: np.empty(shape, dt))
     monkeypatch.setattr(D_, "uploaded", lambda host, kind, dev, what: _HostArray(host))
     monkeypatch.setattr(D_, "stream_for", lambda kind, dev: None)
+    monkeypatch.setattr(D_, "Held", lambda dev, *arrs: types.SimpleNamespace(arrs=arrs, on=lambda stream: None))
     monkeypatch.setattr(R, "_cp", types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda dev: contextlib.nullcontext())))
     launches = []

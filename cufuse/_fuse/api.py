@@ -786,21 +786,23 @@ class Fused:
             r.append(first)
             first += -(-packs // B)
         flat = np.array([v for r in rows for v in r], dtype=np.int64)
-        table = D.uploaded(flat, kind, dev, f"the launch table of {self._name}.foreach (the first call "
-                                            "with these arrays)")
+        table = D.Held(dev, D.uploaded(flat, kind, dev, f"the launch table of {self._name}.foreach (the first "
+                                                        "call with these arrays)"))
         plan = (table, first, np.int32(len(rows)), sig.function("fused_segments", dev), np.int32(SEGMENT_PACKS))
         if params is not None:
             self._launch_table(kind, dev, plan, params)
         return plan
 
     def _launch_table(self, kind, dev, plan, params):
-        table, blocks, nrows, fn, upt = plan
+        held, blocks, nrows, fn, upt = plan
         stream = _stream(kind, dev) if kind == A.TORCH_CUDA else None  # None: CuPy's current stream
         if dev == D.get_device():
-            R.launch_grid(fn, (blocks,), (codegen.BLOCK,), (table, nrows, upt, *params), stream)
+            held.on(stream)
+            R.launch_grid(fn, (blocks,), (codegen.BLOCK,), (held.arrs[0], nrows, upt, *params), stream)
         else:
             with R._cp.cuda.Device(dev):
-                R.launch_grid(fn, (blocks,), (codegen.BLOCK,), (table, nrows, upt, *params), stream)
+                held.on(stream)
+                R.launch_grid(fn, (blocks,), (codegen.BLOCK,), (held.arrs[0], nrows, upt, *params), stream)
         self.stats["launches"] += 1
 
 
