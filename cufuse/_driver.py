@@ -310,21 +310,25 @@ def uploaded(host, kind, dev, what, stream=None):
 class Held:
     """Copies made by ``uploaded`` that an object keeps and launches later (a
     foreach plan, an image launcher): ``on(stream)`` notes each stream (None:
-    CuPy's current) a launch reading them goes on. Once the Held is dropped
+    CuPy's current) a launch reading them goes on; a launch captured into a
+    CUDA graph keeps them for good. Once the Held is dropped
     the copies wait in _RETIRING for the work queued by then on those
     streams, as an evicted cache entry does: the cache's own reference may be
     gone by then, and the upload stream's next copy would take the memory
     while a kernel queued on another stream still reads it."""
-    __slots__ = ("arrs", "streams", "__weakref__")
+    __slots__ = ("arrs", "streams", "kept", "__weakref__")
 
     def __init__(self, dev, *arrs):
-        self.arrs, self.streams = arrs, {}
+        self.arrs, self.streams, self.kept = arrs, {}, False
         weakref.finalize(self, _retire_held, arrs, self.streams, dev)
 
     def on(self, stream):
         s = stream if stream is not None else _cp.cuda.get_current_stream()
         if s.ptr not in self.streams:
             self.streams[s.ptr] = s
+        if not self.kept and s.is_capturing():  # a CUDA graph keeps the addresses: never freed
+            _CAPTURED_TEMPS.extend(self.arrs)
+            self.kept = True
 
 
 def _retire_held(arrs, streams, dev):

@@ -577,11 +577,16 @@ __global__ void __launch_bounds__(kPipeThreads, 2)
             // every thread must have read them (from row 1 on, collect's
             // barrier does that)
             if (i == 0) __syncthreads();
+        } else if (i >= 1) {
+            // The last collect (no row published before it): every thread
+            // must have read `merged` and the flag the collect before wrote
+            // (elsewhere the reduce's barrier does that; racecheck)
+            __syncthreads();
         }
         if (i >= 1) {
             // (once the block gave up it goes on publishing, and stores nothing)
             const S s = g.collect(row_of(i - 1), i - 1, merged, work, rows, patience);
-            if (!g.quit()) {
+            if (!g.quit) {
                 View v = view(i - 1);  // every thread reads only the slots it copied: no barrier
                 v.columns_held = held;
                 Op::finish(v, s, y + row_of(i - 1) * ldy, w, b, eps);

@@ -396,25 +396,18 @@ template <int TPB> struct PipeGroup {
     unsigned long long* words;
     const void* staged;   // the packs of the current row, in shared memory (RowView)
     unsigned long long got[kPipeWords];  // warp 0: lane l's read of part l's words
+    bool quit;            // block-uniform: this block gave up waiting (stores no more rows)
     // (The workspace's address and the patience are not kept: kernel
     // parameters, read where needed, hold no registers across the row loop.)
 
     __device__ __forceinline__ PipeGroup(unsigned* work, int parts_)
-        : lane(threadIdx.x), nparts(parts_), staged(nullptr) {
+        : lane(threadIdx.x), nparts(parts_), staged(nullptr), quit(false) {
         __shared__ unsigned ticket;
-        if (threadIdx.x == 0) {
-            ticket = atomicAdd(work, 1u);
-            quit() = false;
-        }
+        if (threadIdx.x == 0) ticket = atomicAdd(work, 1u);
         __syncthreads();
         first = ticket / static_cast<unsigned>(nparts);
         rank = ticket % static_cast<unsigned>(nparts);
         words = reinterpret_cast<unsigned long long*>(work + 4);
-    }
-    // Block-uniform: this block gave up waiting (stores no more rows).
-    static __device__ __forceinline__ bool& quit() {
-        __shared__ bool q;
-        return q;
     }
     __device__ __forceinline__ int parts() const { return nparts; }
 
@@ -445,13 +438,14 @@ template <int TPB> struct PipeGroup {
     // block's rows) merged (lane l holds part l; a shuffle tree into lane 0,
     // so that every block of the row gets the same bits), after `fetch(row)`
     // by warp 0; waits for parts not yet written, at most `patience` ns
-    // (then, or once another block gave up, `quit()`, and the result is not
+    // (then, or once another block gave up, `quit`, and the result is not
     // to be stored). All threads must call it; `out` is a shared slot of the
     // block; `work` and `rows` as the launch's.
     template <typename S>
     __device__ __forceinline__ S collect(long long row, int seq, S& out, unsigned* work, long long rows,
                                          unsigned patience) {
-        if (quit()) {  // the barrier still: group_reduce's slots are written again at the next row
+        __shared__ bool left;
+        if (quit) {  // the barrier still: group_reduce's slots are written again at the next row
             __syncthreads();
             return out;
         }
@@ -486,14 +480,17 @@ template <int TPB> struct PipeGroup {
                     unsigned* stops = reinterpret_cast<unsigned*>(words + rows * nparts * kPipeWords);
                     stops[first * nparts + rank] = static_cast<unsigned>(seq) + 1;
                     atomicExch(work + 1, 1u);
-                    quit() = true;
                 }
             } else {
                 const S acc = pipe_merge<S>(got, nparts);
                 if (threadIdx.x == 0) out = acc;
             }
+            if (threadIdx.x == 0) left = gone;
         }
         __syncthreads();
+        // (read here, after the barrier, by every thread: the next write of
+        // `left` comes after the next row's reduce, whose barrier follows it)
+        quit = left;
         return out;
     }
 

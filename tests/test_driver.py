@@ -799,6 +799,11 @@ def test_held_copy_waits_for_its_holders_launches(fake_uploads):
     s3.finish()
     _up(6, s3)
     assert a() is None
+    c = _FakeStream(4)                                # a launch captured into a graph: kept for good
+    c.capturing = True
+    held = D.Held(0, _up(7, s3))
+    held.on(c)
+    assert D._CAPTURED_TEMPS == [held.arrs[0]]
 
 
 def test_upload_default_stream_and_capture(fake_uploads, monkeypatch):

@@ -73,7 +73,7 @@ def test_load_source_inlines_local_includes_once():
     assert src.count("struct compute_type {") == 1            # common.cuh inlined once
 
 
-_EXPR = re.compile(r"(ew[123](?:_strided|_tiled)?|norm_rows(?:_cluster|_split|_stream|_pipe)?|reduce_(?:rows_block|rows|cols_deep|cols))"
+_EXPR = re.compile(r"(ew[123](?:_strided|_tiled)?|norm_rows(?:_cluster|_split|_stream|_pipe|_rescue)?|reduce_(?:rows_block|rows|cols_deep|cols))"
                    r"<(\w+)(?:<[\w ,]+>)?, ([\w ]+)(?:, [\w ]+)*>")
 _CTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "float32", "double": "float64",
                 "signed char": "int8"}
