@@ -242,6 +242,26 @@ class GpuBench:
                 samples[k].append((time.perf_counter() - t0) / calls * 1e6)
         return {k: statistics.median(v) for k, v in samples.items()}
 
+    @staticmethod
+    def host_enqueue_us(fn, sync, calls: int = 100, rounds: int = 15) -> float:
+        """Host wall microseconds per call of ``calls`` back-to-back calls,
+        the clock stopped before the synchronize that follows them; median of
+        ``rounds``. For calls whose kernels take longer than the host's work:
+        there ``host_loop_us`` measures the GPU. ``calls`` stays far below
+        what the launch queue holds, so that no call waits for room in it."""
+        for _ in range(200):
+            fn()
+        sync()
+        samples = []
+        for _ in range(rounds):
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            samples.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()
+        return statistics.median(samples)
+
     # ------------------------------------------------------------ skips
     @staticmethod
     def skip(peer: str, reason: str):

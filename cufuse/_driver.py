@@ -888,6 +888,17 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
 _SBUF_LOCK = threading.Lock()
 
 
+def queue(rec, values, stream=None):
+    """Queue the launches of ``rec``, a recipe with no outputs, inputs or
+    temporaries (``RecipeBuilder(kind, dev, 0, 0)``: every pointer a
+    constant or a value), with the call's ``values`` on ``stream`` (a CuPy
+    stream object; None: CuPy's current), on the current device: the packed
+    launches of ``execute`` for launchers that keep their own per-signature
+    state (image pipelines)."""
+    sptr = (stream if stream is not None else _cp.cuda.get_current_stream()).ptr
+    _queue(rec, values, rec.kind, rec.device, sptr)
+
+
 def _queue(rec, vals, kind, dev, sptr):
     """Queue ``rec``'s steps on the stream ``sptr`` with the call's ``vals``."""
     for st in rec.steps:

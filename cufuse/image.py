@@ -841,7 +841,8 @@ class _Launcher:
     """The launches of one call signature: everything but the source and output pointers, which
     change from call to call (a Pipeline keeps these for the signatures it has seen: a repeated
     call builds no table and validates nothing again)."""
-    __slots__ = ("fn", "chunks", "base_rel", "held", "shape", "out_dtype", "kind", "dev", "in_span", "out_span")
+    __slots__ = ("fn", "rec", "offsets", "base_rel", "held", "shape", "out_dtype", "kind", "dev", "in_span",
+                 "out_span")
 
     def __init__(self, plan: _Plan, res, out_layout):
         kind, dev = plan.kind, plan.device
@@ -865,11 +866,16 @@ class _Launcher:
         items = D.uploaded(plan.items.astype(np.int32), kind, dev, "cufuse.image's crop rectangles")
         self.held = D.Held(dev, images, items)  # the tables live as long as this launcher, and its launches
         grid_xy = (-(-plan.ow // _TILE), -(-plan.oh // _TILE))
-        self.chunks = []
-        for s in range(0, n, _MAX_ITEMS_PER_LAUNCH):
+        # one launch per chunk of items; per call: value 0 the base pointer, 1 + k chunk k's output
+        b = D.RecipeBuilder(kind, dev, 0, 0)
+        self.offsets = []
+        for k, s in enumerate(range(0, n, _MAX_ITEMS_PER_LAUNCH)):
             m = min(_MAX_ITEMS_PER_LAUNCH, n - s)
-            self.chunks.append(((*grid_xy, m), int(images.data.ptr), int(items.data.ptr) + s * _ITEM * 4,
-                                s * ost[0] * isz, _params(plan, ost, planes, m)[()]))
+            b.launch(self.fn, (*grid_xy, m), _BLOCK, (D.val(0), int(images.data.ptr),
+                                                      int(items.data.ptr) + s * _ITEM * 4, D.val(1 + k),
+                                                      _params(plan, ost, planes, m)[()]))
+            self.offsets.append(s * ost[0] * isz)
+        self.rec = b.build([], [], [])
         self.shape, self.out_dtype, self.kind, self.dev = tuple(res.shape), plan.out_dtype, kind, dev
         # bytes each side of the pointer that the sources and the output touch (an overlap check without
         # walking the arrays again)
@@ -881,11 +887,15 @@ class _Launcher:
         self.out_span = (osp[0] - optr, osp[1] - optr)
 
     def launch(self, first_ptr: int, out_ptr: int, stream) -> None:
-        base = first_ptr + self.base_rel  # pointers as Python ints: CuPy passes them as 64-bit values
-        with R._cp.cuda.Device(self.dev):
+        values = (first_ptr + self.base_rel, *[out_ptr + off for off in self.offsets])  # pointers as Python ints
+        current = D.get_device
+        if current is not None and self.dev == current():
             self.held.on(stream)
-            for grid, images, items, off, P in self.chunks:
-                self.fn(grid, _BLOCK, (base, images, items, out_ptr + off, P), stream=stream)
+            D.queue(self.rec, values, stream)
+        else:
+            with R._cp.cuda.Device(self.dev):
+                self.held.on(stream)
+                D.queue(self.rec, values, stream)
 
     def overlaps(self, first_ptr: int, out_ptr: int) -> bool:
         if self.in_span is None:

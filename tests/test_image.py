@@ -162,12 +162,18 @@ def to_hwc(x, layout):
 
 # ----------------------------------------------------------------- counting launches
 class _Counting:
+    """A kernel that records its launches (through the driver's unpacked path, as any kernel not CuPy's own)."""
+
     def __init__(self, fn, calls):
         self.fn, self.calls = fn, calls
 
-    def __call__(self, grid, block, args, **kw):
-        self.calls.append((grid, block, kw.get("stream")))
-        return self.fn(grid, block, args, **kw)
+    @property
+    def ptr(self):
+        return self.fn.ptr
+
+    def __call__(self, grid, block, args, shared=0, stream=None):
+        self.calls.append((grid, block, stream))
+        return self.fn(grid, block, args, shared, stream=stream)
 
 
 @pytest.fixture
@@ -839,7 +845,7 @@ def test_torch_current_stream(image_launches):
         res = I.process(x, [(0, 0, 80, 64), (5, 5, 30, 20)], size=(32, 32), dtype=np.float16)
         expect = D.stream_for(cufuse._arrays.TORCH_CUDA, 0)
     s.synchronize()
-    assert image_launches[-1][2] is expect and expect.ptr == s.cuda_stream
+    assert image_launches[-1][2].ptr == expect.ptr == s.cuda_stream
     ref = ref_pipeline([img], [(0, 0, 80, 64), (5, 5, 30, 20)], [0, 0], (32, 32))
     assert_pipeline_close(res.cpu().numpy(), ref, F16, 255.0)
 
@@ -994,6 +1000,9 @@ def host_gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(D_, "uploaded", lambda host, kind, dev, what: _HostArray(host))
     monkeypatch.setattr(D_, "stream_for", lambda kind, dev: None)
     monkeypatch.setattr(D_, "Held", lambda dev, *arrs: types.SimpleNamespace(arrs=arrs, on=lambda stream: None))
+    monkeypatch.setattr(D_, "get_device", lambda: 0)
+    monkeypatch.setattr(D_, "queue", lambda rec, values, stream=None: [
+        st.fn(st.grid, st.block, st.get(st.consts + tuple(values))) for st in rec.steps])
     monkeypatch.setattr(R, "_cp", types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda dev: contextlib.nullcontext())))
     launches = []
@@ -1003,12 +1012,13 @@ def host_gpu(monkeypatch, tmp_path):
         assert [lib.params_layout(k) for k in range(17)] == [I._PARAMS.fields[n][1] for n in I._PARAMS.names] + [
             I._PARAMS.itemsize]
 
-        def launch(grid, block, args, stream=None):
+        def launch(grid, block, args, shared=0, stream=None):
             launches.append(grid)
             base, images, items, out, P = args
             Pbuf = np.array(P, dtype=I._PARAMS)
             ptrs = [ctypes.c_void_p(int(v)) for v in (base, images, items, out, Pbuf.__array_interface__["data"][0])]
             lib.emulate(grid[0], grid[1], grid[2], block[0], block[1], *ptrs)
+        launch.ptr = 0  # (a kernel's handle, as RecipeBuilder.launch reads it)
         return launch
 
     monkeypatch.setattr(I, "_function", function)
