@@ -316,30 +316,40 @@ class Held:
     streams, as an evicted cache entry does: the cache's own reference may be
     gone by then, and the upload stream's next copy would take the memory
     while a kernel queued on another stream still reads it."""
-    __slots__ = ("arrs", "streams", "kept", "__weakref__")
+    __slots__ = ("arrs", "streams", "events", "kept", "dev", "__weakref__")
 
     def __init__(self, dev, *arrs):
-        self.arrs, self.streams, self.kept = arrs, {}, False
-        weakref.finalize(self, _retire_held, arrs, self.streams, dev)
+        self.arrs, self.streams, self.events, self.kept, self.dev = arrs, {}, [], False, dev
+        weakref.finalize(self, _retire_held, arrs, self.streams, self.events, dev)
 
     def on(self, stream):
         s = stream if stream is not None else _cp.cuda.get_current_stream()
         if s.ptr not in self.streams:
+            if len(self.streams) >= _UPLOAD_USERS_MAX:  # (a stream per call, say): events for those noted
+                evs = _events(list(self.streams.values()), self.dev)
+                if evs is None:
+                    self._keep()
+                else:
+                    self.events[:] = [ev for ev in self.events if not ev.done] + evs
+                self.streams.clear()
             self.streams[s.ptr] = s
         if not self.kept and s.is_capturing():  # a CUDA graph keeps the addresses: never freed
-            _CAPTURED_TEMPS.extend(self.arrs)
-            self.kept = True
+            self._keep()
+
+    def _keep(self):
+        _CAPTURED_TEMPS.extend(self.arrs)
+        self.kept = True
 
 
-def _retire_held(arrs, streams, dev):
+def _retire_held(arrs, streams, events, dev):
     try:
         evs = _events(list(streams.values()), dev)
-    except Exception:  # (the interpreter is exiting: nothing left to order)
-        return
+    except Exception:  # no event could be recorded (a capture beside, the interpreter exiting): kept for good
+        evs = None
     if evs is None:
         _CAPTURED_TEMPS.extend(arrs)
     else:
-        _RETIRING.append((arrs, evs))  # (one append: atomic beside the locked readers)
+        _RETIRING.append((arrs, events + evs))  # (one append: atomic beside the locked readers)
 
 
 def _use(key, e, s, tick):
@@ -423,10 +433,10 @@ _stream_buffers: dict = {}  # (device, stream handle) -> zeroed CuPy uint8 array
 def stream_buffer(dev, stream, nbytes):
     """Address of a zeroed buffer of at least ``nbytes`` for launches on
     ``stream`` (None: CuPy's current) of ``dev``, which leave it zeroed (a
-    recipe's last launch may zero it again: ``execute`` queues a recipe's
-    launches with no other thread's in between). Made
-    (zeroed on that stream, before the launch) on first use; a call captured
-    in a CUDA graph must have run once on its stream before."""
+    recipe's last launch may zero it again). Made, or grown, zeroed on that
+    stream; ``execute`` calls it and queues the recipe under _SBUF_LOCK, so
+    that no other thread's launch on the buffer comes in between (a call
+    being captured gets a buffer of its own)."""
     s = stream or _cp.cuda.get_current_stream()
     key = (dev, s.ptr)
     b = _stream_buffers.get(key)
@@ -750,8 +760,9 @@ class RecipeBuilder:
 
     def stream_buffer(self, nbytes):
         """A buffer of at least ``nbytes`` kept per (device, stream), zeroed
-        once; the kernels that use it (column tickets) leave it zeroed, so
-        launches on one stream, which run in order, share it."""
+        once; the recipes that use it (column tickets, the split and pipe
+        rows' workspace) leave it zeroed, so launches on one stream, which
+        run in order, share it."""
         s = Slot("sbuf", len(self.sbufs))
         self.sbufs.append(int(nbytes))
         return s
@@ -872,15 +883,20 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
                 _cp.cuda.runtime.memsetAsync(p, 0, n, sptr)
             tptrs = [*tptrs, *bptrs]
         else:
-            tptrs = [*tptrs, *[stream_buffer(dev, sobj, n) for n in rec.sbufs]]
-    vals = (*optrs, *in_ptrs, *tptrs, *values)
-    if rec.sbufs and len(rec.steps) > 1:
-        # The launches that use the stream's buffer, and the one that zeroes
-        # it again after them, queued with no other thread's in between
-        with _SBUF_LOCK:
-            _queue(rec, vals, kind, dev, sptr)
-    else:
-        _queue(rec, vals, kind, dev, sptr)
+            # The stream's buffer looked up (or grown) and every launch that
+            # uses it queued (the last one leaves it zeroed) with no other
+            # thread's launch on the buffer in between; a recipe not queued
+            # whole leaves it to be made again, zeroed
+            with _SBUF_LOCK:
+                try:
+                    _queue(rec, (*optrs, *in_ptrs, *tptrs, *[stream_buffer(dev, sobj, n) for n in rec.sbufs],
+                                 *values), kind, dev, sptr)
+                except BaseException:
+                    _stream_buffers.pop((dev, sptr), None)
+                    raise
+            del temps
+            return outs
+    _queue(rec, (*optrs, *in_ptrs, *tptrs, *values), kind, dev, sptr)
     del temps  # queued: the allocators order the memory's reuse after the launches
     return outs
 

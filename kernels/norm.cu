@@ -627,7 +627,10 @@ __global__ void __launch_bounds__(256)
         uint4* p = reinterpret_cast<uint4*>(work);
         for (long long i = first; i < zero_bytes / 16; i += step) p[i] = make_uint4(0u, 0u, 0u, 0u);
     };
-    if (!gave_up(work)) {
+    __shared__ bool any_left;  // (read once per block: the last block below zeroes the flag too)
+    if (threadIdx.x == 0) any_left = gave_up(work);
+    __syncthreads();
+    if (!any_left) {
         zero(static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x,
              static_cast<long long>(gridDim.x) * blockDim.x);
         return;

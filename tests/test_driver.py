@@ -804,6 +804,15 @@ def test_held_copy_waits_for_its_holders_launches(fake_uploads):
     held = D.Held(0, _up(7, s3))
     held.on(c)
     assert D._CAPTURED_TEMPS == [held.arrs[0]]
+    streams = [_FakeStream(10 + k) for k in range(D._UPLOAD_USERS_MAX + 1)]  # a stream per launch
+    held = D.Held(0, _up(8, s3))
+    for st in streams:
+        held.on(st)
+        st.queued += 1
+    assert len(held.streams) == 1                     # the first 8 swapped for events
+    del held
+    gc.collect()
+    assert sorted(ev.stream.ptr for ev in D._RETIRING[-1][1]) == [st.ptr for st in streams]
 
 
 def test_upload_default_stream_and_capture(fake_uploads, monkeypatch):
