@@ -345,15 +345,92 @@ _SQRT_2_OVER_PI = 0.79788456080286535588
 
 
 def _special(name, v):
-    """erf / erfc on NumPy arrays: SciPy's when installed, else math's per element."""
+    """erf / erfc on NumPy arrays, in v's dtype: SciPy's when installed, else
+    _erf_cody (math's per element took ~100 ms per million)."""
     try:
         import scipy.special as lib
     except ImportError:
-        import math
-        f = np.frompyfunc(getattr(math, name), 1, 1)
-    else:
-        f = getattr(lib, name)
-    return np.asarray(f(v), dtype=v.dtype)  # (math's: per element, in float64)
+        return _erf_cody(v, name == "erfc").astype(v.dtype)
+    return np.asarray(getattr(lib, name)(v), dtype=v.dtype)
+
+
+# W. J. Cody's rational Chebyshev approximations of erf and erfc (Math. Comp.
+# 23 (1969); the specfun CALERF constants): |x| <= 0.46875 erf = x P(x^2) /
+# Q(x^2); up to 4 erfc = exp(-x^2) R(x) / S(x); beyond, erfc = exp(-x^2) / x
+# (1 / sqrt(pi) - T(1 / x^2) / (x^2 U(1 / x^2))). Within a few ulps of
+# math.erf / math.erfc in float64 (tests/test_gelu.py).
+_CODY_A = (3.1611237438705656, 113.864154151050156, 377.485237685302021, 3209.37758913846947,
+           0.185777706184603153)
+_CODY_B = (23.6012909523441209, 244.024637934444173, 1282.61652607737228, 2844.23683343917062)
+_CODY_C = (0.564188496988670089, 8.88314979438837594, 66.1191906371416295, 298.635138197400131,
+           881.95222124176909, 1712.04761263407058, 2051.07837782607147, 1230.33935479799725,
+           2.15311535474403846e-8)
+_CODY_D = (15.7449261107098347, 117.693950891312499, 537.181101862009858, 1621.38957456669019,
+           3290.79923573345963, 4362.61909014324716, 3439.36767414372164, 1230.33935480374942)
+_CODY_P = (0.305326634961232344, 0.360344899949804439, 0.125781726111229246, 0.0160837851487422766,
+           6.58749161529837803e-4, 0.0163153871373020978)
+_CODY_Q = (2.56852019228982242, 1.87295284992346047, 0.527905102951428412, 0.0605183413124413191,
+           0.00233520497626869185)
+
+
+def _horner(z, num_top, nums, dens):
+    """(num_top z + nums[0]) z + ... and (z + dens[0]) z + ... (in place: no
+    new array per step), each without its constant term."""
+    num, den = num_top * z, z.copy()
+    for a, b in zip(nums, dens):
+        num += a
+        num *= z
+        den += b
+        den *= z
+    return num, den
+
+
+def _erf_cody(v, complement):
+    """erf (erfc where ``complement``) of a NumPy array, in float64."""
+    x = np.asarray(v, dtype=np.float64)
+    y = np.abs(x)
+    out = np.empty_like(x)
+    with np.errstate(all="ignore"):
+        small = y <= 0.46875
+        xs = x[small]
+        z = xs * xs
+        z[np.abs(xs) <= 1.11e-16] = 0.0
+        num, den = _horner(z, _CODY_A[4], _CODY_A[:3], _CODY_B[:3])
+        num += _CODY_A[3]
+        den += _CODY_B[3]
+        num *= xs
+        num /= den
+        out[small] = 1.0 - num if complement else num
+        # erfc(|x|) beyond: a rational function times exp(-x^2), taken as
+        # exp(-t^2) exp(-(y - t)(y + t)) with t = y rounded down to 1/16 (exact squares)
+        big = ~small
+        yb = y[big]
+        mid = yb <= 4.0
+        r = np.empty_like(yb)
+        ym = yb[mid]
+        num, den = _horner(ym, _CODY_C[8], _CODY_C[:7], _CODY_D[:7])
+        num += _CODY_C[7]
+        den += _CODY_D[7]
+        r[mid] = num / den
+        yt = yb[~mid]
+        z = 1.0 / (yt * yt)
+        num, den = _horner(z, _CODY_P[5], _CODY_P[:4], _CODY_Q[:4])
+        num += _CODY_P[4]
+        den += _CODY_Q[4]
+        r[~mid] = (0.56418958354775628695 - z * num / den) / yt
+        t = np.trunc(yb * 16.0) / 16.0
+        e = np.exp(-t * t)
+        e *= np.exp(-(yb - t) * (yb + t))
+        r *= e
+        r[yb >= 27.3] = 0.0  # (erfc underflows from there on)
+        r[np.isnan(yb)] = np.nan
+        neg = x[big] < 0
+        if complement:
+            out[big] = np.where(neg, 2.0 - r, r)
+        else:
+            r = 0.5 - r + 0.5
+            out[big] = np.where(neg, -r, r)
+    return out
 
 
 def erf_numpy(v):
