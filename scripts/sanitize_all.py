@@ -47,6 +47,11 @@ def elementwise(dt, dev, g):
             cufuse.bias_gelu(x, b), cufuse.bias_gelu(x, b, "tanh")]
     sum(o.float().sum() for o in outs).backward()
     cufuse.add_relu(_misaligned((37, 129), dt, dev, g), y.detach())
+    # the strided and tiled paths: a column-strided view, a transposed one beside a broadcast row
+    xs, zs = _t((33, 65), dt, dev, g), _t((33, 33), dt, dev, g)
+    cufuse.fma(xs[:, ::2], 0.5, zs)
+    cufuse.mul_tanh(_t((64, 64), dt, dev, g).T, _t((64,), dt, dev, g))
+    cufuse.add_mul_exp(_t((4097,), dt, dev, g) * 0.1, _t((4097,), dt, dev, g) * 0.1)
 
 
 def dropout(dt, dev, g):
@@ -60,6 +65,7 @@ def quantize(dt, dev, g):
     cufuse.dequantize_int8(q, 0.05, dtype=dt)
     s = torch.rand(67, generator=g).to(dev, torch.float32) * 0.1 + 0.01
     cufuse.quantize_int8(x, s, axis=1)
+    cufuse.quantize_int8(x, torch.rand(31, generator=g).to(dev, torch.float32) * 0.1 + 0.01, axis=0)
     xg = x.clone().requires_grad_(True)
     cufuse.fake_quantize_int8(xg, 0.05).float().sum().backward()
 
@@ -68,6 +74,9 @@ def reduction(dt, dev, g):
     x = _t((45, 1031), dt, dev, g, True)
     (cufuse.sum_squared(x, axis=-1).float().sum() + cufuse.mean_abs(x, axis=0).float().sum()).backward()
     cufuse.sum_squared(_misaligned((45, 1031), dt, dev, g), axis=(0, 1))
+    cufuse.mean_abs(_t((1000, 64), dt, dev, g), axis=0)  # columns of a tall array (tickets)
+    cufuse.sum_squared(_t((33, 1001), dt, dev, g), axis=None)
+    cufuse.sum_squared(_t((4, 300001), dt, dev, g))  # long rows
 
 
 def norm(dt, dev, g):
@@ -77,6 +86,10 @@ def norm(dt, dev, g):
         outs = [cufuse.layer_norm(x, cols, w, b), cufuse.layer_norm_relu(x, cols, w, b), cufuse.rms_norm(x, cols, w),
                 cufuse.softmax(x), cufuse.log_softmax(x)]
         sum(o.float().sum() for o in outs).backward()
+    cufuse.layer_norm_relu(_t((512, 8192), dt, dev, g), 8192)
+    cufuse.softmax(_t((300, 40), dt, dev, g), axis=0)
+    cufuse.softmax(_t((2, 300001), dt, dev, g))  # rows split over blocks
+    cufuse.rms_norm(_t((2, 1 << 20), dt, dev, g), 1 << 20)  # beyond them: the kernel that re-reads rows
     if dev != "cuda":
         return
     from cufuse import _driver
@@ -128,6 +141,7 @@ def fuse(dt, dev, g):
     x, y = _t((29, 131), dt, dev, g, True), _t((131,), dt, dev, g, True)
     f(x, y).float().sum().backward()
     xs, ys = x.detach(), y.detach()
+    cufuse.fuse(lambda a, b: ((a - b) ** 2).sum(axis=-1))(xs, ys.expand(29, 131))  # a fused row reduction
     f.foreach([xs, xs[:5].contiguous(), xs[1:]], [ys.expand(29, 131).contiguous(), ys.expand(5, 131).contiguous(),
                                                   ys.expand(28, 131).contiguous()])
 
