@@ -7,44 +7,26 @@ from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 
 import numpy as np
 import torch
 
 import cufuse.image as I
+from conftest import GpuBench  # (bench/: the script's own folder)
 from cufuse import _arrays as A
 from cufuse import _driver as D
 
 MEAN, STD, OUT, N = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225), 224, 64
 
 
-def wall(fn, n=2000, rounds=5):
-    res = []
-    for _ in range(rounds):
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        res.append(1e6 * (time.perf_counter() - t0) / n)
-    return float(np.median(res))
+def wall(fn):
+    """Back-to-back calls between synchronizes (bounded by the GPU where its kernels are longer)."""
+    return GpuBench.host_loop_us({"f": fn}, torch.cuda.synchronize, calls=2000, rounds=5)["f"]
 
 
-def enqueue(fn, n=100, rounds=15):
-    """Host µs per call of n back-to-back calls, the clock stopped before the
-    synchronize: the GPU's time is not counted (n well below what the
-    launch queue holds, so that no call waits for room in it)."""
-    res = []
-    for _ in range(rounds):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        res.append(1e6 * (time.perf_counter() - t0) / n)
-        torch.cuda.synchronize()
-    return float(np.median(res))
+def enqueue(fn):
+    """The host's time alone: the clock stopped before the synchronize."""
+    return GpuBench.host_enqueue_us(fn, torch.cuda.synchronize)
 
 
 def main():
