@@ -62,15 +62,16 @@ _YUV_MATRIX = {
 }
 _YUV_OUT = {"rgb": (0, 1, 2), "bgr": (2, 1, 0), "gray": "gray"}
 _MAX_ITEMS_PER_LAUNCH = 65535  # gridDim.z
-_TILE, _BLOCK = 32, (32, 8)    # kernels/image.cuh: a block of 32 x 8 threads writes 32 x 32 pixels
+_TILE_W, _TILE_H, _BLOCK = 32, 32, (32, 8)  # kernels/image.cuh: a block of 32 x 8 threads writes 32 x 32 pixels
 _ITEM, _IMAGE = 12, 10         # kernels/image.cuh kItem, kImage
 
 # Twin of cufuse::image::Params (kernels/image.cuh), passed by value.
-_PARAMS = np.dtype({"names": ["out_stride", "out_plane", "mean", "inv_std", "fill", "scale", "out_h", "out_w",
+_PARAMS = np.dtype({"names": ["out_stride", "out_plane", "gain", "bias", "fill", "out_h", "out_w",
                               "items", "yuv", "y_offset", "y_gain", "c_offset", "c_gain", "range", "pad_"],
                     "formats": [(np.int64, (3,)), (np.int64, (4,)), (np.float32, (4,)), (np.float32, (4,)),
-                                (np.float32, (4,)), np.float32, np.int32, np.int32, np.int32, (np.float32, (4,)),
+                                (np.float32, (4,)), np.int32, np.int32, np.int32, (np.float32, (4,)),
                                 np.float32, np.float32, np.float32, np.float32, np.float32, np.int32]}, align=True)
+_NARROW = 2**31  # row strides in bytes below this: the kernel's Index is int (kernels/image.cuh)
 
 
 def _err(msg: str) -> str:
@@ -607,9 +608,9 @@ def _plan(p: Pipeline, images, rects, sources, hflip, vflip, out) -> _Plan:
     else:
         oh, ow = p.size
         interp = INTERPOLATIONS[p.interpolation]
-    if oh * ow > 2**30 or oh > 65535 * _TILE:  # int32 pixel indices; gridDim.y
+    if oh * ow > 2**30 or oh > 65535 * _TILE_H:  # int32 pixel indices; gridDim.y
         raise ValueError(_err(f"an output of {oh}x{ow} pixels per item: at most 2**30, and a height of at most "
-                              f"{65535 * _TILE}"))
+                              f"{65535 * _TILE_H}"))
     if int(its[:, 3:5].max()) >= 2**22:  # the kernel's float-reciprocal division (kernels/image.cuh div_floor)
         raise ValueError(_err(f"a crop of {int(its[:, 3:5].max())} pixels a side: at most 2**22 - 1"))
     boxes = _boxes(its, oh, ow, p.letterbox)
@@ -765,8 +766,9 @@ def cast(v: np.ndarray, dtype: Any) -> np.ndarray:
 _fns: dict = {}
 
 
-def _source(plan: _Plan) -> str:
-    """The generated CUDA source of a plan's structure (nothing of its values)."""
+def _source(plan: _Plan, wide: bool = False) -> str:
+    """The generated CUDA source of a plan's structure (nothing of its values); ``wide``: some stride
+    or output plane offset needs 64 bits."""
     ch = " : ".join(f"k == {k} ? {c}" for k, c in enumerate(plan.reads[:-1]))
     ch = f"{ch} : {plan.reads[-1]}" if ch else str(plan.reads[-1])
     if plan.gray is not None:
@@ -781,29 +783,37 @@ def _source(plan: _Plan) -> str:
         f"    using In = {_CTYPES[plan.in_dtype]};",
         f"    using Out = {_CTYPES[plan.out_dtype]};",
         f"    static constexpr int kRead = {len(plan.reads)}, kOut = {plan.cout}, kInterp = {plan.interp}, "
-        f"kYuv = {yuv};",
+        f"kYuv = {yuv}, kUnit = {int(_unit(plan))};",
+        f"    using Index = {'long long' if wide else 'int'};",
         f"    __device__ __forceinline__ static int channel(int k) {{ return {ch}; }}",
         "    __device__ __forceinline__ static void color(const float (&r)[kRead], float (&o)[kOut], "
         "const cufuse::image::Params&) {",
         f"        {body}",
         "    }",
         "};",
-        'extern "C" __global__ void __launch_bounds__(256) image_pipeline(const char* base, '
-        "const long long* images, const int* items, void* out, cufuse::image::Params P) {",
+        # planar sources: 5 blocks per SM lets ptxas keep more loads in flight (4K CHW uint8 -> 1080p 26.6
+        # -> 20.2 us on an H200); interleaved ones are as fast either way (bench/NOTES.md)
+        f'extern "C" __global__ void __launch_bounds__(256{"" if _unit(plan) else ", 5"}) image_pipeline('
+        "const char* base, const long long* images, const int* items, void* out, cufuse::image::Params P) {",
         "    cufuse::image::run<Spec>(base, images, items, static_cast<Spec::Out*>(out), P);",
         "}",
         ""])
 
 
+def _unit(plan: _Plan) -> bool:
+    """Every source has interleaved channels (channel stride 1): the kernel reads them at constant offsets."""
+    return plan.yuv is None and all(im.sc == 1 for im in plan.images)
+
+
 def _structure(plan: _Plan) -> tuple:
-    return (plan.in_dtype.str, plan.out_dtype.str, plan.reads, plan.gray, plan.interp, plan.yuv)
+    return (plan.in_dtype.str, plan.out_dtype.str, plan.reads, plan.gray, plan.interp, plan.yuv, _unit(plan))
 
 
-def _function(plan: _Plan):
-    key = (_structure(plan), plan.device)
+def _function(plan: _Plan, wide: bool = False):
+    key = (_structure(plan), wide, plan.device)
     fn = _fns.get(key)
     if fn is None:
-        mod, _ = R.generated_module(_source(plan), plan.device, what=f"cufuse.image pipeline {key[0]}")
+        mod, _ = R.generated_module(_source(plan, wide), plan.device, what=f"cufuse.image pipeline {key[0]}")
         with R._cp.cuda.Device(plan.device):
             fn = _fns[key] = mod.get_function("image_pipeline")
     return fn
@@ -826,10 +836,9 @@ def _params(plan: _Plan, out_strides, planes, n):
     P = np.zeros((), _PARAMS)
     P["out_stride"] = out_strides
     P["out_plane"][:plan.cout] = planes
-    P["mean"][:plan.cout] = plan.mean
-    P["inv_std"][:plan.cout] = 1.0 / plan.std
+    P["gain"][:plan.cout] = plan.scale / plan.std  # x * gain + bias: (x * scale - mean) / std, in float64
+    P["bias"][:plan.cout] = -plan.mean / plan.std
     P["fill"][:plan.cout] = plan.fill
-    P["scale"] = plan.scale
     P["out_h"], P["out_w"], P["items"] = plan.oh, plan.ow, n
     rv, gu, gv, bu, yo, yg, co, cg, rng = plan.yuv_params
     P["yuv"] = (rv, gu, gv, bu)
@@ -858,14 +867,15 @@ class _Launcher:
             st = A.strides_of(res, kind)
             ost, sc = ((st[0], st[2], st[3]), st[1]) if out_layout == "NCHW" else ((st[0], st[1], st[2]), st[3])
             planes = [k * sc for k in range(plan.cout)]
-        self.fn = _function(plan)
+        row_bytes = [abs(im.sy) * plan.in_dtype.itemsize for im in plan.images] + [abs(ost[1]) * isz]
+        self.fn = _function(plan, max(row_bytes) >= _NARROW)
         first = A.pointer_of(plan.images[0].array, kind)
         base, table = _images_table(plan)
         self.base_rel = base - first  # the kernel's base pointer, from the first image's array's
         images = D.uploaded(table, kind, dev, "cufuse.image's table of source images")
         items = D.uploaded(plan.items.astype(np.int32), kind, dev, "cufuse.image's crop rectangles")
         self.held = D.Held(dev, images, items)  # the tables live as long as this launcher, and its launches
-        grid_xy = (-(-plan.ow // _TILE), -(-plan.oh // _TILE))
+        grid_xy = (-(-plan.ow // _TILE_W), -(-plan.oh // _TILE_H))
         # one launch per chunk of items; per call: value 0 the base pointer, 1 + k chunk k's output
         b = D.RecipeBuilder(kind, dev, 0, 0)
         self.offsets = []

@@ -13,6 +13,11 @@
 //   kInterp                         0 nearest (floor(d * w / bw)), 1 nearest-exact
 //                                   (floor((d + 0.5) * w / bw)), 2 bilinear (half-pixel centers)
 //   kYuv                            0 interleaved / planar channels, 1 NV12, 2 I420 (YUV420 planar)
+//   kUnit                           every source's channel stride is 1 (interleaved pixels): a read
+//                                   channel is a constant offset from its pixel
+//   using Index                     int where the row strides of the sources and the output, in bytes,
+//                                   fit in 31 bits (the host checks), else long long: a row's address is
+//                                   then one multiply-add (IMAD.WIDE) of a 32-bit index and stride
 //   static int channel(int k)       the source channel of read channel k
 //   static void color(r[kRead], o[kOut])   channel selection / gray / YUV->RGB on the sample
 #pragma once
@@ -27,10 +32,9 @@ struct Params {
     long long out_stride[3];  // element strides of the output: item, row, column
     long long out_plane[4];   // element offset of each output channel (k * the channel stride, or for
                               // planes given apart, each plane's distance from the first)
-    float mean[4];            // per output channel
-    float inv_std[4];         // 1 / std, per output channel
+    float gain[4];            // normalize, per output channel: x * gain + bias, gain = scale / std,
+    float bias[4];            // bias = -mean / std (found in float64 on the host: one rounding each)
     float fill[4];            // letterbox padding, per output channel, before normalize
-    float scale;              // x * scale before the mean is taken away
     int out_h, out_w;
     int items;
     float yuv[4];             // YUV->RGB: Rv, Gu, Gv, Bu (R = Y + Rv V, G = Y + Gu U + Gv V, B = Y + Bu U)
@@ -115,12 +119,24 @@ __device__ __forceinline__ void axis(int d, int n, int box, int den, float inv, 
     }
 }
 
-template <typename In> __device__ __forceinline__ float ld(const char* p, long long off) {
-    return to_compute<float>(reinterpret_cast<const In*>(p)[off]);
+// p advanced by ``off`` bytes, as a char pointer's add: an address made through an integer loses its
+// global space, and the loads and stores through it become generic (LD / ST, not LDG / STG).
+template <typename T> __device__ __forceinline__ T* byte_add(T* p, long long off) {
+    return reinterpret_cast<T*>(const_cast<char*>(reinterpret_cast<const char*>(p)) + off);
 }
-
-template <typename In> __device__ __forceinline__ float ldi(const In* p, long long off) {
-    return to_compute<float>(p[off]);
+// p advanced by i strides of ``bytes``: for an int stride one multiply-add of two 32-bit values into a
+// 64-bit address (IMAD.WIDE; NVVM otherwise widens both and multiplies in 64 bits, four instructions).
+template <typename T> __device__ __forceinline__ T* at(T* p, int i, long long bytes) {
+    return byte_add(p, static_cast<long long>(i) * bytes);
+}
+template <typename T> __device__ __forceinline__ T* at(T* p, int i, int bytes) {
+#ifdef __CUDA_ARCH__
+    long long off;
+    asm("mul.wide.s32 %0, %1, %2;" : "=l"(off) : "r"(i), "r"(bytes));
+    return byte_add(p, off);
+#else
+    return at(p, i, static_cast<long long>(bytes));
+#endif
 }
 
 // YUV -> RGB of one pixel's (y, u, v), the offsets and gains of the range, clamped to the source range.
@@ -132,113 +148,209 @@ __device__ __forceinline__ void yuv_to_rgb(const float (&r)[3], float (&rgb)[3],
     rgb[2] = fminf(fmaxf(y + P.yuv[3] * u, 0.0f), P.range);
 }
 
+// Taps: a thread's column of one source image, sampled at a row pair (y0, y1, weight ty of y1): the
+// value of each read channel, interpolated (bilinear; nearest: one tap, x1 == x0, y1 == y0).
+
+// Interleaved or planar channels, any dtype: pointers at the tap columns, found once; a row is then one
+// multiply-add per pointer and a load per value. kUnit (channel stride 1, interleaved pixels): a pointer
+// per tap, the channels at constant offsets from it; else a pointer per tap and read channel.
+template <typename S, bool kUnit> struct ChannelTaps {
+    using In = typename S::In;
+    static constexpr bool kTwo = S::kInterp == 2;
+    static constexpr int kPtrs = kUnit ? 1 : S::kRead;
+    const In* p0[kPtrs];
+    const In* p1[kPtrs];
+    typename S::Index sy;  // bytes
+    float tx;
+
+    // im2: the image's row of the images table (byte offset, strides of a row, a column, a channel)
+    __device__ __forceinline__ ChannelTaps(const char* base, const longlong2* im2, int x0, int x1, float tx_)
+        : tx(tx_) {
+        const longlong2 m0 = im2[0], m1 = im2[1];
+        const In* s = reinterpret_cast<const In*>(base + m0.x);
+        const long long sx = m1.x, sc = m1.y;
+        sy = static_cast<typename S::Index>(m0.y * static_cast<long long>(sizeof(In)));
+#pragma unroll
+        for (int k = 0; k < kPtrs; ++k) {
+            const long long ck = kUnit ? 0 : S::channel(k) * sc;
+            p0[k] = s + x0 * sx + ck;
+            p1[k] = s + x1 * sx + ck;
+        }
+    }
+    __device__ __forceinline__ void sample(int y0, int y1, float ty, float (&r)[S::kRead], const Params&) const {
+        In a[S::kRead], b[S::kRead], c[S::kRead], d[S::kRead];
+        const In *r00[kPtrs], *r01[kPtrs], *r10[kPtrs], *r11[kPtrs];
+#pragma unroll
+        for (int k = 0; k < kPtrs; ++k) {
+            r00[k] = at(p0[k], y0, sy);
+            if constexpr (kTwo) {
+                r01[k] = at(p1[k], y0, sy);
+                r10[k] = at(p0[k], y1, sy);
+                r11[k] = at(p1[k], y1, sy);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < S::kRead; ++k) {  // every load first
+            const int i = kUnit ? 0 : k, off = kUnit ? S::channel(k) : 0;
+            a[k] = r00[i][off];
+            if constexpr (kTwo) {
+                b[k] = r01[i][off];
+                c[k] = r10[i][off];
+                d[k] = r11[i][off];
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < S::kRead; ++k) {
+            const float va = to_compute<float>(a[k]);
+            if constexpr (kTwo) {
+                const float vb = to_compute<float>(b[k]), vc = to_compute<float>(c[k]), vd = to_compute<float>(d[k]);
+                const float top = va + tx * (vb - va), bottom = vc + tx * (vd - vc);
+                r[k] = top + ty * (bottom - top);
+            } else {
+                r[k] = va;
+            }
+        }
+    }
+};
+
+// NV12 / I420: each of the four source pixels to RGB (clamped to the source range), then interpolated,
+// as converting the frame and then resizing it. Chroma is 4:2:0: the pixel (x, y) takes the chroma
+// sample (x / 2, y / 2) (no chroma interpolation, as OpenCV).
+template <typename S> struct YuvTaps {
+    using In = typename S::In;
+    const char* src;
+    const char* base;
+    long long sy, sx;
+    longlong2 m2, m3, m4;  // the image's u offset, row, column; v ...
+    int xs[2];
+    float tx;
+
+    __device__ __forceinline__ YuvTaps(const char* base_, const longlong2* im2, int x0, int x1, float tx_)
+        : src(base_ + im2[0].x), base(base_), sy(im2[0].y), sx(im2[1].x), m2(im2[2]), m3(im2[3]), m4(im2[4]),
+          xs{x0, x1}, tx(tx_) {}
+    __device__ __forceinline__ void sample(int y0, int y1, float ty, float (&r)[S::kRead], const Params& P) const {
+        const int ys[2] = {y0, y1};
+        float c[2][2][3];
+#pragma unroll
+        for (int a = 0; a < 2; ++a)
+#pragma unroll
+            for (int b = 0; b < 2; ++b) {
+                const float yuv[3] = {
+                    to_compute<float>(reinterpret_cast<const In*>(src)[ys[a] * sy + xs[b] * sx]),
+                    to_compute<float>(reinterpret_cast<const In*>(base + m2.x)[(ys[a] >> 1) * m2.y + (xs[b] >> 1) * m3.x]),
+                    to_compute<float>(reinterpret_cast<const In*>(base + m3.y)[(ys[a] >> 1) * m4.x + (xs[b] >> 1) * m4.y])};
+                yuv_to_rgb(yuv, c[a][b], P);
+            }
+#pragma unroll
+        for (int k = 0; k < S::kRead; ++k) {  // read channel k: RGB channel channel(k)
+            const int ck = S::channel(k);
+            const float top = c[0][0][ck] + tx * (c[0][1][ck] - c[0][0][ck]);
+            const float bottom = c[1][0][ck] + tx * (c[1][1][ck] - c[1][0][ck]);
+            r[k] = top + ty * (bottom - top);
+        }
+    }
+};
+
 // Threads and tiles: a block of 32 x 8 threads writes a tile of 32 x 32 output pixels of one item
 // (blockIdx.x: tile column, blockIdx.y: tile row, blockIdx.z: item). A thread owns one column of the
 // tile: the column's sample position (the x axis) is found once, then kRows rows. A warp writes 32
-// consecutive pixels of a row: coalesced in NCHW.
+// consecutive pixels of a row: coalesced in NCHW. The rows' sample positions (the y axis) are found
+// once per block, by its first warp, into shared memory.
 constexpr int kTileW = 32, kTileH = 32, kBlockRows = 8, kRows = kTileH / kBlockRows;
+static_assert(kTileH == 32, "the first warp finds the y axis of the tile's rows, a row per lane");
+
+// One item's row of the item table: three 16-byte loads (rows are 48 bytes, the table 16-byte aligned).
+struct Item {
+    int img, cx, cy, cw, ch, bx, by, bw, bh, flags;
+    __device__ __forceinline__ explicit Item(const int* items) {
+        const int4* it4 = reinterpret_cast<const int4*>(items + blockIdx.z * kItem);
+        const int4 i0 = it4[0], i1 = it4[1], i2 = it4[2];
+        img = i0.x, cx = i0.y, cy = i0.z, cw = i0.w, ch = i1.x;
+        bx = i1.y, by = i1.z, bw = i1.w, bh = i2.x, flags = i2.y;
+    }
+};
+
+// The y axis of the tile's rows, by the block's first warp (a row per lane): per row the source rows
+// y0, y1, the weight of y1 (float bits) and whether the row is inside the box (1) or padding (0).
+template <typename S> __device__ __forceinline__ void tile_rows(const int* items, int4* rows) {
+    const Item it(items);
+    const int dy = blockIdx.y * kTileH + threadIdx.x - it.by;
+    int4 e = make_int4(0, 0, 0, 0);
+    if (dy >= 0 && dy < it.bh) {
+        const int den = axis_den<S::kInterp>(it.bh);
+        float ty;
+        axis<S::kInterp>(dy, it.ch, it.bh, den, 1.0f / static_cast<float>(den), it.flags & 2, e.x, e.y, ty);
+        e = make_int4(e.x + it.cy, e.y + it.cy, __float_as_int(ty), 1);
+    }
+    rows[threadIdx.x] = e;
+}
+
+// A thread's kRows rows of the tile, each sampled through ``taps``, converted, normalized and stored in
+// every output plane (q: the planes' pointers at the thread's column; rs: the output's row stride, bytes).
+template <typename S, typename Taps>
+__device__ __forceinline__ void tile_loop(const Taps& taps, bool x_in, typename S::Out* const (&q)[S::kOut],
+                                          typename S::Index rs, const Params& P, const int4* rows) {
+#pragma unroll
+    for (int j = 0; j < kRows; ++j) {
+        const int r = threadIdx.y + j * kBlockRows;
+        const int oy = blockIdx.y * kTileH + r;
+        if (oy >= P.out_h) break;
+        const int4 e = rows[r];
+        float v[S::kOut];
+        if (x_in && e.w) {
+            float smp[S::kRead];
+            taps.sample(e.x, e.y, __int_as_float(e.z), smp, P);
+            S::color(smp, v, P);
+        } else {  // letterbox padding
+#pragma unroll
+            for (int k = 0; k < S::kOut; ++k) v[k] = P.fill[k];
+        }
+#pragma unroll
+        for (int k = 0; k < S::kOut; ++k)
+            *at(q[k], oy, rs) = store_cast<typename S::Out>(fmaf(v[k], P.gain[k], P.bias[k]));
+    }
+}
+
+// A thread's column of the tile: its x axis once, then its rows.
+template <typename S>
+__device__ __forceinline__ void tile_columns(const char* base, const long long* __restrict__ images,
+                                             const int* __restrict__ items, typename S::Out* __restrict__ out,
+                                             const Params& P, const int4* rows) {
+    using Out = typename S::Out;
+    const int ox = blockIdx.x * kTileW + threadIdx.x;
+    if (ox >= P.out_w) return;
+    const Item it(items);
+    const int dx = ox - it.bx;
+    const bool x_in = dx >= 0 && dx < it.bw;
+    int x0 = 0, x1 = 0;
+    float tx = 0.0f;
+    if (x_in) {
+        const int den = axis_den<S::kInterp>(it.bw);
+        axis<S::kInterp>(dx, it.cw, it.bw, den, 1.0f / static_cast<float>(den), it.flags & 1, x0, x1, tx);
+    }
+    x0 += it.cx;
+    x1 += it.cx;
+    // each output plane's pointer at this column; a row is then one multiply-add
+    Out* q[S::kOut];
+    Out* o = out + static_cast<long long>(blockIdx.z) * P.out_stride[0] + ox * P.out_stride[2];
+#pragma unroll
+    for (int k = 0; k < S::kOut; ++k) q[k] = o + P.out_plane[k];
+    const auto rs = static_cast<typename S::Index>(P.out_stride[1] * static_cast<long long>(sizeof(Out)));
+    const longlong2* im2 = reinterpret_cast<const longlong2*>(images + static_cast<long long>(it.img) * kImage);
+    if constexpr (S::kYuv != 0)
+        tile_loop<S>(YuvTaps<S>(base, im2, x0, x1, tx), x_in, q, rs, P, rows);
+    else
+        tile_loop<S>(ChannelTaps<S, S::kUnit>(base, im2, x0, x1, tx), x_in, q, rs, P, rows);
+}
 
 template <typename S>
 __device__ __forceinline__ void run(const char* base, const long long* __restrict__ images,
                                     const int* __restrict__ items, typename S::Out* __restrict__ out,
                                     const Params& P) {
-    using In = typename S::In;
-    using Out = typename S::Out;
-    const int ox = blockIdx.x * kTileW + threadIdx.x;
-    if (ox >= P.out_w) return;
-    const int item = blockIdx.z;
-    // the item's row of the table: three 16-byte loads (rows are 48 bytes, the table 16-byte aligned)
-    const int4* it4 = reinterpret_cast<const int4*>(items + item * kItem);
-    const int4 i0 = it4[0], i1 = it4[1], i2 = it4[2];
-    const int img = i0.x, cx = i0.y, cy = i0.z, cw = i0.w, ch = i1.x;
-    const int bx = i1.y, by = i1.z, bw = i1.w, bh = i2.x, flags = i2.y;
-    const longlong2* im2 = reinterpret_cast<const longlong2*>(images + static_cast<long long>(img) * kImage);
-    const longlong2 m0 = im2[0], m1 = im2[1];
-    const char* src = base + m0.x;
-    const long long sy = m0.y, sx = m1.x, sc = m1.y;
-    Out* o = out + static_cast<long long>(item) * P.out_stride[0] + ox * P.out_stride[2];
-
-    // The x axis, once per column; the y axis's divisor, once.
-    const int dx = ox - bx;
-    const bool x_in = dx >= 0 && dx < bw;
-    int x0 = 0, x1 = 0;
-    float tx = 0.0f;
-    if (x_in) {
-        const int den = axis_den<S::kInterp>(bw);
-        axis<S::kInterp>(dx, cw, bw, den, 1.0f / static_cast<float>(den), flags & 1, x0, x1, tx);
-    }
-    x0 += cx;
-    x1 += cx;
-    const int y_den = axis_den<S::kInterp>(bh);
-    const float y_inv = 1.0f / static_cast<float>(y_den);
-    // element offsets of the two columns' samples, per channel read
-    long long o0[S::kRead], o1[S::kRead];
-#pragma unroll
-    for (int k = 0; k < S::kRead; ++k) {
-        const long long ck = S::channel(k) * sc;
-        o0[k] = x0 * sx + ck;
-        o1[k] = x1 * sx + ck;
-    }
-    const In* s_in = reinterpret_cast<const In*>(src);
-
-#pragma unroll
-    for (int j = 0; j < kRows; ++j) {
-        const int oy = blockIdx.y * kTileH + threadIdx.y + j * kBlockRows;
-        if (oy >= P.out_h) break;
-        float v[S::kOut];
-        const int dy = oy - by;
-        if (!x_in || dy < 0 || dy >= bh) {  // letterbox padding
-#pragma unroll
-            for (int k = 0; k < S::kOut; ++k) v[k] = P.fill[k];
-        } else {
-            int y0, y1;
-            float ty;
-            axis<S::kInterp>(dy, ch, bh, y_den, y_inv, flags & 2, y0, y1, ty);
-            y0 += cy;
-            y1 += cy;
-            float r[S::kRead];
-            if constexpr (S::kYuv == 0) {
-                const In* p0 = s_in + y0 * sy;
-                const In* p1 = s_in + y1 * sy;
-#pragma unroll
-                for (int k = 0; k < S::kRead; ++k) {  // bilinear (nearest: t = 0, the same pixel twice)
-                    const float a = ldi(p0, o0[k]), b = ldi(p0, o1[k]);
-                    const float c = ldi(p1, o0[k]), d = ldi(p1, o1[k]);
-                    const float top = a + tx * (b - a), bottom = c + tx * (d - c);
-                    r[k] = top + ty * (bottom - top);
-                }
-            } else {
-                // NV12 / I420: each of the four source pixels to RGB (clamped to the source range), then
-                // interpolated, as converting the frame and then resizing it. Chroma is 4:2:0: the pixel
-                // (x, y) takes the chroma sample (x / 2, y / 2) (no chroma interpolation, as OpenCV).
-                const longlong2 m2 = im2[2], m3 = im2[3], m4 = im2[4];  // u offset, row, column; v ...
-                const int ys[2] = {y0, y1}, xs[2] = {x0, x1};
-                float c[2][2][3];
-#pragma unroll
-                for (int a = 0; a < 2; ++a)
-#pragma unroll
-                    for (int b = 0; b < 2; ++b) {
-                        const float yuv[3] = {
-                            ld<In>(src, ys[a] * sy + xs[b] * sx),
-                            ld<In>(base + m2.x, (ys[a] >> 1) * m2.y + (xs[b] >> 1) * m3.x),
-                            ld<In>(base + m3.y, (ys[a] >> 1) * m4.x + (xs[b] >> 1) * m4.y)};
-                        yuv_to_rgb(yuv, c[a][b], P);
-                    }
-#pragma unroll
-                for (int k = 0; k < S::kRead; ++k) {  // read channel k: RGB channel channel(k)
-                    const int ck = S::channel(k);
-                    const float top = c[0][0][ck] + tx * (c[0][1][ck] - c[0][0][ck]);
-                    const float bottom = c[1][0][ck] + tx * (c[1][1][ck] - c[1][0][ck]);
-                    r[k] = top + ty * (bottom - top);
-                }
-            }
-            S::color(r, v, P);
-        }
-        Out* q = o + oy * P.out_stride[1];
-#pragma unroll
-        for (int k = 0; k < S::kOut; ++k)
-            q[P.out_plane[k]] = store_cast<Out>((v[k] * P.scale - P.mean[k]) * P.inv_std[k]);
-    }
+    __shared__ int4 rows[kTileH];
+    if (threadIdx.y == 0) tile_rows<S>(items, rows);
+    __syncthreads();
+    tile_columns<S>(base, images, items, out, P, rows);
 }
 
 }  // namespace image

@@ -181,7 +181,7 @@ def image_launches(monkeypatch):
     """The generated pipeline kernels' launches: (grid, block, stream)."""
     calls: list = []
     real = I._function
-    monkeypatch.setattr(I, "_function", lambda plan: _Counting(real(plan), calls))
+    monkeypatch.setattr(I, "_function", lambda plan, *args: _Counting(real(plan, *args), calls))
     return calls
 
 
@@ -820,7 +820,7 @@ def test_params_layout():
     """_PARAMS is the twin of cufuse::image::Params (the .cuh asserts 160 bytes; the host-compiled kernel
     tests below compare every offset with the C++ compiler's)."""
     assert I._PARAMS.itemsize == 160
-    assert I._PARAMS.fields["mean"][1] == 56 and I._PARAMS.fields["yuv"][1] == 120
+    assert I._PARAMS.fields["gain"][1] == 56 and I._PARAMS.fields["yuv"][1] == 116
 
 
 def test_import_as_submodule():
@@ -910,16 +910,50 @@ _HOST_SHIM = r"""
 #pragma once
 #include <cmath>
 #include <cstddef>
+#include <cstring>
 #define __device__
 #define __global__
 #define __forceinline__ inline
 #define __restrict__
-#define __launch_bounds__(x)
+#define __launch_bounds__(...)
+#define __shared__
+inline void __syncthreads() {}
 struct Dim3Host { int x, y, z; };
 inline Dim3Host blockIdx, blockDim, threadIdx, gridDim;
 struct int4 { int x, y, z, w; };
+inline int4 make_int4(int x, int y, int z, int w) { return {x, y, z, w}; }
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, sizeof i);
+    return i;
+}
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, sizeof f);
+    return f;
+}
 struct longlong2 { long long x, y; };
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+// (hi:lo) >> (shift & 31), the low 32 bits; each result byte n the byte of (y:x) nibble n of s picks
+// (bit 3 of a nibble: that byte's sign replicated)
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+    return static_cast<unsigned>((((unsigned long long)hi << 32) | lo) >> (shift & 31));
+}
+inline float __uint_as_float(unsigned u) {
+    float f;
+    std::memcpy(&f, &u, sizeof f);
+    return f;
+}
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
+    const unsigned long long v = ((unsigned long long)y << 32) | x;
+    unsigned r = 0;
+    for (int n = 0; n < 4; ++n) {
+        const unsigned sel = (s >> (4 * n)) & 15, b = (v >> (8 * (sel & 7))) & 0xff;
+        r |= (sel & 8 ? (b & 0x80 ? 0xffu : 0u) : b) << (8 * n);
+    }
+    return r;
+}
 using __half = _Float16;
 namespace cufuse {
 template <typename C, typename T> inline C to_compute(T v) { return static_cast<C>(v); }
@@ -934,18 +968,24 @@ extern "C" void emulate(int gx, int gy, int gz, int bx, int by, const char* base
     for (int z = 0; z < gz; ++z)
         for (int y = 0; y < gy; ++y)
             for (int x = 0; x < gx; ++x)
+            {  // a block: the y axis of its rows (the first warp), then every thread's column (run's two phases)
+                blockIdx = {x, y, z};
+                int4 rows[cufuse::image::kTileH];
+                for (int tx = 0; tx < bx; ++tx) {
+                    threadIdx = {tx, 0, 0};
+                    cufuse::image::tile_rows<Spec>(items, rows);
+                }
                 for (int ty = 0; ty < by; ++ty)
                     for (int tx = 0; tx < bx; ++tx) {
-                        blockIdx = {x, y, z};
                         threadIdx = {tx, ty, 0};
-                        image_pipeline(base, images, items, out, *P);
+                        cufuse::image::tile_columns<Spec>(base, images, items, static_cast<Spec::Out*>(out), *P, rows);
                     }
+            }
 }
 extern "C" long long params_layout(int k) {
     using cufuse::image::Params;
-    const long long offs[] = {offsetof(Params, out_stride), offsetof(Params, out_plane), offsetof(Params, mean),
-        offsetof(Params, inv_std), offsetof(Params, fill), offsetof(Params, scale), offsetof(Params, out_h),
-        offsetof(Params, out_w),
+    const long long offs[] = {offsetof(Params, out_stride), offsetof(Params, out_plane), offsetof(Params, gain),
+        offsetof(Params, bias), offsetof(Params, fill), offsetof(Params, out_h), offsetof(Params, out_w),
         offsetof(Params, items), offsetof(Params, yuv), offsetof(Params, y_offset), offsetof(Params, y_gain),
         offsetof(Params, c_offset), offsetof(Params, c_gain), offsetof(Params, range), offsetof(Params, pad_),
         sizeof(Params)};
@@ -984,6 +1024,14 @@ class _HostArray:
         self.data = _Mem()
 
 
+class _Launches(list):
+    """The grids launched; ``wide``: the Index choice of each kernel built (int64 strides or not)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wide = []
+
+
 @pytest.fixture
 def host_gpu(monkeypatch, tmp_path):
     """I.process on NumPy arrays through _gpu_run, the kernel run on the host."""
@@ -1005,11 +1053,12 @@ def host_gpu(monkeypatch, tmp_path):
         st.fn(st.grid, st.block, st.get(st.consts + tuple(values))) for st in rec.steps])
     monkeypatch.setattr(R, "_cp", types.SimpleNamespace(cuda=types.SimpleNamespace(
         Device=lambda dev: contextlib.nullcontext())))
-    launches = []
+    launches = _Launches()
 
-    def function(plan):
-        lib = _host_kernel(I._source(plan), tmp_path)
-        assert [lib.params_layout(k) for k in range(17)] == [I._PARAMS.fields[n][1] for n in I._PARAMS.names] + [
+    def function(plan, wide=False):
+        launches.wide.append(wide)
+        lib = _host_kernel(I._source(plan, wide), tmp_path)
+        assert [lib.params_layout(k) for k in range(16)] == [I._PARAMS.fields[n][1] for n in I._PARAMS.names] + [
             I._PARAMS.itemsize]
 
         def launch(grid, block, args, shared=0, stream=None):
@@ -1029,8 +1078,12 @@ def host_gpu(monkeypatch, tmp_path):
 HOST_DTYPES = [(U8, F32), (U16, U8), (F32, F16), (F16, F32)]
 
 
+@pytest.mark.parametrize("wide", [False, True], ids=["int-strides", "int64-strides"])
 @pytest.mark.parametrize("in_dtype,out_dtype", HOST_DTYPES, ids=str)
-def test_kernel_on_host_crops(host_gpu, in_dtype, out_dtype):
+def test_kernel_on_host_crops(host_gpu, monkeypatch, in_dtype, out_dtype, wide):
+    """Both Index types of the kernel: int64 row strides taken here for small ones (the bound lowered)."""
+    if wide:
+        monkeypatch.setattr(I, "_NARROW", 1)
     rng = np.random.default_rng(30)
     imgs = [make_image(rng, (13, 17, 3), in_dtype), make_image(rng, (6, 23, 3), in_dtype)]
     rects = [(0, 0, 17, 13), (16, 12, 1, 1), (3, 2, 9, 7), (0, 0, 23, 6), (20, 1, 3, 5)]
@@ -1040,7 +1093,7 @@ def test_kernel_on_host_crops(host_gpu, in_dtype, out_dtype):
     hflip, vflip = [False, True, True, False, True], [False, False, True, True, False]
     got = I.process(imgs, rects, sources=sources, size=(7, 11), mean=mean, std=std, scale=scale, hflip=hflip,
                     vflip=vflip, dtype=out_dtype)
-    assert host_gpu == [(1, 1, 5)]
+    assert host_gpu == [(1, 1, 5)] and host_gpu.wide == [wide]
     ref = ref_pipeline(imgs, rects, sources, (7, 11), mean=mean, std=std, scale=scale, hflip=hflip, vflip=vflip)
     assert_pipeline_close(got, ref, out_dtype, magnitude(imgs, scale, mean, std))
 
