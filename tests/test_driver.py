@@ -686,6 +686,47 @@ def test_eight_threads_every_family(lib):
     assert not errors, "\n".join(errors[:5])
 
 
+@pytest.mark.cuda
+def test_threads_share_a_streams_buffer():
+    """Two threads on one stream (CuPy's default) queue, round after round, the launches that use the
+    stream's zeroed buffer: split and pipe norm rows (their workspace, re-zeroed by the rescue launch)
+    against column sums (their tickets). Each recipe is queued whole under the lock, so every result
+    equals the one-thread result."""
+    import threading
+    import cupy as cp
+    rng = np.random.default_rng(47)
+    split = cp.asarray(rng.standard_normal((8, 300001)).astype(np.float32))  # odd rows: norm_rows_split
+    pipe = cp.asarray(rng.standard_normal((16, 65536)).astype(np.float16))   # whole packs: norm_rows_pipe
+    cols = cp.asarray(rng.standard_normal((256, 2048)).astype(np.float32))   # a few chunks: the tickets
+    calls = [lambda: cufuse.layer_norm(split, 300001), lambda: cufuse.rms_norm(pipe, 65536),
+             lambda: cufuse.softmax(split), lambda: cufuse.sum_squared(cols, axis=0),
+             lambda: cufuse.mean_abs(cols, axis=0)]
+    want = []
+    for k, c in enumerate(calls):  # each call uses the stream's buffer (else the test would test nothing)
+        D._stream_buffers.clear()
+        want.append(cp.asnumpy(c()))
+        assert list(D._stream_buffers) == [(0, cp.cuda.get_current_stream().ptr)], f"call {k}"
+    errors, barrier = [], threading.Barrier(2)
+
+    def work(t):
+        try:
+            barrier.wait()
+            for rep in range(30):
+                order = calls if t == 0 else calls[::-1]
+                got = [c() for c in order]
+                for g, w, k in zip(got, want if t == 0 else want[::-1], range(len(calls))):
+                    np.testing.assert_array_equal(cp.asnumpy(g), w, err_msg=f"thread {t}, call {k}, round {rep}")
+        except Exception as e:  # noqa: BLE001 - reported below with its thread
+            errors.append(f"{type(e).__name__}: {str(e)[:400]}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    assert not errors, "\n".join(errors[:5])
+
+
 # ------------------------------------------- uploads kept by content (issue 37)
 class _FakeStream:
     """A stream whose queued work is a count; ``finish`` completes it."""
