@@ -158,9 +158,16 @@ def attention(dt, dev, g):
 def image(dt, dev, g):
     import cufuse.image as I
     frame = torch.randint(0, 256, (67, 131, 3), generator=g, dtype=torch.uint8).to(dev)
-    rects = np.array([[0, 0, 131, 67], [3, 5, 1, 1], [10, 7, 50, 31]])
-    I.Pipeline().resize((17, 23)).color("bgr2rgb").normalize((0.4, 0.5, 0.6), (0.2, 0.25, 0.3), scale=1 / 255) \
-        .cast(dt).write("NCHW")(frame, rects)
+    rects = np.array([[0, 0, 131, 67], [3, 5, 1, 1], [10, 7, 50, 31], [120, 60, 11, 7]])  # the last at the corner
+    norm = I.Pipeline().resize((17, 23)).color("bgr2rgb").normalize((0.4, 0.5, 0.6), (0.2, 0.25, 0.3), scale=1 / 255)
+    norm.cast(dt).write("NCHW")(frame, rects, hflip=[False, True, False, True], vflip=[True, False, False, True])
+    odd = torch.randint(0, 256, (67 * 131 * 3 + 1,), generator=g, dtype=torch.uint8).to(dev)[1:].view(67, 131, 3)
+    norm.cast(dt).write("NHWC")(odd, rects)  # a misaligned source, an interleaved output
+    planar = frame.permute(2, 0, 1).contiguous().to(dt)  # CHW: a pointer per channel
+    I.Pipeline().read("CHW").resize((40, 33), "nearest").normalize(0.5, 0.25)(planar, rects)
+    I.Pipeline().read("CHW").letterbox_to((29, 41), fill=(1, 2, 3))(planar, rects)
+    nv12 = torch.randint(16, 236, (66, 130), generator=g, dtype=torch.uint8).to(dev)  # 44 rows of Y, 22 of UV
+    I.Pipeline().read(yuv="nv12").letterbox_to(31, fill=114).normalize(scale=1 / 255).cast(dt)(nv12)
 
 
 FAMILIES = {f.__name__: f for f in (elementwise, dropout, quantize, reduction, norm, add_norm, cross_entropy, rope,
