@@ -243,6 +243,27 @@ __device__ __forceinline__ bool gave_up(const unsigned* work) {
     return *reinterpret_cast<const volatile unsigned*>(work + 1) != 0;
 }
 
+// The bounded wait of the split and pipe blocks: until ready(), polled after
+// a short sleep and refresh() (which reloads what ready() reads), at most
+// `patience` ns, or until expired(t0) says another block gave up or the time
+// since t0 is past the patience; expired is asked every 16th round only, so
+// that a round is one load, as without it. Returns true when the block gives
+// up (patience 0: at once).
+template <typename Ready, typename Refresh, typename Expired>
+__device__ __forceinline__ bool wait_bounded(unsigned patience, Ready ready, Refresh refresh, Expired expired) {
+    if (patience == 0) return true;
+    if (ready()) return false;
+    const unsigned t0 = global_ns();
+    for (unsigned round = 1;; ++round) {
+        if ((round & 15) == 0 && expired(t0)) return true;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+        __nanosleep(32);
+#endif
+        refresh();
+        if (ready()) return false;
+    }
+}
+
 // SplitGroup's workspace: the part marks and the statistics' slots.
 struct SplitWork {
     unsigned* work;
@@ -307,20 +328,9 @@ struct SplitGroup {
             *reinterpret_cast<S*>(sw.slots + (row * nparts + rank) * kPartBytes) = v;
             __threadfence();  // the statistic before the count
             atomicAdd(count, 1u);
-            // (the flag and the clock every 16th round: a round is then one load, as without them)
-            bool gone = patience == 0;
-            if (!gone && load_acquire(count) < static_cast<unsigned>(nparts)) {
-                const unsigned t0 = global_ns();
-                for (unsigned round = 1; load_acquire(count) < static_cast<unsigned>(nparts); ++round) {
-                    if ((round & 15) == 0 && (gave_up(work) || global_ns() - t0 > patience)) {
-                        gone = true;
-                        break;
-                    }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-                    __nanosleep(32);
-#endif
-                }
-            }
+            const bool gone = wait_bounded(
+                patience, [&] { return load_acquire(count) >= static_cast<unsigned>(nparts); }, [] {},
+                [&](unsigned t0) { return gave_up(work) || global_ns() - t0 > patience; });
             if (gone) {
                 sw.marks[row * nparts + rank] = 1;
                 atomicExch(work + 1, 1u);
@@ -457,24 +467,12 @@ template <int TPB> struct PipeGroup {
                     for (int i = 0; i < int(sizeof(S) / 4); ++i) ok = ok && (got[i] >> 32) != 0;
                 return ok;
             };
-            bool gone = patience == 0;
-            if (!gone && !__all_sync(0xffffffffu, ready())) {
-                const unsigned t0 = global_ns();
-                for (unsigned round = 1;; ++round) {
-                    // (the flag and the clock every 16th round, by lane 0, for the warp)
-                    if ((round & 15) == 0 &&
-                        __shfl_sync(0xffffffffu, threadIdx.x == 0 && (gave_up(work) || global_ns() - t0 > patience),
-                                    0)) {
-                        gone = true;
-                        break;
-                    }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-                    __nanosleep(32);
-#endif
-                    fetch<S>(row);
-                    if (__all_sync(0xffffffffu, ready())) break;
-                }
-            }
+            const bool gone = wait_bounded(
+                patience, [&] { return __all_sync(0xffffffffu, ready()); }, [&] { fetch<S>(row); },
+                [&](unsigned t0) {  // by lane 0, for the warp
+                    return __shfl_sync(0xffffffffu,
+                                       threadIdx.x == 0 && (gave_up(work) || global_ns() - t0 > patience), 0) != 0;
+                });
             if (gone) {
                 if (threadIdx.x == 0) {
                     unsigned* stops = reinterpret_cast<unsigned*>(words + rows * nparts * kPipeWords);
