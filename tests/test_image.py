@@ -211,6 +211,23 @@ def test_dtypes_crop_resize_normalize(backend, in_dtype, out_dtype, image_launch
     assert len(image_launches) == (1 if backend.gpu else 0)
 
 
+@pytest.mark.parametrize("layout", ["HWC", "CHW"])
+def test_int64_row_strides(backend, monkeypatch, layout, image_launches):
+    """The kernel built for row strides of 31 bits and more (Index long long), taken here for small
+    ones (the bound lowered): the same results as the reference, interleaved and planar sources."""
+    monkeypatch.setattr(I, "_NARROW", 1)
+    built, function = [], I._function
+    monkeypatch.setattr(I, "_function", lambda plan, *args: (built.append(args), function(plan, *args))[1])
+    rng = np.random.default_rng(3)
+    x = make_image(rng, (19, 23, 3) if layout == "HWC" else (3, 19, 23), U8)
+    rects = [(0, 0, 23, 19), (4, 3, 9, 11), (22, 18, 1, 1)]
+    got = run(backend, x, rects, layout=layout, size=(7, 10), hflip=[False, True, True], dtype=np.float32)
+    hwc = to_hwc(x, layout)
+    ref = ref_pipeline(hwc, rects, [0] * 3, (7, 10), hflip=[False, True, True])
+    assert_pipeline_close(got, ref, F32, magnitude(hwc))
+    assert built == ([(True,)] if backend.gpu else []) and len(image_launches) == (1 if backend.gpu else 0)
+
+
 @pytest.mark.parametrize("layout", ["HWC", "CHW", "HW", "NHWC", "NCHW"])
 @pytest.mark.parametrize("out_layout", ["NCHW", "NHWC"])
 def test_layouts(backend, layout, out_layout):
