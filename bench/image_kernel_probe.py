@@ -3,7 +3,7 @@
 bench's 1 GiB copy reference, one device call. Usage (a GPU):
     PYTHONPATH=$PWD python3 bench/image_kernel_probe.py [variant ...]
 A variant is `name=DEFINES` where DEFINES (`A=1,B=2`) are #defines put before the generated source
-(`LB=n`: n blocks per SM in the launch bounds).
+(`LB=n`: n blocks per SM in the launch bounds of a kernel that has none: interleaved sources).
 To compare trees, run it once per tree (PYTHONPATH) in the same device call.
 Every variant's output is compared with the first one's (max abs difference)."""
 from __future__ import annotations
