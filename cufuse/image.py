@@ -767,8 +767,8 @@ _fns: dict = {}
 
 
 def _source(plan: _Plan, wide: bool = False) -> str:
-    """The generated CUDA source of a plan's structure (nothing of its values); ``wide``: some stride
-    or output plane offset needs 64 bits."""
+    """The generated CUDA source of a plan's structure (nothing of its values); ``wide``: a row stride
+    of a source or of the output, in bytes, needs more than 31 bits (the kernel's Index)."""
     ch = " : ".join(f"k == {k} ? {c}" for k, c in enumerate(plan.reads[:-1]))
     ch = f"{ch} : {plan.reads[-1]}" if ch else str(plan.reads[-1])
     if plan.gray is not None:
