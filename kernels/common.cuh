@@ -85,8 +85,8 @@ __device__ __forceinline__ float rint(float x) { return ::rintf(x); }  // half t
 __device__ __forceinline__ double rint(double x) { return ::rint(x); }
 // max(a, b) where NaN wins (either operand), as torch.max and relu keep NaN.
 // float on sm_80+: PTX max.NaN, one instruction (FMNMX.NAN) where the tests
-// are two or three (FSETP + FSEL). H200, same runs (scratch/relu_probe.py,
-// maxnan_probe.py), % of copy: layer_norm_relu float16 16384x1024 74.5 ->
+// are two or three (FSETP + FSEL). H200, same runs (two scratch probes,
+// not kept), % of copy: layer_norm_relu float16 16384x1024 74.5 ->
 // 79.8, 8192x4096 80.0 -> 86.7; softmax (rows.cuh MaxOp) float16 8192x4096
 // 86.8 -> 94.1, 1024x65536 72.6 -> 74.9, 256x262144 65.5 -> 69.4;
 // log_softmax float16 8192x4096 90.7 -> 95.5; float32 and add_relu within
@@ -224,7 +224,7 @@ template <typename T, typename C> __device__ __forceinline__ C gelu_erf_scaled_t
 // anyway (the clamped quotient is not the division's there, the code is); a
 // NaN x stays NaN (the FMA with x). Checked on an H200 over all 2**32
 // float32 x, for scales across the range and at its ends and 4 zero points:
-// the same int8 codes as div.rn everywhere (scratch/div_check.py). float16
+// the same int8 codes as div.rn everywhere (a scratch probe, not kept). float16
 // quantize per tensor: 63% -> 77% of copy in one run with a branchy form of
 // this (bench/NOTES.md).
 template <typename R> __device__ __forceinline__ bool reciprocal_ok(R, R) { return false; }

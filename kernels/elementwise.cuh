@@ -262,7 +262,7 @@ __device__ __forceinline__ void run_contiguous_one_loop(const Op& op, Tout* out,
                     // Per-channel quantize float16 on the last axis, 50M,
                     // H200, % of copy, against the one pack ahead in
                     // registers below (73.7-75.1): D = 2, 3, 4, 6: 80.1,
-                    // 82.8, 84.3-84.8, 80.6 (scratch/quant_probe.py).
+                    // 82.8, 84.3-84.8, 80.6 (a scratch probe, not kept).
                     using PI = Pack<Tin, V>;
                     PI (&ring)[D][kEwBlock] = stage_ring<PI, D>();
                     const PI* src = reinterpret_cast<const PI*>(in[0]);
@@ -287,7 +287,7 @@ __device__ __forceinline__ void run_contiguous_one_loop(const Op& op, Tout* out,
                 // pack's arithmetic and store. Per-channel quantize float16 on
                 // the last axis, 50M, H200, % of copy: 61.1 -> 72.5 with one
                 // pack ahead; two or three ahead 64.9 / 63.5 (54 -> 60
-                // registers; scratch/quant_probe.py, bench/NOTES.md).
+                // registers; bench/NOTES.md).
                 const auto load = [&](long long p, Pack<Tin, V> (&x)[NIN]) {
                     if (p >= npack) return;
 #pragma unroll

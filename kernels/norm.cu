@@ -468,7 +468,7 @@ __global__ void __launch_bounds__(512) norm_rows(T* y, const T* x, const T* w, c
 // tests out of the store loop (RowView::store) and the loads kept ahead
 // (RowView), H200, float16 1024x65536 (a cluster of 4), ncu: layer_norm 48.4M
 // -> 35.9M warp instructions, 94.9 -> 83.6 us; % of copy, same runs
-// (scratch/ln_probe.py, two rounds): layer_norm 67.1-67.3 -> 74.7-75.3,
+// (two rounds): layer_norm 67.1-67.3 -> 74.7-75.3,
 // rms_norm 80.8-81.1 -> 83.3-83.7, softmax 76.5-76.7 -> 79.3. Other rows
 // keep the host's group size and the bounds they had (not measured).
 constexpr int kClusterThreads = 256;
@@ -508,8 +508,8 @@ __global__ void __launch_bounds__(512) norm_rows_stream(T* y, const T* x, const 
 // row earlier, by every part) and stores row i - 1 from its slot, so that the
 // exchange between blocks overlaps a row's work instead of stalling it.
 // H200, layer_norm float32, % of copy: 1024x65536 norm_rows_split 64.8 ->
-// 80.9 (scratch/pipe_probe.py, one run); full bench 64.3 -> 79.5, 256x262144
-// 63.2 -> 74.5. In a probe of the same design (scratch/lnpipe.cu): the
+// 80.9 (one run); full bench 64.3 -> 79.5, 256x262144
+// 63.2 -> 74.5. In a probe of the same design (a scratch probe, not kept): the
 // exchange waited for in place (a fence, a counter, a spin) 70-71, w and b
 // loaded from L2 at each row 73-75, and the row's packs held in registers
 // through both passes spilled w and b at the 64-register cap (55).

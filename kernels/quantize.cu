@@ -61,7 +61,7 @@ template <typename R> struct Dequantize {
 // are 32-bit multiply-highs. One path per kernel, 32-bit indices, and the
 // driver's aligned loop: dequantize float16 axis 0 67.7 -> 90.7% of copy,
 // float32 axis 0 70.0 -> 85.4%, quantize float16 axis 0 63.7 -> 83.0%
-// (H200, 50M, scratch/chan_exp2.py; bench/NOTES.md, session 16).
+// (H200, 50M, a scratch probe, not kept; bench/NOTES.md, session 16).
 enum ChannelWalk { kInChannel = 0, kAcross = 1, kAny = 2 };
 
 template <typename R, int Walk, bool Wide> struct Channels {
@@ -154,7 +154,7 @@ template <typename R, int Walk, bool Wide, int PackBytes> struct QuantizeCh : Qu
 // warp: ncu put L1 at 90% and DRAM at 43% for float16 (bench/NOTES.md).
 // 50M as (rows, 1024), H200, % of copy, stateless -> periodic (one pack
 // loaded ahead, a grid of one wave: cufuse/ops/quantize.py): float16 51.6 ->
-// 75.0, float32 87.1 -> 91.7 (scratch/quant_probe.py, bench/NOTES.md);
+// 75.0, float32 87.1 -> 91.7 (bench/NOTES.md);
 // float16 packs of 8 codes, not 16 (16: 56.2 against 61.2, before the load
 // ahead; more registers). Two kinds of state, so that each gets a loop of
 // its own: Recip when every channel of the pack is reciprocal_ok (a

@@ -83,7 +83,7 @@ __device__ __forceinline__ A row_part(const Tin* xr, long long cols, long long p
     // loads, each predicated (u < n): every lane of a warp runs the same
     // passes, where a loop of whole passes and a separate tail split a warp
     // whose lanes have n and n - 1 packs into both paths. H200, 6250 x 8000,
-    // % of copy (scratch/rowred_probe.py): sum_squared float16 85.1 -> 90.7,
+    // % of copy (a scratch probe, not kept): sum_squared float16 85.1 -> 90.7,
     // float32 94.2 -> 100.6 (torch.compile's Triton kernel: 94.4 / 101.9).
     const int span = active && end > lo ? static_cast<int>(end - lo) - lane : 0;
     int n = span > 0 ? ((span - 1) >> (__ffs(tpr) - 1)) + 1 : 0;
@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(512) reduce_rows(Tout* out, A* partial, const 
 // no head or tail pack to find. A block lives for one or two round trips,
 // so the instructions before its first load count: 102 -> 58 of them, 32
 // -> 22 registers; 6250 x 8000 float16 90.1-90.4 -> 91.3-91.7% of copy in
-// three same-run pairs (scratch/rowred_probe.py), float32 within noise. Its
+// three same-run pairs (a scratch probe, not kept), float32 within noise. Its
 // 4 packs per pass (kRowBlockWholeU: 22 -> 32 registers, still 8 blocks of
 // 256 per SM, where the general kernel would take 50): 91.3 -> 91.9-92.2.
 constexpr int kRowBlock = 512;
@@ -214,7 +214,7 @@ __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Ti
         // previous pass's additions, so that a thread always has
         // loads in flight (40 -> 64 registers, still the 4 blocks per SM the
         // grid is sized for). H200, sum_squared(axis=0), % of copy, three
-        // same-run pairs (scratch/rowred_probe.py): float16 6250 x 8000
+        // same-run pairs (a scratch probe, not kept): float16 6250 x 8000
         // 71.6-73.0 -> 71.6-75.0, 500 x 100000 74.1-74.6 -> 76.7-78.1, 50000 x
         // 1000 67.9-69.7 -> 68.8-71.7; float32 within noise (91-94).
         const long long span = r_hi - r_lo - threadIdx.y;
@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(256) reduce_cols(Tout* out, A* partial, const 
 
 // float16 columns: 12 rows in flight per thread (126-128 registers), in one
 // block per SM where reduce_cols has four of 4 rows (cufuse/ops/reduction.py:
-// _COL_DEEP). H200, % of copy, same run, two rounds (scratch/colab_probe.py),
+// _COL_DEEP). H200, % of copy, same run, two rounds (a scratch probe, not kept),
 // reduce_cols -> reduce_cols_deep, sum_squared(axis=0): 6250 x 8000 72.1-72.3
 // -> 75.1-75.2, 500 x 100000 77.1-77.2 -> 81.1-81.3, 2000 x 25000 69.4-69.8
 // -> 73.6-73.9, 50000 x 1000 68.5 -> 71.5, 25000 x 2000 70.2 -> 72.7;

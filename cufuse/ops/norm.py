@@ -129,7 +129,7 @@ class _RowOp:
         # that keep w and b in registers and overlap the exchange between a
         # row's parts with the next row (kernels/norm.cu norm_rows_pipe;
         # cp.async: sm_80+). H200, % of copy, against the plan below (one run,
-        # scratch/probe2.py, session 24; bench/NOTES.md):
+        # session 24; bench/NOTES.md):
         #   float32 layer_norm: 2048x32768 (cluster of 4) 67.6 -> 79.7, 1024x65536 (split) 65.1 -> 79.8,
         #     256x262144 63.7 -> 76.0; rms_norm 83.0 -> 83.5, 81.8 -> 84.7, 79.7 -> 85.1;
         #     softmax 81.5 -> 81.3, 82.6 -> 81.8, 512x131072 81.2 -> 82.4, 79.4 -> 81.4;
@@ -149,7 +149,7 @@ class _RowOp:
         # rows, float64, and float32 rows of 5-7 split parts. (float16
         # 1024x65536, a cluster of 4: 61.1 / 73.9 / 71.5, split 62.2 / 72.3 /
         # 67.4.) There is no cluster of 2 (see _CLUSTERS). Again with the
-        # read-only L2 flush (session 19, scratch/split_probe.py csw): float16
+        # read-only L2 flush (session 19, a scratch probe not kept): float16
         # 1024x65536 cluster of 4 63.6 / 77.5 / 73.0 against split 256 x 8 in
         # 4 parts 63.9 / 75.8 / 69.6; float32 split 256 x 8 in 8 parts 65.8 /
         # 82.4 / 81.8 against a cluster of 8 64.0 / 80.8 / 78.2.

@@ -222,7 +222,7 @@ def _split(want, most):
 # kRowBlockU = 2; aligned whole rows: one of 4), at most _ROW_BLOCK
 # (kRowBlock) threads, and rows split
 # until there are _BLOCK_WAVES blocks per SM. sum_squared(axis=-1) on an H200
-# (% of copy, one run, scratch/red_sweep.py): 6250 x 8000 float32 79.6 ->
+# (% of copy, one run, a scratch probe, not kept): 6250 x 8000 float32 79.6 ->
 # 82.4, float16 61.3 -> 67.8 against reduce_rows with groups of 32-512
 # threads; 1 x 50M 74.3 -> 76.2 / 58.0 -> 61.0. 1 or 8 packs per thread,
 # 2048-16384 packs per block, 8-32 blocks per SM: within 1-4 points of that.
@@ -290,11 +290,11 @@ _COL_BLOCK = (64, 4)
 # float32/float64 columns) with the same kernel: its rows are few, so its
 # block spans fewer columns and more row phases, for more blocks (6250 x 8000:
 # 125 blocks, not 32; 50000 x 1000: 16, not 4). H200, sum_squared(axis=0), %
-# of copy, (64, 4) -> (16, 16) (scratch/col_probe.py, same run): 50000 x 1000
+# of copy, (64, 4) -> (16, 16) (same run): 50000 x 1000
 # float16 65.4 -> 70.1, float32 86.6 -> 87.8; 6250 x 8000 float16 74.4 ->
 # 76.4, float32 91.7 -> 91.8, but within noise in a second instance (float16
 # 72.7 -> 74.6 with mean_abs 74.4 -> 72.5, float32 88.5-90.8 -> 87.9-88.4;
-# scratch/rowred_probe.py). (32, 8), (8, 32) and (4, 64) were no better.
+# a scratch probe, not kept). (32, 8), (8, 32) and (4, 64) were no better.
 _COL_FINAL_BLOCK = (16, 16)
 
 
@@ -334,7 +334,7 @@ def _reduce_cols(b, fn, per_sm, final, xp, outer, r, inner, dt, acc, scale, dev)
 # Up to this many chunks, the last block of each column tile adds the
 # chunks' partial sums up (kernels/reduction.cu reduce_cols' tickets): one
 # launch. Beyond, the second launch above. H200, % of copy, two launches ->
-# one (scratch/rowred_probe.py, two rounds alike): sum_squared(axis=0) 6250 x
+# one (two rounds alike): sum_squared(axis=0) 6250 x
 # 8000 float32 (16 chunks) 87.5-88.3 -> 91.5-92.5, 500 x 100000 float16 (2
 # chunks) 62-63 -> 73; but 6250 x 8000 float16 (33 chunks) 70-72 -> 67 and
 # 50000 x 1000 float16 (264 chunks) 67 -> 44, float32 (132) 85 -> 79: one
