@@ -35,10 +35,9 @@ except Exception:  # pragma: no cover - depends on the machine
 
 BLOCK = 256            # threads per block for every elementwise launch
 # Grid cap, in blocks per SM. A grid that covers every 16-byte pack in one
-# pass beat grid-stride loops on an H200 at 50M elements (bench/NOTES.md):
-# 8 blocks/SM (one resident wave) 84-96% of copy bandwidth, 32/SM 92-99%,
-# one pass 95-102%. 512/SM keeps one pass up to ~69M float32 elements
-# (138M float16) and bounds the grid beyond that.
+# pass beat grid-stride loops at 50M elements (bench/NOTES.md, "Figures from
+# code comments"); 512/SM keeps one pass up to ~69M float32 elements (138M
+# float16) and bounds the grid beyond that.
 WAVES = 512
 
 # Canonical C++ spelling of each storage dtype, as NVRTC writes it back.

@@ -20,11 +20,9 @@ FLUSH_BYTES = 512 << 20  # swept before each event-timed repetition (evicts L2: 
 # buffer, which leaves L2 holding clean lines. "memset": writing the buffer
 # (cudaMemsetAsync, as triton's do_bench zeroes its cache buffer), which
 # leaves up to an L2's worth of dirty lines that the timed call then writes
-# back to DRAM as it evicts them: the flush's own traffic charged to the call.
-# H200, % of a 1 GiB memcpy, memset / read-only sweep before each call
-# (a scratch probe, not kept): memcpy of 100 MB 89.1 / 96.0, of 32 MiB 79.5 /
-# 89.0; a read-only kernel over 100 MB 73.1 / 95.8; at 1 GiB the two differ
-# by ~1%. CUFUSE_BENCH_FLUSH=memset gives the old figures back.
+# back to DRAM as it evicts them: the flush's own traffic charged to the call
+# (bench/NOTES.md, "Figures from code comments"). CUFUSE_BENCH_FLUSH=memset
+# gives the old figures back.
 FLUSH_MODE = os.environ.get("CUFUSE_BENCH_FLUSH", "read")
 if FLUSH_MODE not in ("read", "memset"):
     raise ValueError(f"CUFUSE_BENCH_FLUSH={FLUSH_MODE!r}: expected 'read' or 'memset'")

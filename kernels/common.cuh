@@ -85,12 +85,9 @@ __device__ __forceinline__ float rint(float x) { return ::rintf(x); }  // half t
 __device__ __forceinline__ double rint(double x) { return ::rint(x); }
 // max(a, b) where NaN wins (either operand), as torch.max and relu keep NaN.
 // float on sm_80+: PTX max.NaN, one instruction (FMNMX.NAN) where the tests
-// are two or three (FSETP + FSEL). H200, same runs (two scratch probes,
-// not kept), % of copy: layer_norm_relu float16 16384x1024 74.5 ->
-// 79.8, 8192x4096 80.0 -> 86.7; softmax (rows.cuh MaxOp) float16 8192x4096
-// 86.8 -> 94.1, 1024x65536 72.6 -> 74.9, 256x262144 65.5 -> 69.4;
-// log_softmax float16 8192x4096 90.7 -> 95.5; float32 and add_relu within
-// noise. Equal values either way; a zero result may have either sign.
+// are two or three (FSETP + FSEL): float16 layer_norm_relu and softmax gain
+// 2-8 points of copy (bench/NOTES.md, "Figures from code comments"). Equal
+// values either way; a zero result may have either sign.
 template <typename C> __device__ __forceinline__ C max_nan(C a, C b) { return (a != a || a > b) ? a : b; }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 template <> __device__ __forceinline__ float max_nan<float>(float a, float b) {
@@ -543,13 +540,8 @@ template <typename T, int N> __device__ __forceinline__ void store_pack(Pack<T, 
 // Loads with a cache hint, for 16-byte packs (other sizes load plainly):
 // - stream (ld.global.cs), for data read once (the reductions' x): evicted
 //   from the caches first; what else the L2 holds (dirty lines of earlier
-//   kernels, likely what the gain comes from) stays. sum_squared on an H200
-//   with L2 flushed by a memset before each call (% of copy, same run):
-//   6250 x 8000 axis -1 float32 82.6 -> 87.7, float16 68.4 -> 78.3; axis 0
-//   76.4 -> 77.6, 57.1 -> 63.4; 25000 x 2000 float16 58.4 -> 73.7.
-//   (`L1::evict_first` measured the same, __ldg as plain loads.) The row
-//   kernels' x gained nothing from it (norm.cu: within noise at 65536 and
-//   262144 columns).
+//   kernels, likely what the gain comes from) stays: faster reductions, no
+//   gain for the row kernels' x (bench/NOTES.md, "Figures from code comments").
 // - readonly (ld.global.nc), for data no thread writes during the kernel
 //   (norm weights and biases): the compiler may issue them ahead of the
 //   kernel's stores (see norm.cu RowView::store for the measurements).

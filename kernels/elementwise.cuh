@@ -259,10 +259,9 @@ __device__ __forceinline__ void run_contiguous_one_loop(const Op& op, Tout* out,
                     // as asynchronous copies into its slots of shared memory
                     // (one commit group per pack, empty past the end: the
                     // wait for the oldest is always wait_group D - 1).
-                    // Per-channel quantize float16 on the last axis, 50M,
-                    // H200, % of copy, against the one pack ahead in
-                    // registers below (73.7-75.1): D = 2, 3, 4, 6: 80.1,
-                    // 82.8, 84.3-84.8, 80.6 (a scratch probe, not kept).
+                    // Faster than one pack ahead in registers (below) for
+                    // the per-channel quantize (bench/NOTES.md, "Figures
+                    // from code comments").
                     using PI = Pack<Tin, V>;
                     PI (&ring)[D][kEwBlock] = stage_ring<PI, D>();
                     const PI* src = reinterpret_cast<const PI*>(in[0]);

@@ -464,13 +464,11 @@ __global__ void __launch_bounds__(512) norm_rows(T* y, const T* x, const T* w, c
 // takes the group size as a constant, so that the group's reductions unroll
 // and a thread's packs sit at immediate offsets from one address, and its
 // float16 / float32 forms are bounded to 64 registers, 4 blocks per SM
-// (session 27's staged variant, unbounded, took 76: 3 blocks). With the w and b
+// (session 27's staged variant, unbounded, took 76: 3 blocks), with the w and b
 // tests out of the store loop (RowView::store) and the loads kept ahead
-// (RowView), H200, float16 1024x65536 (a cluster of 4), ncu: layer_norm 48.4M
-// -> 35.9M warp instructions, 94.9 -> 83.6 us; % of copy, same runs
-// (two rounds): layer_norm 67.1-67.3 -> 74.7-75.3,
-// rms_norm 80.8-81.1 -> 83.3-83.7, softmax 76.5-76.7 -> 79.3. Other rows
-// keep the host's group size and the bounds they had (not measured).
+// (RowView): fewer instructions and 2-8 points of copy (bench/NOTES.md,
+// "Figures from code comments"). Other rows keep the host's group size and
+// the bounds they had (not measured).
 constexpr int kClusterThreads = 256;
 template <typename T, bool Whole> constexpr bool cluster_bounded() { return Whole && sizeof(T) <= 4; }
 template <typename Op, typename T, int NP, int CS, bool Whole>
@@ -507,12 +505,10 @@ __global__ void __launch_bounds__(512) norm_rows_stream(T* y, const T* x, const 
 // row i and publishes its statistic, then merges row i - 1's (published a
 // row earlier, by every part) and stores row i - 1 from its slot, so that the
 // exchange between blocks overlaps a row's work instead of stalling it.
-// H200, layer_norm float32, % of copy: 1024x65536 norm_rows_split 64.8 ->
-// 80.9 (one run); full bench 64.3 -> 79.5, 256x262144
-// 63.2 -> 74.5. In a probe of the same design (a scratch probe, not kept): the
-// exchange waited for in place (a fence, a counter, a spin) 70-71, w and b
-// loaded from L2 at each row 73-75, and the row's packs held in registers
-// through both passes spilled w and b at the 64-register cap (55).
+// Faster than split rows for float32 layer_norm; waiting for the exchange in
+// place, loading w and b at each row, or holding the row in registers (spills
+// at the 64-register cap) were slower (bench/NOTES.md, "Figures from code
+// comments").
 constexpr int kPipeThreads = 512;
 
 template <typename Op, typename T, int NP, int D>

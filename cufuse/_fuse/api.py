@@ -32,10 +32,8 @@ _PLANS_MAX = 8           # foreach launch plans kept per Fused
 # audit hook is installed (torch.compile installs one) the key of 192 arrays
 # took 30 µs instead of 5 (Python 3.12, H200 host); this takes ~10 either way.
 _address = object.__hash__
-# Packs per thread of the horizontal kernel. GPU µs for 64 x 100K float32 /
-# for 100 sets of 1K-4M (H200; one contiguous call over as many elements:
-# 23.3 / 189.3): 1 pack 31.2 / 219.3, 2: 27.8 / 200.5, 4: 27.0 / 196.3,
-# 8: 27.7 / 197.2, 16: 28.3 / 202.4.
+# Packs per thread of the horizontal kernel: the fastest of 1-16
+# (bench/NOTES.md, "Figures from code comments").
 SEGMENT_PACKS = 4
 
 

@@ -483,11 +483,8 @@ def _dropout_numpy(x, *, approximate, seed, threshold, scale, dtype, lanes16):
 
 
 # Packs per thread (ElementwiseOp's packs_per_thread): 4 for float16 (and
-# bfloat16, the same bytes per element), else 1.
-# H200, 50M as (rows, 1024), % of copy, 1 -> 4 (two
-# rounds alike): bias_gelu with a row bias, float16 erf 76.3 -> 82.6, tanh
-# 87.8 -> 92.2 (float32 96.8 / 98.4 at 1, 95.9 / 96.2 at 4); gelu_dropout
-# float16 62.6 -> 67.8, float32 85.3 -> 92.6.
+# bfloat16, the same bytes per element), else 1: the faster (bench/NOTES.md,
+# "Figures from code comments").
 def _bias_gelu_ppt(in_dt, out_dt):
     return 4 if out_dt in A.HALVES else 1
 

@@ -119,50 +119,33 @@ class _RowOp:
         v = 16 // dt.itemsize
         npack = -(-cols // v) + (0 if aligned else 1)  # a misaligned row's window holds one more pack
         if npack <= _ONE_GROUP_PACKS:
-            # float16 4096x16384, % of copy, 4 -> 8 packs: softmax 67 -> 83, rms_norm 83 -> 88,
-            # layer_norm 60 -> 52 (it keeps 4 up to 2048 packs; beyond, 512 threads need 8),
-            # but in the whole kernel (fewer registers) 74 -> 83
+            # 8 packs a thread from 1024 packs; float16 layer_norm keeps 4 below 2048 unless whole
+            # (registers; bench/NOTES.md, "Figures from code comments")
             per_thread = 8 if npack >= 1024 and (dt.itemsize >= 4 or whole or not self.narrow) else 4
             tpr = min(max(_rows.pow2_at_least(-(-npack // per_thread)), 32), 512)
             return ("np", _rows.pow2_at_least(-(-npack // tpr))), tpr, 1
         # Rows of whole packs of at least self.pipe[dt] packs: persistent blocks
         # that keep w and b in registers and overlap the exchange between a
         # row's parts with the next row (kernels/norm.cu norm_rows_pipe;
-        # cp.async: sm_80+). H200, % of copy, against the plan below (one run,
-        # session 24; bench/NOTES.md):
-        #   float32 layer_norm: 2048x32768 (cluster of 4) 67.6 -> 79.7, 1024x65536 (split) 65.1 -> 79.8,
-        #     256x262144 63.7 -> 76.0; rms_norm 83.0 -> 83.5, 81.8 -> 84.7, 79.7 -> 85.1;
-        #     softmax 81.5 -> 81.3, 82.6 -> 81.8, 512x131072 81.2 -> 82.4, 79.4 -> 81.4;
-        #   float16 rms_norm: 1024x65536 (cluster of 4) 76.6 -> 77.0, 512x131072 (cluster of 8)
-        #     74.9 -> 78.8, 256x262144 (split) 74.3 -> 79.9; softmax 77.3 -> 68.2, 75.6 -> 71.2,
-        #     68.4 -> 72.0; layer_norm 63.1 -> 60.8, 61.9 -> 59.9, 60.4 -> 59.4.
-        # log_softmax as softmax. Hence _PIPE_FROM.
+        # cp.async: sm_80+), for the ops and dtypes where they beat clusters and
+        # split rows (_PIPE_FROM; bench/NOTES.md, session 24 and "Figures from
+        # code comments").
         least = self.pipe.get(dt)
         if whole and least is not None and npack >= least and R.compute_capability(dev) >= 80:
             parts = -(-npack // (_PIPE_TPB * _PIPE_NP))
             if parts <= min(_PIPE_MOST_PARTS, max(1, R.sm_count(dev) // _SPLIT_LAUNCHES)):
                 return ("pipe", _PIPE_NP, _PIPE_SLOTS), _PIPE_TPB, parts
-        # A cluster of 8 only for float16: 1024x65536 float32 (% of copy,
-        # layer_norm / rms_norm / softmax, same run) cluster of 8 61.2 / 78.2 /
-        # 75.9 -> split 256 x 8 in 8 parts 63.6 / 79.6 / 80.2. Not measured:
-        # float16 rows of a cluster of 8 (65537-131072 columns) against split
-        # rows, float64, and float32 rows of 5-7 split parts. (float16
-        # 1024x65536, a cluster of 4: 61.1 / 73.9 / 71.5, split 62.2 / 72.3 /
-        # 67.4.) There is no cluster of 2 (see _CLUSTERS). Again with the
-        # read-only L2 flush (session 19, a scratch probe not kept): float16
-        # 1024x65536 cluster of 4 63.6 / 77.5 / 73.0 against split 256 x 8 in
-        # 4 parts 63.9 / 75.8 / 69.6; float32 split 256 x 8 in 8 parts 65.8 /
-        # 82.4 / 81.8 against a cluster of 8 64.0 / 80.8 / 78.2.
+        # A cluster of 8 only for float16: float32 rows that long are faster
+        # split (bench/NOTES.md, "Figures from code comments"). There is no
+        # cluster of 2 (see _CLUSTERS).
         if R.compute_capability(dev) >= 90:
             for cs in _CLUSTERS:
                 if -(-npack // cs) <= _CLUSTER_BLOCK_PACKS and (cs < 8 or dt.itemsize == 2):
                     # 256 threads: kernels/norm.cu kClusterThreads, which the kernel for
                     # rows of whole packs takes as a constant
                     return ("cluster", 8, cs), 256, cs
-        # Split rows (H200, % of copy, f32 / f16, layer_norm, rms_norm, softmax):
-        # 256x262144: cluster of 8 x 512 x 16 34/49/59, 41/59/56 -> split 256 x 8
-        # 53/74/76, 54/69/63; 64x1048576: streaming kernel 19/28/16 -> split 512 x 8
-        # 39/64/62.
+        # Split rows: faster than a cluster of 8 or the streaming kernel on
+        # rows this long (bench/NOTES.md, "Figures from code comments").
         # A split row's blocks wait for one another (kernels/rows.cuh
         # SplitGroup): parts are kept at most SMs / 4, so that four split
         # launches in flight at once (any streams) hold at most all SMs minus
@@ -188,14 +171,10 @@ class _RowOp:
             and pw % 16 == 0 and pb % 16 == 0
         key, tpr, cs = plan or self.plan(dt, cols, aligned, dev, whole)
         # Rows of whole 16-byte packs, x, y, weight and bias aligned: the
-        # kernel built without per-pack bounds and alignment tests
-        # (kernels/norm.cu: RowView's Whole): 40 registers instead of 60 for
-        # float16 layer_norm, 64 -> 81% of copy at 8192x4096 (H200). Except
-        # float32/float64 layer_norm at >= 8 packs per thread, which it made
-        # slower (8192x4096 float32 87 -> 79%; bench/NOTES.md): there ptxas
-        # issues 2 of a thread's 8 loads of x after the first pass's adds
-        # (SASS), a second round trip to memory (ncu, 1024x65536: 57M
-        # instructions in 220 us against 88M in 203 us).
+        # kernel built without per-pack bounds and alignment tests (RowView's
+        # Whole; fewer registers), except float32/float64 layer_norm at >= 8
+        # packs per thread, where ptxas then issues two of the 8 loads late
+        # (bench/NOTES.md, "Figures from code comments").
         if whole and key[0] not in ("stream", "pipe") and (not self.narrow or isz == 2 or key[1] < 8):
             key = key + ("whole",)
         fn = R.get_function(*self.exprs[(dt, key)], dev)

@@ -67,19 +67,10 @@ def _dequantize_np(q, scale, zero_point, real):
 
 
 # Packs per thread of each kernel (ElementwiseOp's packs_per_thread), where
-# more than one was faster. H200, 50M as (rows, 1024), % of copy, 1 -> the
-# count chosen (two rounds alike): quantize float16
-# per tensor 84.9 -> 94.6-95.0 (4), axis 0 79.7 -> 84.5-87.6 (4), float32 last axis
-# 83.1 -> 86.9 (4); dequantize to float32 per tensor 90.1 -> 90.6 (2), axis
-# 0 83.9 -> 87.0 (2), last axis 87.9 -> 89.2 (2), to float16 axis 0 88.5 ->
-# 88.9 (2), last axis 85.0 -> 85.3 (2). Float32 quantize per tensor and on
-# axis 0 were as fast or faster at 1. Quantize on the last axis (ACROSS) sets
-# up each thread's channels once for all its packs (kernels/quantize.cu), so
-# its grid is one wave (ElementwiseOp's one_wave), each thread looping over
-# packs one grid stride apart; same run, 16 packs per thread -> one wave:
-# float16 72.6 -> 75.0, float32 89.4 -> 91.7 (8 / 32 packs per thread:
-# float16 67.8 / 67.6; the stateless kernel before it: float16 51.6, float32
-# 87.1).
+# more than one was faster. Quantize on the last axis (ACROSS) sets up each
+# thread's channels once for all its packs (kernels/quantize.cu), so its grid
+# is one wave (ElementwiseOp's one_wave), each thread looping over packs one
+# grid stride apart (bench/NOTES.md, "Figures from code comments").
 # The per-tensor quantize ops share one fast path: which of them a call takes
 # depends on its dtype (in the signature) and on its scale and zero point
 # (reciprocal_ok, in the key's extra part).
@@ -140,10 +131,8 @@ def _channel_ops(name, functor, real_of, numpy_impl, signatures, pack_bytes=None
 def _quant_pack_bytes(walk, in_dt, out_dt):
     """Codes per pack of the per-channel quantize (kernels/quantize.cu
     QuantizeCh's PackBytes): 8 for float32 data and for float16 on the last
-    axis (ACROSS), 16 otherwise. H200, 50M, % of copy (a scratch probe, not kept):
-    float32 last axis 73.5 (16) -> 85.5 (8), axis 0 92.0 -> 92.9; float16
-    axis 0 82.5 -> 76.5; float16 last axis in the periodic kernel 61.2 (8)
-    against 56.2 (16) (a scratch probe, not kept)."""
+    axis (ACROSS), 16 otherwise: the faster of the two for each (bench/NOTES.md,
+    "Figures from code comments")."""
     return 8 if in_dt == _F32 or (walk == ACROSS and in_dt in A.HALVES) else 16
 
 

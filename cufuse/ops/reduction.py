@@ -221,11 +221,9 @@ def _split(want, most):
 # small as lets each thread add _BLOCK_THREAD_PACKS packs (2 passes of
 # kRowBlockU = 2; aligned whole rows: one of 4), at most _ROW_BLOCK
 # (kRowBlock) threads, and rows split
-# until there are _BLOCK_WAVES blocks per SM. sum_squared(axis=-1) on an H200
-# (% of copy, one run, a scratch probe, not kept): 6250 x 8000 float32 79.6 ->
-# 82.4, float16 61.3 -> 67.8 against reduce_rows with groups of 32-512
-# threads; 1 x 50M 74.3 -> 76.2 / 58.0 -> 61.0. 1 or 8 packs per thread,
-# 2048-16384 packs per block, 8-32 blocks per SM: within 1-4 points of that.
+# until there are _BLOCK_WAVES blocks per SM: faster than reduce_rows' groups
+# on long rows; other packs per thread, block sizes and waves were within a few
+# points (bench/NOTES.md, "Figures from code comments").
 _ROW_BLOCK = 512
 _BLOCK_THREAD_PACKS = 4
 _BLOCK_MIN_PACKS = 512
@@ -280,21 +278,14 @@ def _reduce_rows(b, fns, final, xp, rows, cols, ldx, dt, acc, odt, scale, dev):
 
 
 # reduce_cols' block: 64 packs of columns x 4 row phases, and rows split until
-# there are 4 blocks per SM. Measured on an H200, sum_squared(axis=0) of a
-# 6250 x 8000 array (read bytes over the copy's rate, same run): float32
-# 71.8% with (32, 8) and 16 blocks per SM, 78.9% with (32, 8) and 4, 80.4%
-# with (64, 4) and 4, 72.4% with (256, 1) and 4 (8 or 2 blocks per SM: worse
-# for every shape); float16 57.4% -> 61.7%.
+# there are 4 blocks per SM: the fastest of the shapes and waves tried
+# (bench/NOTES.md, "Figures from code comments").
 _COL_BLOCK = (64, 4)
 # The second launch (the chunks' partial sums, `splits` rows of outer * inner
 # float32/float64 columns) with the same kernel: its rows are few, so its
 # block spans fewer columns and more row phases, for more blocks (6250 x 8000:
-# 125 blocks, not 32; 50000 x 1000: 16, not 4). H200, sum_squared(axis=0), %
-# of copy, (64, 4) -> (16, 16) (same run): 50000 x 1000
-# float16 65.4 -> 70.1, float32 86.6 -> 87.8; 6250 x 8000 float16 74.4 ->
-# 76.4, float32 91.7 -> 91.8, but within noise in a second instance (float16
-# 72.7 -> 74.6 with mean_abs 74.4 -> 72.5, float32 88.5-90.8 -> 87.9-88.4;
-# a scratch probe, not kept). (32, 8), (8, 32) and (4, 64) were no better.
+# 125 blocks, not 32; 50000 x 1000: 16, not 4); a few points at most
+# (bench/NOTES.md, "Figures from code comments").
 _COL_FINAL_BLOCK = (16, 16)
 
 
@@ -333,12 +324,8 @@ def _reduce_cols(b, fn, per_sm, final, xp, outer, r, inner, dt, acc, scale, dev)
 
 # Up to this many chunks, the last block of each column tile adds the
 # chunks' partial sums up (kernels/reduction.cu reduce_cols' tickets): one
-# launch. Beyond, the second launch above. H200, % of copy, two launches ->
-# one (two rounds alike): sum_squared(axis=0) 6250 x
-# 8000 float32 (16 chunks) 87.5-88.3 -> 91.5-92.5, 500 x 100000 float16 (2
-# chunks) 62-63 -> 73; but 6250 x 8000 float16 (33 chunks) 70-72 -> 67 and
-# 50000 x 1000 float16 (264 chunks) 67 -> 44, float32 (132) 85 -> 79: one
-# block's gather of many chunks is slower than the second launch.
+# launch. Beyond, the second launch above: one block's gather of many chunks
+# is slower than it (bench/NOTES.md, "Figures from code comments").
 _COL_ONE_LAUNCH_SPLITS = 16
 _sum_squared = _Reduction("sum_squared", "Square", mean=False)
 _mean_abs = _Reduction("mean_abs", "Abs", mean=True)
