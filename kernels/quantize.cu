@@ -116,12 +116,10 @@ template <typename R, int Walk, bool Wide> struct Channels {
 };
 
 // one_loop (elementwise.cuh run_contiguous_one_loop: whole and partial packs
-// in one loop) or the aligned loop and a tail, as measured per walk (same
-// runs as above, % of copy): the aligned loop for kInChannel (dequantize
-// float16 axis 0 75.2 -> 90.7, quantize float16 63.7 -> 83.0) and for
-// dequantize kAcross (float16 80.6 -> 91.0); one loop for quantize kAcross
-// (float32 73.2 vs 71.0, float16 54.1 vs 51.5; since then periodic, below)
-// and kAny (measured so when one kernel held every walk).
+// in one loop) or the aligned loop and a tail, whichever was faster per walk:
+// the aligned loop for kInChannel and for dequantize kAcross; one loop for
+// quantize kAcross (since then periodic, below) and kAny (bench/NOTES.md,
+// "Figures from code comments").
 template <typename R, int Walk, bool Wide, int PackBytes> struct QuantizeChBase : Channels<R, Walk, Wide> {
     using compute = R;
     static constexpr bool indexed = true;

@@ -143,11 +143,9 @@ __global__ void __launch_bounds__(512) reduce_rows(Tout* out, A* partial, const 
 // Whole (host-checked: cufuse/ops/reduction.py _reduce_rows): every row
 // starts on a 16-byte boundary and is a whole number of packs, so there is
 // no head or tail pack to find. A block lives for one or two round trips,
-// so the instructions before its first load count: 102 -> 58 of them, 32
-// -> 22 registers; 6250 x 8000 float16 90.1-90.4 -> 91.3-91.7% of copy in
-// three same-run pairs (a scratch probe, not kept), float32 within noise. Its
-// 4 packs per pass (kRowBlockWholeU: 22 -> 32 registers, still 8 blocks of
-// 256 per SM, where the general kernel would take 50): 91.3 -> 91.9-92.2.
+// so the instructions before its first load count (102 -> 58 of them, 32
+// -> 22 registers); it takes 4 packs per pass (kRowBlockWholeU), still 8
+// blocks of 256 per SM (bench/NOTES.md, "Figures from code comments").
 constexpr int kRowBlock = 512;
 constexpr int kRowBlockU = 2;       // packs in flight per thread
 constexpr int kRowBlockWholeU = 4;  // the same, Whole
@@ -213,10 +211,8 @@ __device__ __forceinline__ void reduce_cols_body(Tout* out, A* partial, const Ti
         // predicated, as in reduce_rows), each pass's loads issued before the
         // previous pass's additions, so that a thread always has
         // loads in flight (40 -> 64 registers, still the 4 blocks per SM the
-        // grid is sized for). H200, sum_squared(axis=0), % of copy, three
-        // same-run pairs (a scratch probe, not kept): float16 6250 x 8000
-        // 71.6-73.0 -> 71.6-75.0, 500 x 100000 74.1-74.6 -> 76.7-78.1, 50000 x
-        // 1000 67.9-69.7 -> 68.8-71.7; float32 within noise (91-94).
+        // grid is sized for): a few points for float16, float32 within noise
+        // (bench/NOTES.md, "Figures from code comments").
         const long long span = r_hi - r_lo - threadIdx.y;
         int n = span > 0 ? static_cast<int>((span - 1) / by) + 1 : 0;  // chunk < 2**31 rows
         const Tin* xl = base + (r_lo + threadIdx.y) * inner;
@@ -310,12 +306,9 @@ __global__ void __launch_bounds__(256) reduce_cols(Tout* out, A* partial, const 
 
 // float16 columns: 12 rows in flight per thread (126-128 registers), in one
 // block per SM where reduce_cols has four of 4 rows (cufuse/ops/reduction.py:
-// _COL_DEEP). H200, % of copy, same run, two rounds (a scratch probe, not kept),
-// reduce_cols -> reduce_cols_deep, sum_squared(axis=0): 6250 x 8000 72.1-72.3
-// -> 75.1-75.2, 500 x 100000 77.1-77.2 -> 81.1-81.3, 2000 x 25000 69.4-69.8
-// -> 73.6-73.9, 50000 x 1000 68.5 -> 71.5, 25000 x 2000 70.2 -> 72.7;
-// mean_abs alike. float32 lost with it (another run: 500 x 100000 95-96 ->
-// 92, 2000 x 25000 94 -> 91), and two blocks per SM gained nothing over one.
+// _COL_DEEP): 3-4 points of copy for float16; float32 lost with it, and two
+// blocks per SM gained nothing over one (bench/NOTES.md, "Figures from code
+// comments").
 template <typename Map, typename Tin, typename A, typename Tout>
 __global__ void __launch_bounds__(256) reduce_cols_deep(Tout* out, A* partial, const Tin* x, long long outer,
                                                         long long R, long long inner, long long chunk, int vec,
