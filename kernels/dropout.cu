@@ -12,18 +12,13 @@
 // float16 in the keep rate; 32 (4 per call) otherwise. float16 is bound by
 // the generator's arithmetic, not by memory (H200, 50M, % of copy, 32 -> 16
 // bits: 52.7 -> 63.0; bench/NOTES.md). The seed's round keys are built once
-// per thread (common.cuh: PhiloxKeys) and lanes compared in 32 bits: same
-// run, erf / tanh, float16 68.3 / 81.1 -> 74.4-74.9 / 89.7-90.3, float32
-// 93.5 / 96.8 -> 96.6 / 97.4 (scratch probe, session 24). The erf form
-// takes 1 / (1 - p) in its tail's exponent (common.cuh: gelu_normal, `lift`
-// from the host) rather than a multiply, float16 the degree-4 tail, and a
-// high 16-bit lane is compared without a shift: 213 -> 194 instructions per
-// 8 float16 elements, and with the scale and its log2 from the host (not
-// a log2f per thread) 74.7 -> 78.0% of copy (same runs; bench/NOTES.md).
-// The tail's polynomial in t rather than t - tc (common.cuh: normal_tail):
-// 194 -> 186 instructions, 78.1-78.2 -> 79.6-80.2%; then 32-bit pack
-// indices for indexed ops (elementwise.cuh: run_contiguous), 79.1-79.5 ->
-// 83.1-83.5 (same runs each, session 26).
+// per thread (common.cuh: PhiloxKeys) and lanes compared in 32 bits. The erf
+// form takes 1 / (1 - p) in its tail's exponent (common.cuh: gelu_normal,
+// `lift` from the host) rather than a multiply, float16 the degree-4 tail, a
+// high 16-bit lane is compared without a shift, the scale and its log2 come
+// from the host (not a log2f per thread), and the tail's polynomial is in t
+// rather than t - tc (common.cuh: normal_tail): each step fewer instructions
+// and more of copy (bench/NOTES.md, "Figures from code comments").
 template <bool Tanh, typename T, int Bits> struct GeluDropout {
     static constexpr bool indexed = true;
     static constexpr bool packed = true;  // one Philox call serves 4 or 8 consecutive elements

@@ -10,8 +10,8 @@ are rounded to float32 one at a time from the highest degree, the lower ones
 refitted after each rounding. Prints k, the fit's relative error of Q and the
 coefficients as common.cuh spells them.
 
-p is a polynomial in t itself, not in t - tc for some centre tc (as until
-session 26): the kernel saves a subtraction per element (float16
+p is a polynomial in t itself, not in t - tc for some centre tc (as it
+once was): the kernel saves a subtraction per element (float16
 gelu_dropout is bound by its arithmetic), and the fits are as good or better.
 The kernel's float32 evaluation emulated in NumPy, relative error of Q for
 a < 5, centred -> plain: D = 8 2.4e-6 -> 2.4e-6, D = 5 7.5e-6 -> 7.5e-6,

@@ -73,8 +73,8 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
             // every load issued before the first use of any. The compiler
             // may otherwise sink a pack's load to its use in the first pass,
             // a round trip per pack (float16 softmax in the cluster kernel of
-            // 256 threads: 8 of them, 77 -> 66% of copy; bench/NOTES.md,
-            // session 28). Elsewhere not needed, and it cost registers
+            // 256 threads: 8 of them, 77 -> 66% of copy; bench/NOTES.md).
+            // Elsewhere not needed, and it cost registers
             // (float16 softmax norm_rows np 4: 32 -> 40).
             if constexpr (Whole && !G::kOnePart) {
 #pragma unroll
@@ -131,7 +131,7 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
             // float32 layer_norm (pipe; its 16 bytes of spills gone)
             // 256x262144 74.7-74.9 -> 78.0-79.6, 1024x65536 79.7-80.8 ->
             // 80.5-82.5. The store keeps its tests: without them too, float16
-            // layer_norm spilled (bench/NOTES.md, session 28).
+            // layer_norm spilled (bench/NOTES.md).
             if constexpr (Whole && (G::kCluster || G::kStaged)) {
                 if (hi - lo == static_cast<I>(NP) * g.tpr) {
 #pragma unroll
@@ -217,13 +217,9 @@ template <typename T, int NP, typename G, bool Resident, bool Whole> struct RowV
 
     // y[e] = f(value, w[e], b[e]) for every element (w, b may be null: 1 and
     // 0); full packs are stored whole when the output row has the input
-    // row's alignment. w and b are plain loads: layer_norm loaded them
-    // through the read-only path (ld.global.nc) from session 13, when that
-    // took 4096x16384 float32 from 80.5 to 91.5% of copy; in today's kernels
-    // it costs (H200, same runs, with -> without): float16 1024x65536 63.8-64.2
-    // -> 65.1-65.2, 256x262144 60.5 -> 62.6; float32 4096x16384 92.9-93.1 ->
-    // 93.5-93.8, the other shapes within noise (bench/NOTES.md, session 25).
-    // rms_norm never took it (256x262144 float32 74.4 -> 65.2 with it, then).
+    // row's alignment. w and b are plain loads: the read-only path
+    // (ld.global.nc), once a gain, now costs layer_norm 1-2 points and cost
+    // rms_norm more (bench/NOTES.md, "Figures from code comments").
     template <typename F> __device__ __forceinline__ void store(T* y, F f, const T* w, const T* b) {
         // Rows of whole packs: w and b tested once here rather than at every
         // pack (a test, a predicated load and V default moves per pack and
@@ -464,7 +460,7 @@ __global__ void __launch_bounds__(512) norm_rows(T* y, const T* x, const T* w, c
 // takes the group size as a constant, so that the group's reductions unroll
 // and a thread's packs sit at immediate offsets from one address, and its
 // float16 / float32 forms are bounded to 64 registers, 4 blocks per SM
-// (session 27's staged variant, unbounded, took 76: 3 blocks), with the w and b
+// (a staged variant, unbounded, took 76: 3 blocks), with the w and b
 // tests out of the store loop (RowView::store) and the loads kept ahead
 // (RowView): fewer instructions and 2-8 points of copy (bench/NOTES.md,
 // "Figures from code comments"). Other rows keep the host's group size and

@@ -59,9 +59,8 @@ template <typename R> struct Dequantize {
 // - kAny: anything else, the channel stepped per element.
 // Wide: indices may reach 2**31 (64-bit division); otherwise the divisions
 // are 32-bit multiply-highs. One path per kernel, 32-bit indices, and the
-// driver's aligned loop: dequantize float16 axis 0 67.7 -> 90.7% of copy,
-// float32 axis 0 70.0 -> 85.4%, quantize float16 axis 0 63.7 -> 83.0%
-// (H200, 50M, a scratch probe, not kept; bench/NOTES.md, session 16).
+// driver's aligned loop: 15-23 points of copy on axis 0 (bench/NOTES.md,
+// "Figures from code comments").
 enum ChannelWalk { kInChannel = 0, kAcross = 1, kAny = 2 };
 
 template <typename R, int Walk, bool Wide> struct Channels {

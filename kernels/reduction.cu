@@ -82,9 +82,8 @@ __device__ __forceinline__ A row_part(const Tin* xr, long long cols, long long p
     // This lane's packs: lo + lane + j * tpr for j < n, in passes of U
     // loads, each predicated (u < n): every lane of a warp runs the same
     // passes, where a loop of whole passes and a separate tail split a warp
-    // whose lanes have n and n - 1 packs into both paths. H200, 6250 x 8000,
-    // % of copy (a scratch probe, not kept): sum_squared float16 85.1 -> 90.7,
-    // float32 94.2 -> 100.6 (torch.compile's Triton kernel: 94.4 / 101.9).
+    // whose lanes have n and n - 1 packs into both paths: 5-6 points of copy
+    // (bench/NOTES.md, "Figures from code comments").
     const int span = active && end > lo ? static_cast<int>(end - lo) - lane : 0;
     int n = span > 0 ? ((span - 1) >> (__ffs(tpr) - 1)) + 1 : 0;
     const P* xl = xp + lo + lane;

@@ -63,10 +63,8 @@ __device__ __forceinline__ void cluster_sync() {
 // finish): the blocks' reads of one another's shared memory are done
 // (their values used) before they arrive, and nothing else needs ordering.
 // The release made each block wait for its global stores to complete
-// before it could leave (MEMBAR.ALL.GPU in the SASS). H200, float16
-// 1024x65536 (a cluster of 4), % of copy, two same-run rounds
-// (a scratch probe, not kept): layer_norm 65.0-65.7 -> 66.7-67.2, rms_norm
-// 76.9-77.0 -> 80.7-81.4; softmax 77.7-78.4 -> 76.6-76.9.
+// before it could leave (MEMBAR.ALL.GPU in the SASS); relaxed, layer_norm
+// and rms_norm gain 2-4 points (bench/NOTES.md, "Figures from code comments").
 __device__ __forceinline__ void cluster_sync_relaxed() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");

@@ -128,8 +128,7 @@ class _RowOp:
         # that keep w and b in registers and overlap the exchange between a
         # row's parts with the next row (kernels/norm.cu norm_rows_pipe;
         # cp.async: sm_80+), for the ops and dtypes where they beat clusters and
-        # split rows (_PIPE_FROM; bench/NOTES.md, session 24 and "Figures from
-        # code comments").
+        # split rows (_PIPE_FROM; bench/NOTES.md, "Figures from code comments").
         least = self.pipe.get(dt)
         if whole and least is not None and npack >= least and R.compute_capability(dev) >= 80:
             parts = -(-npack // (_PIPE_TPB * _PIPE_NP))
