@@ -646,7 +646,6 @@ def test_eight_threads_every_family(lib):
     """8 threads at once call every family (fast and general paths, out=
     included) and each traces fused functions of its own: every result equals
     the one-thread result, and no call fails."""
-    import threading
     if lib == "numpy":
         conv, back = np.asarray, np.asarray
     elif lib == "cupy":
@@ -659,26 +658,36 @@ def test_eight_threads_every_family(lib):
     calls = {**FAMILIES, **CAPTURE_EXTRA}
     inputs = {n: [conv(v) for v in _np_inputs(calls[n][0], np.dtype(np.float32), 3)] for n in names}
     want = {n: back(calls[n][1](*inputs[n])) for n in names}
-    errors, barrier = [], threading.Barrier(8)
 
     def work(t):
+        own = cufuse.fuse(lambda a, b: a * b + float(t))      # traced in this thread
+        x = inputs["add_relu"][0]
+        for rep in range(4):
+            for n in names:
+                got = calls[n][1](*inputs[n])
+                np.testing.assert_array_equal(back(got), want[n], err_msg=f"thread {t}, {n}, round {rep}")
+                out = got * 0 if lib != "numpy" else np.zeros_like(got)
+                calls[n][1](*inputs[n], out=out)
+                np.testing.assert_array_equal(back(out), want[n], err_msg=f"thread {t}, {n} out=, round {rep}")
+            r = back(own(x, x))
+            np.testing.assert_allclose(r, back(x).astype(np.float64) ** 2 + t, rtol=1e-6)
+
+    _in_threads(8, work)
+
+
+def _in_threads(n, work):
+    """work(t) in n threads at once (started together at a barrier); no thread may raise."""
+    import threading
+    errors, barrier = [], threading.Barrier(n)
+
+    def run(t):
         try:
             barrier.wait()
-            own = cufuse.fuse(lambda a, b: a * b + float(t))      # traced in this thread
-            x = inputs["add_relu"][0]
-            for rep in range(4):
-                for n in names:
-                    got = calls[n][1](*inputs[n])
-                    np.testing.assert_array_equal(back(got), want[n], err_msg=f"thread {t}, {n}, round {rep}")
-                    out = got * 0 if lib != "numpy" else np.zeros_like(got)
-                    calls[n][1](*inputs[n], out=out)
-                    np.testing.assert_array_equal(back(out), want[n], err_msg=f"thread {t}, {n} out=, round {rep}")
-                r = back(own(x, x))
-                np.testing.assert_allclose(r, back(x).astype(np.float64) ** 2 + t, rtol=1e-6)
+            work(t)
         except Exception as e:  # noqa: BLE001 - reported below with its thread
-            errors.append(f"{type(e).__name__}: {str(e)[:400]}")
+            errors.append(f"thread {t}: {type(e).__name__}: {str(e)[:400]}")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(n)]
     for th in threads:
         th.start()
     for th in threads:
@@ -692,7 +701,6 @@ def test_threads_share_a_streams_buffer():
     stream's zeroed buffer: split and pipe norm rows (their workspace, re-zeroed by the rescue launch)
     against column sums (their tickets). Each recipe is queued whole under the lock, so every result
     equals the one-thread result."""
-    import threading
     import cupy as cp
     rng = np.random.default_rng(47)
     split = cp.asarray(rng.standard_normal((8, 300001)).astype(np.float32))  # odd rows: norm_rows_split
@@ -706,25 +714,15 @@ def test_threads_share_a_streams_buffer():
         D._stream_buffers.clear()
         want.append(cp.asnumpy(c()))
         assert list(D._stream_buffers) == [(0, cp.cuda.get_current_stream().ptr)], f"call {k}"
-    errors, barrier = [], threading.Barrier(2)
 
     def work(t):
-        try:
-            barrier.wait()
-            for rep in range(30):
-                order = calls if t == 0 else calls[::-1]
-                got = [c() for c in order]
-                for g, w, k in zip(got, want if t == 0 else want[::-1], range(len(calls))):
-                    np.testing.assert_array_equal(cp.asnumpy(g), w, err_msg=f"thread {t}, call {k}, round {rep}")
-        except Exception as e:  # noqa: BLE001 - reported below with its thread
-            errors.append(f"{type(e).__name__}: {str(e)[:400]}")
+        order = range(len(calls)) if t == 0 else range(len(calls) - 1, -1, -1)  # the other order in thread 1
+        for rep in range(30):
+            got = [(k, calls[k]()) for k in order]
+            for k, g in got:
+                np.testing.assert_array_equal(cp.asnumpy(g), want[k], err_msg=f"thread {t}, call {k}, round {rep}")
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(2)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(300)
-    assert not errors, "\n".join(errors[:5])
+    _in_threads(2, work)
 
 
 # ------------------------------------------- uploads kept by content (issue 37)
