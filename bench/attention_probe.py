@@ -1,6 +1,8 @@
 """Flash attention, forward and forward + backward, against torch's
 scaled_dot_product_attention with its flash backend (FlashAttention-2) and
-its cuDNN backend, same run (python3 bench/attention_probe.py [dtype] [quick]).
+its cuDNN backend, same run (python3 bench/attention_probe.py [dtype] [quick]
+[fwd]). On a Hopper GPU "cufuse" is the wgmma forward (attention_sm90.cu) and
+"cufuse80" the mma.sync one (attention.cu) forced; "fwd": forward only.
 
 TFLOP/s counts 4 * batch * heads * seq_q * seq_k * dim for the forward
 (two products), half of it under a causal mask, and 2.5 times the forward
@@ -35,6 +37,10 @@ def _regs(dt):
             fn = R.get_function(AT._part(d, ndt), AT._expr(kern, d, ndt), 0)
             print(f"  {kern:24} d{d}: {driver.funcGetAttribute(4, fn.ptr)} registers, "
                   f"{driver.funcGetAttribute(3, fn.ptr)} local bytes")
+        if AT._uses_sm90(0, d):
+            fn = R.get_function(AT._sm90_part(d, ndt), AT._sm90_expr(d, ndt), 0)
+            print(f"  {'attention_forward_sm90':24} d{d}: {driver.funcGetAttribute(4, fn.ptr)} registers, "
+                  f"{driver.funcGetAttribute(3, fn.ptr)} local bytes")
 
 
 def sweep(dt):
@@ -57,6 +63,33 @@ def sweep(dt):
             print(f"  d{d} tiles/warp {cfg[0]} keys {cfg[1]:3} warps {cfg[2]}: {us:8.1f} us {4 * b * h * seq * seq * d / us / 1e6:6.1f} "
                   f"TFLOP/s, {driver.funcGetAttribute(4, fn.ptr)} registers, {driver.funcGetAttribute(3, fn.ptr)} "
                   f"local bytes, max diff {err:.2g}")
+
+
+def sweep90(dt):
+    """The Hopper forward's (keys per tile, warpgroups) choices at seq 4096, causal and not: µs, TFLOP/s,
+    registers, spills, max difference from torch's flash backend."""
+    import importlib
+    from cupy.cuda import driver
+    from cufuse import _arrays as A
+    from cufuse import _runtime as R
+    AT = importlib.import_module("cufuse.ops.attention")
+    ndt = A.torch_to_numpy_dtype(dt)
+    cfgs = {64: [(128, 2), (64, 2), (128, 1), (64, 1)], 128: [(128, 2), (64, 1), (128, 1)]}
+    for d in DIMS:
+        seq, b, h = 4096, 4, 16
+        q, k, v = (torch.randn(b, h, seq, d, device="cuda").to(dt) for _ in range(3))
+        for causal in (False, True):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            for cfg in cfgs[d]:
+                AT._SM90_CFG[d] = cfg
+                fn = R.get_function(AT._sm90_part(d, ndt), AT._sm90_expr(d, ndt), 0)
+                err = (cufuse.attention(q, k, v, causal=causal).float() - want.float()).abs().max().item()
+                us = event_median(lambda: cufuse.attention(q, k, v, causal=causal), 10)
+                flops = 4 * b * h * seq * seq * d * (0.5 if causal else 1.0)
+                print(f"  d{d} causal {causal!s:5} keys {cfg[0]:3} warpgroups {cfg[1]}: {us:8.1f} us "
+                      f"{flops / us / 1e6:6.1f} TFLOP/s, {driver.funcGetAttribute(4, fn.ptr)} registers, "
+                      f"{driver.funcGetAttribute(3, fn.ptr)} local bytes, max diff {err:.2g}")
 
 
 def sweep_backward(dt):
@@ -109,13 +142,26 @@ def main():
     print(torch.cuda.get_device_name(), "torch", torch.__version__, dt)
     if "sweep" in sys.argv:
         return sweep(dt)
+    if "sweep90" in sys.argv:
+        return sweep90(dt)
     if "sweep_backward" in sys.argv:
         return sweep_backward(dt)
     if "score" in sys.argv:
         return score(dt)
     _regs(dt)
     print(f"{'seq':>6} {'d':>4} {'causal':>6} {'impl':8} {'fwd us':>9} {'TFLOP/s':>8} {'f+b us':>9} {'TFLOP/s':>8}")
-    impls = {"cufuse": lambda q, k, v, c: cufuse.attention(q, k, v, causal=c)}
+    import importlib
+    AT = importlib.import_module("cufuse.ops.attention")
+
+    def sm80(q, k, v, c):
+        AT._PATH = "sm80"
+        try:
+            return cufuse.attention(q, k, v, causal=c)
+        finally:
+            AT._PATH = None
+
+    impls = {"cufuse": lambda q, k, v, c: cufuse.attention(q, k, v, causal=c), "cufuse80": sm80}
+    fwd_only = "fwd" in sys.argv
     for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         def run(q, k, v, c, be=be):
             with sdpa_kernel(be):
@@ -150,7 +196,7 @@ def main():
                     def step():
                         torch.autograd.grad(fn(q, k, v, causal), (q, k, v), go)
 
-                    fus, sus = event_median(fwd, 10), event_median(step, 10)
+                    fus, sus = event_median(fwd, 10), (float("nan") if fwd_only else event_median(step, 10))
                     print(f"{seq:6} {d:4} {causal!s:>6} {name:8} {fus:9.1f} {flops / fus / 1e6:8.1f} {sus:9.1f} "
                           f"{3.5 * flops / sus / 1e6:8.1f}")
 

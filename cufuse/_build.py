@@ -15,12 +15,13 @@ from . import _runtime as R
 def _compile(source, options, arch, names):
     """(binary kind, {name expression: mangled name}) for one architecture."""
     import cupy.cuda.compiler as cc
+    target = R.arch_options(names, int(arch)) or (f"-arch=sm_{arch}",)
     try:  # a real cubin (ptxas runs too); private CuPy API, so keep a fallback
         prog = cc._NVRTCProgram(source, "cufuse_build.cu", (), (), name_expressions=names, method="cubin")
-        _, mapping = prog.compile(options + (f"-arch=sm_{arch}", "--device-as-default-execution-space"))
+        _, mapping = prog.compile(options + target + ("--device-as-default-execution-space",))
         return "cubin", mapping
     except (AttributeError, TypeError):
-        _, mapping = cc.compile_using_nvrtc(source, options=options + ("-dlto",), arch=arch,
+        _, mapping = cc.compile_using_nvrtc(source, options=options + R.arch_options(names, int(arch)) + ("-dlto",), arch=arch,
                                             name_expressions=names, method="lto")
         return "ltoir", mapping
 
@@ -49,10 +50,10 @@ def build(archs, out=sys.stdout, family="", verbose=False) -> int:
     for family, entries in sorted(families.items()):
         source = R.load_source(family)
         for arch in archs:
-            names = sorted(e for e in entries if int(arch) >= R.min_arch(e))
+            names = sorted(e for e in entries if R.builds_for(e, int(arch)))
             skipped = len(entries) - len(names)
             if skipped:
-                print(f"skip sm_{arch} {family}: {skipped} kernels need a newer architecture", file=out)
+                print(f"skip sm_{arch} {family}: {skipped} kernels need another architecture", file=out)
             if not names:
                 continue
             t0 = time.perf_counter()

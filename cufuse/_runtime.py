@@ -125,6 +125,7 @@ def compile_options() -> tuple[str, ...]:
 # family -> {name expression: (label, dtype name)}; filled by the op modules.
 _REGISTRY: dict[str, dict[str, tuple[str, str]]] = {}
 _MIN_ARCH: dict[str, int] = {}
+_SPECIFIC: set[str] = set()  # expressions using their architecture's own features (sm_90a's wgmma)
 
 
 def name_expression(kernel: str, *template_args: str) -> str:
@@ -133,15 +134,23 @@ def name_expression(kernel: str, *template_args: str) -> str:
     return f"{kernel}<{', '.join(template_args)}>"
 
 
-def register(family: str, expression: str, label: str, dtype: str, min_arch: int = 0) -> str:
+def register(family: str, expression: str, label: str, dtype: str, min_arch: int = 0,
+             specific: bool = False) -> str:
     """Add ``expression`` to ``family``: ``kernels/<file>.cu`` where family
     is ``file`` or ``file:part``. Each family is one module, compiled on first
     use, so parts split a large file into what a first call needs.
-    ``min_arch`` (e.g. 90): the lowest compute capability it compiles for."""
+    ``min_arch`` (e.g. 90): the lowest compute capability it compiles for.
+    ``specific``: it uses that architecture's own features (``sm_90a``), so it
+    compiles and runs on exactly ``min_arch``; a family holds only such
+    expressions or none."""
+    if specific and not min_arch:
+        raise ValueError(f"register {expression!r}: specific needs its min_arch")
     with _lock:
         _REGISTRY.setdefault(family, {})[expression] = (label, dtype)
         if min_arch:
             _MIN_ARCH[expression] = min_arch
+        if specific:
+            _SPECIFIC.add(expression)
         # A module already built for this family lacks the new expression.
         for key in [k for k in _modules if k[0] == family]:
             del _modules[key]
@@ -155,6 +164,19 @@ def registry() -> dict[str, dict[str, tuple[str, str]]]:
 def min_arch(expression: str) -> int:
     """Lowest compute capability (e.g. 90) ``expression`` compiles for; 0: any."""
     return _MIN_ARCH.get(expression, 0)
+
+
+def builds_for(expression: str, arch: int) -> bool:
+    """``expression`` compiles for compute capability ``arch`` (e.g. 90)."""
+    low = _MIN_ARCH.get(expression, 0)
+    return arch >= low and (expression not in _SPECIFIC or arch == low)
+
+
+def arch_options(expressions, arch: int) -> tuple[str, ...]:
+    """NVRTC options that select the architecture-specific target (``-arch=sm_90a``) for a module holding
+    ``expressions`` built for ``arch``; () for portable code. CuPy appends its own ``-arch=sm_90`` after
+    these: NVRTC then builds for sm_90a (checked: wgmma compiles only so)."""
+    return (f"-arch=sm_{arch}a",) if any(e in _SPECIFIC for e in expressions) else ()
 
 
 # -------------------------------------------------------------------- modules
@@ -177,8 +199,8 @@ def _module(family: str, device: int):
         exprs = sorted(_REGISTRY.get(family, {}))
         if not exprs:
             raise KeyError(f"no kernels registered for family {family!r}")
-        mod = _cp.RawModule(code=load_source(family), options=compile_options(),
-                            name_expressions=exprs)
+        options = compile_options() + arch_options(exprs, compute_capability(device))
+        mod = _cp.RawModule(code=load_source(family), options=options, name_expressions=exprs)
         _modules[key] = mod
     return mod
 

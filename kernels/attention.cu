@@ -112,66 +112,19 @@ __global__ void __launch_bounds__(WARPS * 32)
         const int n0 = j * BN;
         if (n0 + BN > seq_k || (causal && n0 + BN - 1 > m0 + wr + shift)) {  // a tile on an edge: mask
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                for (int nt = 0; nt < BN / 8; ++nt) {
-#pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), row = ra + 16 * mt + (e >> 1) * 8;
-                        if (col >= seq_k || (causal && col > row + shift)) s[mt][nt][e] = ninf();
-                    }
-                }
-            }
+            for (int mt = 0; mt < MT; ++mt) mask_scores<BN>(s[mt], n0, ra + 16 * mt, seq_k, causal, shift, lane);
         }
-        // online softmax in log2 units (scale_log2 > 0: the host sends other scales to the dense path):
-        // the row max of the raw scores, scaled once per row; the output rescaled only when a max grew
+        // online softmax in log2 units; the output rescaled only when a row max grew
         float base[MT][2];
         bool grew = false;
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                float m = ninf();
-#pragma unroll
-                for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(s[mt][nt][2 * r], s[mt][nt][2 * r + 1]));
-                m = quad_max(m);
-                m = m == ninf() ? ninf() : m * scale_log2;
-                grew |= m > mx[mt][r];
-                base[mt][r] = fmaxf(m, mx[mt][r]);
-            }
-        }
+        for (int mt = 0; mt < MT; ++mt) grew |= new_max<BN>(base[mt], s[mt], mx[mt], scale_log2);
         if (__any_sync(0xffffffffu, grew)) {
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-                for (int r = 0; r < 2; ++r) {
-                    // (a row with nothing seen yet: mx = -inf, alpha = 0, and acc and sum are 0 anyway)
-                    const float alpha = ex2(mx[mt][r] - (base[mt][r] == ninf() ? 0.0f : base[mt][r]));
-                    sum[mt][r] *= alpha;
-#pragma unroll
-                    for (int dt = 0; dt < D / 8; ++dt) {
-                        acc[mt][dt][2 * r] *= alpha;
-                        acc[mt][dt][2 * r + 1] *= alpha;
-                    }
-                }
-            }
+            for (int mt = 0; mt < MT; ++mt) rescale<D>(acc[mt], sum[mt], mx[mt], base[mt]);
         }
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                mx[mt][r] = base[mt][r];
-                const float nb = base[mt][r] == ninf() ? 0.0f : -base[mt][r];
-                float l = 0.0f;
-#pragma unroll
-                for (int nt = 0; nt < BN / 8; ++nt) {
-                    s[mt][nt][2 * r] = ex2(fmaf(s[mt][nt][2 * r], scale_log2, nb));
-                    s[mt][nt][2 * r + 1] = ex2(fmaf(s[mt][nt][2 * r + 1], scale_log2, nb));
-                    l += s[mt][nt][2 * r] + s[mt][nt][2 * r + 1];
-                }
-                sum[mt][r] += l;
-            }
-        }
+        for (int mt = 0; mt < MT; ++mt) exponentiate<BN>(s[mt], mx[mt], sum[mt], base[mt], scale_log2);
         unsigned pf[MT][BN / 16][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) c_to_a<BN, T>(pf[mt], s[mt]);
@@ -179,19 +132,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     cp_async_wait<0>();
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) sum[mt][r] = quad_sum(sum[mt][r]);
-        store_c<D, T>(o, sos, acc[mt], m0 + wr + 16 * mt, seq_q, sum[mt][0] > 0.0f ? 1.0f / sum[mt][0] : 0.0f,
-                      sum[mt][1] > 0.0f ? 1.0f / sum[mt][1] : 0.0f, lane);
-        if ((lane & 3) == 0) {
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = ra + 16 * mt + r * 8;
-                if (row < seq_q) lse[row] = sum[mt][r] > 0.0f ? (mx[mt][r] + log2f(sum[mt][r])) * kLn2 : ninf();
-            }
-        }
-    }
+    for (int mt = 0; mt < MT; ++mt) finish_rows<D, T>(o, sos, lse, acc[mt], sum[mt], mx[mt], m0 + wr + 16 * mt, seq_q, lane);
 }
 
 // ------------------------------------------------------------------ delta

@@ -62,6 +62,28 @@ __device__ __forceinline__ void load_rows(T* s, const T* g, long long ld, int ro
     }
 }
 
+// The same into a tile in the 128-byte swizzled layout wgmma reads
+// (wgmma.cuh): COLS / 64 column blocks of [ROWS][64], chunk c of row r at
+// chunk c ^ (r % 8). A thread copies one chunk column c of the rows r0,
+// r0 + STEP, ... (consecutive threads: consecutive chunks of a row); STEP is
+// a multiple of 8, so its swizzled position is the same in each: one source
+// pointer and one shared offset per thread, advanced by constants.
+template <int ROWS, int COLS, int THREADS, typename T>
+__device__ __forceinline__ void load_swizzled(T* s, const T* g, long long ld, int row0, int limit, int tid) {
+    constexpr int CHUNKS = COLS / 8, STEP = THREADS / CHUNKS;
+    static_assert(THREADS % CHUNKS == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "whole swizzle rows per pass");
+    const int r0 = tid / CHUNKS, c = tid % CHUNKS;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(s) + (c >> 3) * (ROWS * 128) + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
+    const T* src = g + (row0 + r0) * ld + c * 8;
+    const int left = limit - row0 - r0;  // rows r0 + STEP * it < left are in the view
+#pragma unroll
+    for (int it = 0; it < ROWS / STEP; ++it) {
+        const bool valid = STEP * it < left;
+        cp_async16(dst + it * STEP * 128, valid ? src : g, valid);
+        src += STEP * ld;
+    }
+}
+
 // The four 8x8 16-bit matrices whose rows lanes 8i..8i+7 address (a shared
 // address: the callers add compile-time offsets to one per-lane base, so no
 // pointer per fragment stays live in registers).
@@ -235,6 +257,116 @@ __device__ __forceinline__ void store_c(T* g, long long ld, const float (&c)[N /
         }
         if (rb < limit) {
             *reinterpret_cast<unsigned*>(g + rb * ld + nt * 8 + col) = mma_kind<T>::pack(c[nt][2] * fb, c[nt][3] * fb);
+        }
+    }
+}
+
+// ------------------------------------------------- the online softmax
+// One 16-row tile of a warp: scores s[BN / 8][4] and output accumulator
+// acc[D / 8][4] in the C layout above (the thread's rows g and g + 8: index
+// r = 0, 1), its running row max mx (log2 units) and sum. Shared by the
+// mma.sync and the wgmma forward (kernels/wgmma.cuh: the same layout).
+
+// Scores of keys >= seq_k, or (causal) above the diagonal, to -inf; the
+// tile's keys start at n0, the thread's first row is `row`.
+template <int BN>
+__device__ __forceinline__ void mask_scores(float (&s)[BN / 8][4], int n0, int row, int seq_k, bool causal,
+                                            int shift, int lane) {
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int col = n0 + nt * 8 + (lane & 3) * 2 + (e & 1), r = row + (e >> 1) * 8;
+            if (col >= seq_k || (causal && col > r + shift)) s[nt][e] = ninf();
+        }
+    }
+}
+
+// The new row max (base, log2 units) of each row over the tile's raw scores
+// (scale_log2 > 0: the host sends other scales to the dense path); true
+// where one grew.
+template <int BN>
+__device__ __forceinline__ bool new_max(float (&base)[2], const float (&s)[BN / 8][4], const float (&mx)[2],
+                                        float scale_log2) {
+    bool grew = false;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float m = ninf();
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) m = fmaxf(m, fmaxf(s[nt][2 * r], s[nt][2 * r + 1]));
+        m = quad_max(m);
+        m = m == ninf() ? ninf() : m * scale_log2;
+        grew |= m > mx[r];
+        base[r] = fmaxf(m, mx[r]);
+    }
+    return grew;
+}
+
+// The factors from the old row max to the new (a row with nothing seen yet:
+// mx = -inf, alpha = 0, and its acc and sum are 0 anyway).
+__device__ __forceinline__ void alphas(float (&alpha)[2], const float (&mx)[2], const float (&base)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) alpha[r] = ex2(mx[r] - (base[r] == ninf() ? 0.0f : base[r]));
+}
+
+// acc's two rows scaled by their factors.
+template <int D> __device__ __forceinline__ void scale_rows(float (&acc)[D / 8][4], const float (&alpha)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+        acc[dt][0] *= alpha[0];
+        acc[dt][1] *= alpha[0];
+        acc[dt][2] *= alpha[1];
+        acc[dt][3] *= alpha[1];
+    }
+}
+
+// acc and sum rescaled from the old max to the new.
+template <int D>
+__device__ __forceinline__ void rescale(float (&acc)[D / 8][4], float (&sum)[2], const float (&mx)[2],
+                                        const float (&base)[2]) {
+    float alpha[2];
+    alphas(alpha, mx, base);
+    sum[0] *= alpha[0];
+    sum[1] *= alpha[1];
+    scale_rows<D>(acc, alpha);
+}
+
+// Scores to probabilities 2^(s * scale_log2 - base) (one FFMA and one ex2
+// each), their row sums added to sum; mx becomes base.
+template <int BN>
+__device__ __forceinline__ void exponentiate(float (&s)[BN / 8][4], float (&mx)[2], float (&sum)[2],
+                                             const float (&base)[2], float scale_log2) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        mx[r] = base[r];
+        const float nb = base[r] == ninf() ? 0.0f : -base[r];
+        float l = 0.0f;
+#pragma unroll
+        for (int nt = 0; nt < BN / 8; ++nt) {
+            s[nt][2 * r] = ex2(fmaf(s[nt][2 * r], scale_log2, nb));
+            s[nt][2 * r + 1] = ex2(fmaf(s[nt][2 * r + 1], scale_log2, nb));
+            l += s[nt][2 * r] + s[nt][2 * r + 1];
+        }
+        sum[r] += l;
+    }
+}
+
+// The tile's output rows (row0 + g, + 8; rows >= seq_q skipped) divided by
+// their sums, and their log-sum-exp (natural log; -inf for a row that saw
+// no key, whose output is 0).
+template <int D, typename T>
+__device__ __forceinline__ void finish_rows(T* o, long long sos, float* lse, const float (&acc)[D / 8][4],
+                                            float (&sum)[2], const float (&mx)[2], int row0, int seq_q,
+                                            int lane) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) sum[r] = quad_sum(sum[r]);
+    store_c<D, T>(o, sos, acc, row0, seq_q, sum[0] > 0.0f ? 1.0f / sum[0] : 0.0f,
+                  sum[1] > 0.0f ? 1.0f / sum[1] : 0.0f, lane);
+    if ((lane & 3) == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int row = row0 + (lane >> 2) + r * 8;
+            if (row < seq_q) lse[row] = sum[r] > 0.0f ? (mx[r] + log2f(sum[r])) * 0.6931471805599453f : ninf();
         }
     }
 }

@@ -24,12 +24,15 @@ def report(prefix: str, arch: str = "90") -> int:
     for family, entries in sorted(R.registry().items()):
         if not family.startswith(prefix):
             continue
-        names = sorted(e for e in entries if int(arch) >= R.min_arch(e))
+        names = sorted(e for e in entries if R.builds_for(e, int(arch)))
+        if not names:
+            continue
         prog = nvrtc.createProgram(R.load_source(family), "cufuse.cu", [], [])
         for n in names:
             nvrtc.addNameExpression(prog, n)
         try:
-            nvrtc.compileProgram(prog, [*R.compile_options(), f"-arch=sm_{arch}", "--ptxas-options=-v",
+            nvrtc.compileProgram(prog, [*R.compile_options(), *(R.arch_options(names, int(arch)) or (f"-arch=sm_{arch}",)),
+                                        "--ptxas-options=-v",
                                         "--device-as-default-execution-space"])
         except Exception as e:  # a compile error: NVRTC's log says where
             print(f"{family}: {e}\n{nvrtc.getProgramLog(prog)}")

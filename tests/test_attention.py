@@ -5,6 +5,7 @@ not, grouped-query heads, odd and zero sequence lengths, head dims 16 to
 autograd of the reference and by gradcheck; determinism; errors."""
 from __future__ import annotations
 
+import importlib
 import math
 
 import numpy as np
@@ -101,6 +102,41 @@ def test_forward(backend, dt, case, causal):
     _check(got, want_o, dt, "o")
     assert backend.to_numpy(lse).dtype == (np.float64 if dt == np.float64 else np.float32)
     _check(backend.to_numpy(lse), want_lse, np.float32 if dt != np.float64 else dt, "lse")
+
+
+SM90_CASES = {  # head dims the Hopper forward has; tails of its 128-row blocks and 128-key tiles
+    "d64": (2, 4, 2, 129, 300, 64),
+    "d128": (1, 3, 3, 200, 257, 128),
+    "d128_one": (1, 1, 1, 1, 1, 128),
+    "d64_short_q": (1, 2, 1, 7, 1000, 64),
+}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("path", ["auto", "sm80"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", list(SM90_CASES))
+@pytest.mark.parametrize("dt", ["float16", "bfloat16"])
+def test_forward_paths(monkeypatch, dt, case, causal, path):
+    """Both tensor-core forwards (on a compute capability 9.0 GPU "auto" is the wgmma one, and the mma.sync one
+    is forced) against the float64 reference, on torch tensors, the output poisoned first."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device")
+    AT = importlib.import_module("cufuse.ops.attention")  # (cufuse.ops.attention is also the function's name)
+    if path == "sm80":
+        monkeypatch.setattr(AT, "_PATH", "sm80")
+    d = SM90_CASES[case][-1]
+    assert AT._uses_sm90(0, d) == (path == "auto" and torch.cuda.get_device_capability() == (9, 0))
+    ndt = BF16 if dt == "bfloat16" else np.dtype(dt)
+    q, k, v = _inputs(SM90_CASES[case], np.dtype(np.float32), 11)
+    tq, tk, tv = (torch.from_numpy(x).to("cuda", getattr(torch, dt)) for x in (q, k, v))
+    torch.full((q.size * 4,), float("nan"), device="cuda")
+    o, lse = cufuse.attention(tq, tk, tv, causal=causal, return_lse=True)
+    rq, rk, rv = (x.double().cpu().numpy() for x in (tq, tk, tv))  # the rounded inputs
+    want_o, want_lse = _reference(rq, rk, rv, 1 / math.sqrt(d), causal)
+    _check(o.double().cpu().numpy(), want_o, ndt, "o")
+    _check(lse.double().cpu().numpy(), want_lse, np.float32, "lse")
 
 
 @pytest.mark.parametrize("shape", [(1, 2, 2, 0, 5, 64), (1, 2, 2, 5, 0, 64), (0, 2, 1, 5, 5, 32)])

@@ -157,6 +157,19 @@ def test_family_parts_share_one_source():
     assert cluster and all(R.min_arch(e) == 90 for e in cluster)
 
 
+def test_architecture_specific_kernels():
+    """The wgmma forward builds for sm_90a only: not for sm_80, nor for sm_100 (another architecture's own
+    features); a portable sm_90 kernel builds for every newer one."""
+    sm90 = [e for f, fam in R.registry().items() if f.startswith("attention_sm90") for e in fam]
+    cluster = [e for fam in R.registry().values() for e in fam if e.startswith("norm_rows_cluster")]
+    assert sm90 and cluster
+    assert all(R.builds_for(e, 90) and not R.builds_for(e, 80) and not R.builds_for(e, 100) for e in sm90)
+    assert all(R.builds_for(e, 90) and R.builds_for(e, 100) and not R.builds_for(e, 80) for e in cluster)
+    assert R.arch_options(sm90, 90) == ("-arch=sm_90a",) and R.arch_options(cluster, 90) == ()
+    with pytest.raises(ValueError, match="specific needs its min_arch"):
+        R.register("attention_sm90:test", "nothing<1>", "x", "float16", specific=True)
+
+
 # --------------------------------------------------------------------- CLIs
 def _need_nvrtc():
     try:
@@ -169,7 +182,8 @@ def _need_nvrtc():
 # Every family is compiled by CI itself (.ci/run: python -m cufuse build --arch
 # sm_80,sm_90, which exits non-zero on any failure); here the CLI's output is
 # checked on the families of one kind, which compile in seconds, not minutes.
-@pytest.mark.parametrize("archs,family", [("sm_90", "cross_entropy"), ("sm_80,sm_90", "reduction:final")])
+@pytest.mark.parametrize("archs,family", [("sm_90", "cross_entropy"), ("sm_80,sm_90", "reduction:final"),
+                                          ("sm_80,sm_90", "attention_sm90:64_float16")])
 def test_build_cli_compiles_every_kernel(archs, family):
     _need_nvrtc()
     p = run_py(["-m", "cufuse", "build", "--arch", archs, "--family", family, "-v"])
@@ -179,7 +193,7 @@ def test_build_cli_compiles_every_kernel(archs, family):
     assert expressions
     ok = [line for line in p.stdout.splitlines() if line.startswith("ok ")]
     arch_list = archs.split(",")
-    wanted = [(a, e) for a in arch_list for e in expressions if int(a.removeprefix("sm_")) >= R.min_arch(e)]
+    wanted = [(a, e) for a in arch_list for e in expressions if R.builds_for(e, int(a.removeprefix("sm_")))]
     assert len(ok) == len(wanted)
     for arch, e in wanted:
         hits = [line for line in ok if f" {arch} " in line and line.endswith(" " + e)]

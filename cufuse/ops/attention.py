@@ -36,6 +36,11 @@ _BWD_CFG = {d: ((4, 1, 64 if d <= 64 else 32), (4, 1, 64 if d <= 64 else 32)) fo
 # V tile (H200 sweep, bench/NOTES.md: `attention_probe.py float16 sweep`).
 _FWD_CFG = {d: (2, 64, 4 if d <= 64 else 8) for d in HEAD_DIMS}
 _KERNELS = ("attention_forward", "attention_backward_kv", "attention_backward_q")
+# The Hopper forward (kernels/attention_sm90.cu: wgmma, compiled for sm_90a and run on compute capability 9.0
+# only) per head dim: (keys per tile, warpgroups of 64 query rows per block). Other head dims and GPUs: the
+# mma.sync forward above. _PATH = "sm80" forces that one (the tests run both on a Hopper GPU).
+_SM90_CFG = {64: (128, 2), 128: (128, 2)}
+_PATH = None
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
 
@@ -72,6 +77,28 @@ def register_all():
 
 
 register_all()
+
+
+def _sm90_part(d, dt):
+    return f"{FAMILY}_sm90:{d}_{dt.name}"
+
+
+def _sm90_expr(d, dt):
+    """The Hopper forward's name expression (registered on first use of a tile choice)."""
+    key = (d, dt, _SM90_CFG[d])
+    e = _SM90_EXPRS.get(key)
+    if e is None:
+        bn, wgs = _SM90_CFG[d]
+        e = _SM90_EXPRS[key] = R.register(
+            _sm90_part(d, dt), R.name_expression("attention_forward_sm90", R.FLOAT_CTYPES[dt], str(d), str(bn),
+                                                 str(wgs)), f"forward sm90 d{d}", dt.name, min_arch=90, specific=True)
+    return e
+
+
+_SM90_EXPRS: dict = {}
+for _dt in A.HALVES:
+    for _d in _SM90_CFG:
+        _sm90_expr(_d, _dt)
 _DELTA = {dt: R.register(f"{FAMILY}:delta", R.name_expression("attention_delta", R.FLOAT_CTYPES[dt]), "delta",
                          dt.name) for dt in A.HALVES}
 
@@ -104,8 +131,14 @@ def _fwd_rows(d):
     return 16 * _FWD_CFG[d][0] * _FWD_CFG[d][2]
 
 
+def _sm90_rows(d):
+    return 64 * _SM90_CFG[d][1]
+
+
 def _shared_bytes(kern, d, item):
-    """Dynamic shared memory of a launch (kernels/attention.cu's tiles)."""
+    """Dynamic shared memory of a launch (kernels/attention.cu's and attention_sm90.cu's tiles)."""
+    if kern == "attention_forward_sm90":  # Q, then K and V double-buffered, unpadded (swizzled)
+        return (_sm90_rows(d) + 4 * _SM90_CFG[d][0]) * d * item
     lds = d + 8
     if kern == "attention_forward":
         return (_fwd_rows(d) + 4 * _FWD_CFG[d][1]) * lds * item
@@ -296,14 +329,33 @@ def _strides(x, kind):
 
 
 def _warps(kern, d):
+    if kern == "attention_forward_sm90":
+        return 4 * _SM90_CFG[d][1]
     return {"attention_forward": _FWD_CFG[d][2], "attention_backward_kv": _BWD_CFG[d][0][0],
             "attention_backward_q": _BWD_CFG[d][1][0]}[kern]
 
 
 def _launch(kind, dev, kern, d, dt, blocks, args):
-    fn = R.get_function(_part(d, dt), _expr(kern, d, dt), dev)
+    if kern == "attention_forward_sm90":
+        fn = R.get_function(_sm90_part(d, dt), _sm90_expr(d, dt), dev)
+    else:
+        fn = R.get_function(_part(d, dt), _expr(kern, d, dt), dev)
     warps = _warps(kern, d)
     R.launch_grid(fn, (blocks,), (32 * warps,), args, D.stream_for(kind, dev), _shared_bytes(kern, d, dt.itemsize))
+
+
+def _uses_sm90(dev, d):
+    """The forward runs the wgmma kernel: a compute capability 9.0 GPU, a head dim it has, its shared memory
+    within the block's opt-in, and not forced off (_PATH)."""
+    key = (dev, d, _PATH, _SM90_CFG.get(d))
+    use = _SM90_FITS.get(key)
+    if use is None:
+        use = _SM90_FITS[key] = (_PATH != "sm80" and d in _SM90_CFG and R.compute_capability(dev) == 90
+                                 and _shared_bytes("attention_forward_sm90", d, 2) <= R.shared_optin(dev))
+    return use
+
+
+_SM90_FITS: dict = {}
 
 
 def _gpu_forward(kind, dt, dev, q, k, v, scale, causal):
@@ -313,10 +365,11 @@ def _gpu_forward(kind, dt, dev, q, k, v, scale, causal):
         q, k, v = (_kernel_view(x, kind) for x in (q, k, v))
         o = D.empty((b, h, sq, d), dt, kind, dev)
         lse = D.empty((b, h, sq), _F32, kind, dev)
-        tiles, bh = -(-sq // _fwd_rows(d)), b * h
+        sm90 = _uses_sm90(dev, d)
+        tiles, bh = -(-sq // (_sm90_rows(d) if sm90 else _fwd_rows(d))), b * h
         if tiles and bh:
             p = A.pointer_of
-            _launch(kind, dev, "attention_forward", d, dt, tiles * bh,
+            _launch(kind, dev, "attention_forward_sm90" if sm90 else "attention_forward", d, dt, tiles * bh,
                     (p(o, kind), p(lse, kind), p(q, kind), p(k, kind), p(v, kind), *_strides(q, kind),
                      *_strides(k, kind), *_strides(v, kind), *_strides(o, kind), np.int32(bh), np.int32(h),
                      np.int32(h // hk), np.int32(sq), np.int32(sk), np.int32(tiles), np.float32(scale * _LOG2E),
