@@ -82,7 +82,7 @@ FLOATS = {d.name for d in A.FLOAT_DTYPES}  # bfloat16 among them where ml_dtypes
 _BWD_EXPR = re.compile(r"(norm_backward|softmax_backward|add_norm_forward)<([\w ]+), (\d+)(?:, (?:true|false))+>"
                        r"|(cross_entropy_forward|cross_entropy_backward|rope)<([\w ]+)>"
                        r"|(scatter_add_forward|scatter_add_backward)<([\w ]+), \d>"
-                       r"|(attention_forward|attention_backward_kv|attention_backward_q|attention_delta|attention_score)"
+                       r"|(attention_forward|attention_forward_sm90|attention_backward_kv|attention_backward_q|attention_delta|attention_score)"
                        r"<([\w ]+)(?:, \d+)*>")
 
 
