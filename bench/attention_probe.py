@@ -74,7 +74,7 @@ def sweep90(dt):
     from cufuse import _runtime as R
     AT = importlib.import_module("cufuse.ops.attention")
     ndt = A.torch_to_numpy_dtype(dt)
-    cfgs = {64: [(128, 2), (64, 2), (128, 1), (64, 1)], 128: [(128, 2), (64, 1), (128, 1)]}
+    cfgs = {64: [(64, 2), (64, 3), (64, 4), (128, 1)], 128: [(128, 2), (64, 3), (64, 2)]}
     for d in DIMS:
         seq, b, h = 4096, 4, 16
         q, k, v = (torch.randn(b, h, seq, d, device="cuda").to(dt) for _ in range(3))

@@ -71,13 +71,14 @@ __device__ __forceinline__ void load_rows(T* s, const T* g, long long ld, int ro
 template <int ROWS, int COLS, int THREADS, typename T>
 __device__ __forceinline__ void load_swizzled(T* s, const T* g, long long ld, int row0, int limit, int tid) {
     constexpr int CHUNKS = COLS / 8, STEP = THREADS / CHUNKS;
-    static_assert(THREADS % CHUNKS == 0 && STEP % 8 == 0 && ROWS % STEP == 0, "whole swizzle rows per pass");
+    static_assert(THREADS % CHUNKS == 0 && STEP % 8 == 0, "whole swizzle rows per pass");
     const int r0 = tid / CHUNKS, c = tid % CHUNKS;
     unsigned char* dst = reinterpret_cast<unsigned char*>(s) + (c >> 3) * (ROWS * 128) + r0 * 128 + (((c & 7) ^ (r0 & 7)) << 4);
     const T* src = g + (row0 + r0) * ld + c * 8;
     const int left = limit - row0 - r0;  // rows r0 + STEP * it < left are in the view
 #pragma unroll
-    for (int it = 0; it < ROWS / STEP; ++it) {
+    for (int it = 0; it < (ROWS + STEP - 1) / STEP; ++it) {
+        if (ROWS % STEP != 0 && r0 + STEP * it >= ROWS) break;
         const bool valid = STEP * it < left;
         cp_async16(dst + it * STEP * 128, valid ? src : g, valid);
         src += STEP * ld;

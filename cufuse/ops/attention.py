@@ -39,7 +39,7 @@ _KERNELS = ("attention_forward", "attention_backward_kv", "attention_backward_q"
 # The Hopper forward (kernels/attention_sm90.cu: wgmma, compiled for sm_90a and run on compute capability 9.0
 # only) per head dim: (keys per tile, warpgroups of 64 query rows per block). Other head dims and GPUs: the
 # mma.sync forward above. _PATH = "sm80" forces that one (the tests run both on a Hopper GPU).
-_SM90_CFG = {64: (128, 2), 128: (128, 2)}
+_SM90_CFG = {64: (64, 2), 128: (128, 2)}
 _PATH = None
 _LOG2E = 1.4426950408889634
 _F32 = np.dtype(np.float32)
