@@ -176,7 +176,7 @@ def arch_options(expressions, arch: int) -> tuple[str, ...]:
     """NVRTC options that select the architecture-specific target (``-arch=sm_90a``) for a module holding
     ``expressions`` built for ``arch``; () for portable code. CuPy appends its own ``-arch=sm_90`` after
     these: NVRTC then builds for sm_90a (checked: wgmma compiles only so)."""
-    return (f"-arch=sm_{arch}a",) if any(e in _SPECIFIC for e in expressions) else ()
+    return (f"-arch=sm_{arch}a",) if any(e in _SPECIFIC for e in expressions or ()) else ()
 
 
 # -------------------------------------------------------------------- modules
