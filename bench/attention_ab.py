@@ -1,6 +1,7 @@
 """The attention forward of this tree, timed alone (CUDA events, median of
 10), for comparing two trees in one device call: PYTHONPATH=<tree> python3
-bench/attention_ab.py. Prints µs and TFLOP/s per case, both paths on Hopper."""
+bench/attention_ab.py [dims, e.g. 64,96,128]. Prints µs and TFLOP/s per case,
+both paths on Hopper (a tree without the Hopper kernel runs its one path twice)."""
 import importlib
 import sys
 
@@ -11,8 +12,9 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from _common import event_median  # noqa: E402
 
 AT = importlib.import_module("cufuse.ops.attention")
+DIMS = [int(x) for x in sys.argv[1].split(",")] if len(sys.argv) > 1 else [64, 128]
 for seq in (4096, 16384):
-    for d in (64, 128):
+    for d in DIMS:
         b, h = max(1, 16384 * 16 // seq // 16), 16
         q, k, v = (torch.randn(b, h, seq, d, device="cuda", dtype=torch.float16) for _ in range(3))
         for path in (None, "sm80"):
