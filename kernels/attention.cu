@@ -53,23 +53,14 @@ __global__ void __launch_bounds__(WARPS * 32)
     T* sk = sq + BM * LDS;
     T* sv = sk + 2 * BN * LDS;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    // the heaviest (last, under a causal mask) row tiles first
-    const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
-    const int b = bh / heads, h = bh % heads, hk = h / group;
-    const int m0 = tile * BM, wr = warp * 16 * MT;
-    q += b * sqb + h * sqh;
-    o += b * sob + h * soh;
-    k += b * skb + hk * skh;
-    v += b * svb + hk * svh;
-    lse += static_cast<long long>(bh) * seq_q;
-    const int shift = seq_k - seq_q;
-    const int n_end = causal ? max(0, min(seq_k, m0 + BM + shift)) : seq_k;
-    const int n_tiles = (n_end + BN - 1) / BN;
+    const ForwardTile<T> t = forward_tile<BM, BN>(o, lse, q, k, v, sqb, sqh, skb, skh, svb, svh, sob, soh, bh_count,
+                                                  heads, group, seq_q, seq_k, tiles, causal);
+    const int m0 = t.m0, shift = t.shift, n_tiles = t.n_tiles, wr = warp * 16 * MT;
 
-    load_rows<BM, D, THREADS>(sq, q, sqs, m0, seq_q, tid);
+    load_rows<BM, D, THREADS>(sq, t.q, sqs, m0, seq_q, tid);
     if (n_tiles > 0) {
-        load_rows<BN, D, THREADS>(sk, k, sks, 0, seq_k, tid);
-        load_rows<BN, D, THREADS>(sv, v, svs, 0, seq_k, tid);
+        load_rows<BN, D, THREADS>(sk, t.k, sks, 0, seq_k, tid);
+        load_rows<BN, D, THREADS>(sv, t.v, svs, 0, seq_k, tid);
     }
     cp_async_commit();
 
@@ -94,8 +85,8 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
         if (j + 1 < n_tiles) {
             const int nb = ((j + 1) & 1) * BN * LDS;
-            load_rows<BN, D, THREADS>(sk + nb, k, sks, (j + 1) * BN, seq_k, tid);
-            load_rows<BN, D, THREADS>(sv + nb, v, svs, (j + 1) * BN, seq_k, tid);
+            load_rows<BN, D, THREADS>(sk + nb, t.k, sks, (j + 1) * BN, seq_k, tid);
+            load_rows<BN, D, THREADS>(sv + nb, t.v, svs, (j + 1) * BN, seq_k, tid);
         }
         cp_async_commit();
         const T* ck = sk + (j & 1) * BN * LDS;
@@ -132,7 +123,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     cp_async_wait<0>();
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) finish_rows<D, T>(o, sos, lse, acc[mt], sum[mt], mx[mt], m0 + wr + 16 * mt, seq_q, lane);
+    for (int mt = 0; mt < MT; ++mt) finish_rows<D, T>(t.o, sos, t.lse, acc[mt], sum[mt], mx[mt], m0 + wr + 16 * mt, seq_q, lane);
 }
 
 // ------------------------------------------------------------------ delta

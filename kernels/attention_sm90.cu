@@ -58,26 +58,17 @@ __global__ void __launch_bounds__(WGS * 128, 1)
     T* sk = sq + BM * D;
     T* sv = sk + 2 * BN * D;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    // the heaviest (last, under a causal mask) row tiles first
-    const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
-    const int b = bh / heads, h = bh % heads, hk = h / group;
-    const int m0 = tile * BM, wr = warp * 16;
-    q += b * sqb + h * sqh;
-    o += b * sob + h * soh;
-    k += b * skb + hk * skh;
-    v += b * svb + hk * svh;
-    lse += static_cast<long long>(bh) * seq_q;
-    const int shift = seq_k - seq_q;
-    const int n_end = causal ? max(0, min(seq_k, m0 + BM + shift)) : seq_k;
-    const int n_tiles = (n_end + BN - 1) / BN;
+    const ForwardTile<T> t = forward_tile<BM, BN>(o, lse, q, k, v, sqb, sqh, skb, skh, svb, svh, sob, soh, bh_count,
+                                                  heads, group, seq_q, seq_k, tiles, causal);
+    const int m0 = t.m0, shift = t.shift, n_tiles = t.n_tiles, wr = warp * 16;
 
     float acc[D / 8][4];
     float mx[2] = {ninf(), ninf()}, sum[2] = {0.0f, 0.0f};
     zero(acc);
     const unsigned qa = smem_addr(sq) + (warp >> 2) * 64 * 128;  // the warpgroup's 64 rows
     const int ra = m0 + wr + (lane >> 2);                         // the thread's rows: ra, ra + 8
-    load_swizzled<BM, D, THREADS>(sq, q, sqs, m0, seq_q, tid);
-    if (n_tiles > 0) load_swizzled<BN, D, THREADS>(sk, k, sks, 0, seq_k, tid);
+    load_swizzled<BM, D, THREADS>(sq, t.q, sqs, m0, seq_q, tid);
+    if (n_tiles > 0) load_swizzled<BN, D, THREADS>(sk, t.k, sks, 0, seq_k, tid);
     cp_async_commit();
 
     unsigned pf[BN / 16][4];  // P of the previous tile
@@ -85,8 +76,8 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         cp_async_wait<0>();
         wg::fence_proxy();
         __syncthreads();  // K_j and V_{j-1} landed; every warpgroup is done with K_{j-1} and V_{j-2}
-        if (j + 1 < n_tiles) load_swizzled<BN, D, THREADS>(sk + ((j + 1) & 1) * BN * D, k, sks, (j + 1) * BN, seq_k, tid);
-        load_swizzled<BN, D, THREADS>(sv + (j & 1) * BN * D, v, svs, j * BN, seq_k, tid);
+        if (j + 1 < n_tiles) load_swizzled<BN, D, THREADS>(sk + ((j + 1) & 1) * BN * D, t.k, sks, (j + 1) * BN, seq_k, tid);
+        load_swizzled<BN, D, THREADS>(sv + (j & 1) * BN * D, t.v, svs, j * BN, seq_k, tid);
         cp_async_commit();
 
         float s[BN / 8][4];
@@ -105,9 +96,7 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         }
         float base[2], alpha[2];
         const bool grew = __any_sync(0xffffffffu, new_max<BN>(base, s, mx, scale_log2));
-        alphas(alpha, mx, base);
-        sum[0] *= alpha[0];
-        sum[1] *= alpha[1];
+        rescale_sum(alpha, sum, mx, base);
         exponentiate<BN>(s, mx, sum, base, scale_log2);
         wg::wait<0>();  // P_{j-1} V_{j-1} added
         wg::touch(acc);
@@ -122,5 +111,5 @@ __global__ void __launch_bounds__(WGS * 128, 1)
         wg::wait<0>();
         wg::touch(acc);
     }
-    finish_rows<D, T>(o, sos, lse, acc, sum, mx, m0 + wr, seq_q, lane);
+    finish_rows<D, T>(t.o, sos, t.lse, acc, sum, mx, m0 + wr, seq_q, lane);
 }

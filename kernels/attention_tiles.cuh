@@ -304,10 +304,16 @@ __device__ __forceinline__ bool new_max(float (&base)[2], const float (&s)[BN / 
 }
 
 // The factors from the old row max to the new (a row with nothing seen yet:
-// mx = -inf, alpha = 0, and its acc and sum are 0 anyway).
-__device__ __forceinline__ void alphas(float (&alpha)[2], const float (&mx)[2], const float (&base)[2]) {
+// mx = -inf, alpha = 0, and its acc and sum are 0 anyway), sum rescaled by
+// them; acc is rescaled by scale_rows (the wgmma forward: once its product
+// into acc is done).
+__device__ __forceinline__ void rescale_sum(float (&alpha)[2], float (&sum)[2], const float (&mx)[2],
+                                            const float (&base)[2]) {
 #pragma unroll
-    for (int r = 0; r < 2; ++r) alpha[r] = ex2(mx[r] - (base[r] == ninf() ? 0.0f : base[r]));
+    for (int r = 0; r < 2; ++r) {
+        alpha[r] = ex2(mx[r] - (base[r] == ninf() ? 0.0f : base[r]));
+        sum[r] *= alpha[r];
+    }
 }
 
 // acc's two rows scaled by their factors.
@@ -326,10 +332,41 @@ template <int D>
 __device__ __forceinline__ void rescale(float (&acc)[D / 8][4], float (&sum)[2], const float (&mx)[2],
                                         const float (&base)[2]) {
     float alpha[2];
-    alphas(alpha, mx, base);
-    sum[0] *= alpha[0];
-    sum[1] *= alpha[1];
+    rescale_sum(alpha, sum, mx, base);
     scale_rows<D>(acc, alpha);
+}
+
+// A forward block's row tile. Blocks run heads fastest, and each head's
+// heaviest tile (the last, under a causal mask) first. The pointers are
+// moved to the block's batch and head (k and v: the kv head its query head
+// reads); m0 is its first row, n_tiles the key tiles of BN its rows see.
+template <typename T> struct ForwardTile {
+    T* __restrict__ o;
+    float* __restrict__ lse;
+    const T* __restrict__ q;
+    const T* __restrict__ k;
+    const T* __restrict__ v;
+    int m0, shift, n_tiles;
+};
+template <int BM, int BN, typename T>
+__device__ __forceinline__ ForwardTile<T> forward_tile(T* o, float* lse, const T* q, const T* k, const T* v,
+                                                       long long sqb, long long sqh, long long skb, long long skh,
+                                                       long long svb, long long svh, long long sob, long long soh,
+                                                       int bh_count, int heads, int group, int seq_q, int seq_k,
+                                                       int tiles, bool causal) {
+    const int bh = blockIdx.x % bh_count, tile = tiles - 1 - blockIdx.x / bh_count;
+    const int b = bh / heads, h = bh % heads, hk = h / group;
+    ForwardTile<T> t;
+    t.o = o + b * sob + h * soh;
+    t.lse = lse + static_cast<long long>(bh) * seq_q;
+    t.q = q + b * sqb + h * sqh;
+    t.k = k + b * skb + hk * skh;
+    t.v = v + b * svb + hk * svh;
+    t.m0 = tile * BM;
+    t.shift = seq_k - seq_q;
+    const int n_end = causal ? max(0, min(seq_k, t.m0 + BM + t.shift)) : seq_k;
+    t.n_tiles = (n_end + BN - 1) / BN;
+    return t;
 }
 
 // Scores to probabilities 2^(s * scale_log2 - base) (one FFMA and one ex2
