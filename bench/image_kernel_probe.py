@@ -1,6 +1,7 @@
 """cufuse.image kernel variants against each other and a copy of the same bytes (issue 36's
 4K -> 1080p target), CUDA events behind an L2 flush (the conftest's timer), median of 30, % of the
-bench's 1 GiB copy reference, one device call. Usage (a GPU):
+bench's 1 GiB copy reference and of a copy of the same bytes (half read, half written), one device
+call. Usage (a GPU):
     PYTHONPATH=$PWD python3 bench/image_kernel_probe.py [variant ...]
 A variant is `name=DEFINES` where DEFINES (`A=1,B=2`) are #defines put before the generated source
 (`LB=n`: n blocks per SM in the launch bounds of a kernel that has none: interleaved sources).
@@ -25,9 +26,8 @@ def timed(f, reps=30):
     return _timing.gpu_times(f, reps=reps, warmup=5)["gpu_us"]
 
 
-def copy_gbps():
-    """Device-to-device cudaMemcpyAsync of 1 GiB, GB/s read + written (the bench's copy reference)."""
-    n = 1 << 30
+def copy_gbps(n=1 << 30):
+    """Device-to-device cudaMemcpyAsync of n bytes (1 GiB: the bench's copy reference), GB/s read + written."""
     a = cp.random.default_rng(7).standard_normal(n // 4, dtype=np.float32)
     b = cp.empty_like(a)
     s = cp.cuda.get_current_stream()
@@ -62,7 +62,11 @@ def main(variants):
     original = I._source
     gbps = copy_gbps()
     print(f"D2D copy reference: {gbps:.0f} GB/s")
+    same = {}
     for name, pipe, x, rects, nbytes in cases():
+        if nbytes and nbytes not in same:  # a copy of the same bytes: nbytes / 2 read and written
+            same[nbytes] = copy_gbps(nbytes // 2 // 256 * 256)
+            print(f"D2D copy of {nbytes // 2 / 1e6:.1f} MB: {same[nbytes]:.0f} GB/s")
         first = None
         for v in variants:
             label, _, defs = v.partition("=")
@@ -88,7 +92,8 @@ def main(variants):
             if first is None:
                 first = out.astype(cp.float64)
             t = timed(lambda: p(x, rects, out=out))
-            pct = f"{100 * nbytes / t / 1e3 / gbps:5.1f}% of copy" if nbytes else ""
+            gb = nbytes / t / 1e3 if nbytes else 0.0
+            pct = f"{100 * gb / gbps:5.1f}% of copy, {100 * gb / same[nbytes]:5.1f}% of same-size copy" if nbytes else ""
             print(f"{name:34} {label:10} {t:8.1f} us {pct:16} max diff vs first {diff:.3g}", flush=True)
         I._source = original
 
