@@ -15,41 +15,54 @@
 //        given, is the gradient of the residual sum h that add_rms_norm /
 //        add_layer_norm also return: x there is h, and dx its gradient).
 // The weight and bias gradients are column sums over the rows of gm xhat and
-// gm: each thread adds its columns of every row its block holds in C
-// registers and writes its block's partial sums, pw[blockIdx.x][col] and
-// pb[...], which the host sums over the blocks (the second stage). Nothing is
-// added atomically: the result does not depend on timing.
+// gm: each thread adds its columns of every row its block holds, in C, in its
+// own slots of the block's shared memory, and writes its block's partial sums,
+// pw[blockIdx.x][col] and pb[...], which the host sums over the blocks (the
+// second stage). Nothing is added atomically: the result does not depend on
+// timing. A block loads its next row before it reduces the current one.
 //
 // Rows must be whole 16-byte packs at 16-byte aligned addresses (the host
 // checks: cufuse/_autograd.py); other rows take the generated-kernel path.
 #include "common.cuh"
 
+
 namespace cufuse {
 
 constexpr int kNormBwdMaxThreads = 512;
+// Blocks of 512 threads per SM that norm_backward's registers allow (ptxas caps them for it): two in 64
+// registers with one pack per thread, and with two of 32-bit or 64-bit elements; 16-bit elements at two
+// packs per thread spill a lot there (bfloat16 4096x8192: 129 -> 212 us on an H200) and keep one block.
+template <int NP, typename T> constexpr int kNormBwdMinBlocks = NP == 1 || sizeof(T) >= 4 ? 2 : 1;
+// norm_backward's dynamic shared memory for NP packs of V elements per thread
+// (cufuse/ops/norm.py computes the same): NP threads (2 V sizeof(C) + 2 * 16).
 
 // Sum of (a, b) over the block; every thread gets it. `red` holds one pair
 // per warp; the __syncthreads before the writes keeps one call's reads apart
-// from the next call's writes.
+// from the next call's writes. Every warp then adds the warps' partials as a
+// tree over its lanes and takes lane 0's: the same order in every thread and
+// run (the same bits), four dependent steps for 16 warps instead of fifteen.
 template <typename C> __device__ __forceinline__ void block_sum2(C& a, C& b, C (*red)[2]) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
         a += __shfl_xor_sync(0xffffffffu, a, o);
         b += __shfl_xor_sync(0xffffffffu, b, o);
     }
-    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5;
+    const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads();
-    if ((threadIdx.x & 31) == 0) {
+    if (lane == 0) {
         red[warp][0] = a;
         red[warp][1] = b;
     }
     __syncthreads();
-    a = red[0][0];
-    b = red[0][1];
-    for (int w = 1; w < warps; ++w) {  // the same order in every thread: the same bits
-        a += red[w][0];
-        b += red[w][1];
+    a = lane < warps ? red[lane][0] : C(0);
+    b = lane < warps ? red[lane][1] : C(0);
+#pragma unroll
+    for (int o = kNormBwdMaxThreads / 64; o > 0; o >>= 1) {
+        a += __shfl_down_sync(0xffffffffu, a, o);
+        b += __shfl_down_sync(0xffffffffu, b, o);
     }
+    a = __shfl_sync(0xffffffffu, a, 0);
+    b = __shfl_sync(0xffffffffu, b, 0);
 }
 
 // The mean (0 without Center: rms_norm) and rstd of a row that a block holds
@@ -93,7 +106,7 @@ __device__ __forceinline__ void row_stats(const Pack<T, 16 / sizeof(T)> (&xp)[NP
 
 // (global namespace: short name expressions)
 template <typename T, int NP, bool Center, bool Relu>
-__global__ void __launch_bounds__(cufuse::kNormBwdMaxThreads)
+__global__ void __launch_bounds__(cufuse::kNormBwdMaxThreads, cufuse::kNormBwdMinBlocks<NP, T>)
 norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse::compute_t<T>* __restrict__ pb,
               const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
               const T* __restrict__ b, const T* __restrict__ gadd, long long rows, int cols, double eps) {
@@ -105,51 +118,76 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
     const int npack = cols / V;
     const C inv_n = C(1) / static_cast<C>(cols);
     bool has[NP];
-    C wv[NP][V], bv[NP][V], aw[NP][V], ab[NP][V];
+    // Dynamic shared memory (_bwd_shared in cufuse/ops/norm.py): the column sums of gm xhat (aw) and gm (ab) of
+    // the block's rows, then w and b as packs. Held in registers they allowed one block of 512 threads per
+    // SM: one row in flight. Element (j, v) of thread t at (j V + v) blockDim.x + t, pack j at
+    // j blockDim.x + t: each thread's own (no barrier), conflict-free.
+    extern __shared__ __align__(16) unsigned char smem_raw[];
+    C* aw = reinterpret_cast<C*>(smem_raw);
+    C* ab = aw + NP * V * blockDim.x;
+    P* wk = reinterpret_cast<P*>(ab + NP * V * blockDim.x);
+    P* bk = wk + NP * blockDim.x;
+    const bool sums = pw != nullptr || pb != nullptr;
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
         const int k = threadIdx.x + j * blockDim.x;
         has[j] = k < npack;
-        P pwk, pbk;
-        if (has[j] && w) pwk = load_pack(reinterpret_cast<const P*>(w) + k);
-        if (has[j] && b) pbk = load_pack(reinterpret_cast<const P*>(b) + k);
+        if (has[j] && w) wk[k] = load_pack(reinterpret_cast<const P*>(w) + k);
+        if (has[j] && b) bk[k] = load_pack(reinterpret_cast<const P*>(b) + k);
+        if (sums)
+#pragma unroll
+            for (int v = 0; v < V; ++v) aw[(j * V + v) * blockDim.x + threadIdx.x] = ab[(j * V + v) * blockDim.x + threadIdx.x] = C(0);
+    }
+    const auto wb = [&](int j, C (&wv)[V], C (&bv)[V]) {
+        const int k = threadIdx.x + j * blockDim.x;
+        if (w) unpack(wk[k], wv);
+        if (b) unpack(bk[k], bv);
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-            wv[j][v] = (has[j] && w) ? to_compute<C>(pwk.v[v]) : C(1);
-            bv[j][v] = (has[j] && b) ? to_compute<C>(pbk.v[v]) : C(0);
-            aw[j][v] = ab[j][v] = C(0);
+            if (!w) wv[v] = C(1);
+            if (!b) bv[v] = C(0);
         }
-    }
-    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+    };
+    // a row's packs of x and g; the next row's are loaded before this row's reductions, so that a block
+    // always has a row's loads in flight (one block of 512 threads per SM holds one row otherwise)
+    const auto load_row = [&](long long r, P (&xa)[NP], P (&ga)[NP]) {
         const P* xr = reinterpret_cast<const P*>(x + r * cols);
         const P* gr = reinterpret_cast<const P*>(g + r * cols);
-        P xp[NP], gp[NP];
 #pragma unroll
         for (int j = 0; j < NP; ++j) {
             const int k = threadIdx.x + j * blockDim.x;
             if (has[j]) {
-                xp[j] = load_pack(xr + k);
-                gp[j] = load_pack(gr + k);
+                xa[j] = load_pack(xr + k);
+                ga[j] = load_pack(gr + k);
             }
         }
+    };
+    P xp[NP], gp[NP];
+    if (blockIdx.x < rows) load_row(blockIdx.x, xp, gp);
+    for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
+        P xn[NP], gn[NP];
+        if (r + gridDim.x < rows) load_row(r + gridDim.x, xn, gn);
         C mean, rstd;
         row_stats<Center>(xp, has, inv_n, eps, red, mean, rstd);
         C s1 = C(0), s2 = C(0);
 #pragma unroll
         for (int j = 0; j < NP; ++j)
             if (has[j]) {
-                C t[V], gg[V];
+                C t[V], gg[V], wv[V], bv[V];
                 unpack(xp[j], t);
                 unpack(gp[j], gg);
+                wb(j, wv, bv);
 #pragma unroll
                 for (int v = 0; v < V; ++v) {
                     const C xh = (t[v] - mean) * rstd;
-                    const C gm = (!Relu || xh * wv[j][v] + bv[j][v] > C(0)) ? gg[v] : C(0);
-                    const C gw = gm * wv[j][v];
+                    const C gm = (!Relu || xh * wv[v] + bv[v] > C(0)) ? gg[v] : C(0);
+                    const C gw = gm * wv[v];
                     s1 += gw;
                     s2 += gw * xh;
-                    aw[j][v] += gm * xh;
-                    ab[j][v] += gm;
+                    if (sums) {
+                        aw[(j * V + v) * blockDim.x + threadIdx.x] += gm * xh;
+                        ab[(j * V + v) * blockDim.x + threadIdx.x] += gm;
+                    }
                 }
             }
         block_sum2(s1, s2, red);
@@ -160,9 +198,10 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
 #pragma unroll
         for (int j = 0; j < NP; ++j)
             if (has[j]) {
-                C t[V], gg[V], ga[V];
+                C t[V], gg[V], ga[V], wv[V], bv[V];
                 unpack(xp[j], t);
                 unpack(gp[j], gg);
+                wb(j, wv, bv);
                 if (gadd) {
                     unpack(load_pack(ar + threadIdx.x + j * blockDim.x), ga);
                 } else {
@@ -173,11 +212,16 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
 #pragma unroll
                 for (int v = 0; v < V; ++v) {
                     const C xh = (t[v] - mean) * rstd;
-                    const C gm = (!Relu || xh * wv[j][v] + bv[j][v] > C(0)) ? gg[v] : C(0);
-                    o.v[v] = from_compute<T>(rstd * (gm * wv[j][v] - s1 - xh * s2) + ga[v]);
+                    const C gm = (!Relu || xh * wv[v] + bv[v] > C(0)) ? gg[v] : C(0);
+                    o.v[v] = from_compute<T>(rstd * (gm * wv[v] - s1 - xh * s2) + ga[v]);
                 }
                 store_pack(dr + threadIdx.x + j * blockDim.x, o);
             }
+#pragma unroll
+        for (int j = 0; j < NP; ++j) {
+            xp[j] = xn[j];
+            gp[j] = gn[j];
+        }
     }
     if (pw == nullptr && pb == nullptr) return;
 #pragma unroll
@@ -187,8 +231,8 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
                                  static_cast<long long>(threadIdx.x + j * blockDim.x) * V;
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                if (pw) pw[c0 + v] = aw[j][v];
-                if (pb) pb[c0 + v] = ab[j][v];
+                if (pw) pw[c0 + v] = aw[(j * V + v) * blockDim.x + threadIdx.x];
+                if (pb) pb[c0 + v] = ab[(j * V + v) * blockDim.x + threadIdx.x];
             }
         }
 }

@@ -259,10 +259,20 @@ _BWD_EXPRS = {(dt, kind, np_): R.register(f"{_BWD_FAMILY}:{dt.name}", R.name_exp
 _BWD_PLANS: dict = {}  # (dtype (torch or NumPy), kind, n, device) -> (kernel, threads, most blocks), or None
 
 
+def _bwd_shared(kind, dt, np_, threads):
+    """Dynamic shared bytes of the one-pass kernel ``kind``: norm_backward holds the weight and bias
+    column sums (compute type) and w and b (packs) there (kernels/norm_backward.cu); the others none."""
+    if _BWD_KINDS[kind][0] != "norm_backward":
+        return 0
+    acc = 8 if dt == np.float64 else 4
+    return np_ * threads * (2 * (16 // dt.itemsize) * acc + 2 * 16)
+
+
 def _bwd_plan(kind, dtype, n, dev):
-    """(kernel, threads, most blocks) of the one-pass kernel ``kind`` for rows
-    of ``n`` elements of ``dtype`` (a torch or NumPy dtype), or None where
-    they are not whole packs or too long for it."""
+    """(kernel, threads, most blocks, dynamic shared bytes) of the one-pass
+    kernel ``kind`` for rows of ``n`` elements of ``dtype`` (a torch or NumPy
+    dtype), or None where they are not whole packs or too long for it. Most
+    blocks: those the device runs at once (one row in flight each)."""
     key = (dtype, kind, n, dev)
     plan = _BWD_PLANS.get(key, False)
     if plan is False:
@@ -274,13 +284,14 @@ def _bwd_plan(kind, dtype, n, dev):
             if np_ is not None:
                 threads = min(_BWD_THREADS, max(32, 1 << (-(-npack // np_) - 1).bit_length()))
                 fn = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _BWD_EXPRS[(dt, kind, np_)], dev)
-                plan = (fn, threads, R.sm_count(dev) * (2048 // threads))
+                shared = _bwd_shared(kind, dt, np_, threads)
+                plan = (fn, threads, R.resident_blocks(fn, dev, threads, shared), shared)
         _BWD_PLANS[key] = plan
     return plan
 
 
 def _bwd_setup(kind, x, rowwise, n, per_column=(), akind=A.TORCH_CUDA):
-    """(kernel, threads, grid, rows, (x, *rowwise, *per_column) contiguous) of
+    """((kernel, dynamic shared bytes), threads, grid, rows, (x, *rowwise, *per_column) contiguous) of
     the one-pass kernel ``kind`` over rows of ``n`` elements of x (arrays of
     ``akind``), the ``rowwise`` arrays (None: absent) shaped as x and the
     ``per_column`` ones (weight, bias) of n elements; None where
@@ -294,18 +305,19 @@ def _bwd_setup(kind, x, rowwise, n, per_column=(), akind=A.TORCH_CUDA):
     plan = _bwd_plan(kind, x.dtype, n, dev)
     if plan is None:
         return None
-    fn, threads, most = plan
+    fn, threads, most, shared = plan
     ts = tuple(None if a is None else D.contiguous(a, akind) for a in (x, *rowwise, *per_column))
     if any(a is not None and A.pointer_of(a, akind) % 16 for a in ts):
         return None
     rows = A.count(tuple(x.shape)) // n if n else 0
-    return fn, threads, max(1, min(rows, most)), rows, ts
+    return (fn, shared), threads, max(1, min(rows, most)), rows, ts
 
 
 def _bwd_launch(fn, grid, threads, dev, ptrs, rows, n, *extra):
+    fn, shared = fn
     with R._cp.cuda.Device(dev):
-        fn((grid,), (threads,), (*[0 if a is None else a.data_ptr() for a in ptrs], np.int64(rows), np.int32(n),
-                                 *extra), stream=D.stream_for(A.TORCH_CUDA, dev))
+        R.launch_grid(fn, (grid,), (threads,), (*[0 if a is None else a.data_ptr() for a in ptrs], np.int64(rows),
+                                                 np.int32(n), *extra), D.stream_for(A.TORCH_CUDA, dev), shared)
 
 
 def backward_rows(kind, g, x, n, w, b, eps, gadd=None):
@@ -656,7 +668,7 @@ def _add_norm_kernel(fwd_kind, kind, dt, dev, x, residual, n, w, b, e, key):
     setup = _bwd_setup(fwd_kind, x, (residual,), n, (w, b), kind)
     if setup is None:
         return None
-    fn, threads, grid, rows, (xc, rc, wc, bc) = setup
+    (fn, _), threads, grid, rows, (xc, rc, wc, bc) = setup  # (no dynamic shared memory)
     ins = [a for a in (xc, rc, wc, bc) if a is not None]
     bld = D.RecipeBuilder(kind, dev, 2, len(ins))
     if rows:

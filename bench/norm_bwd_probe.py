@@ -1,0 +1,42 @@
+"""The one-pass backward kernels of the norms and softmax (kernels/norm_backward.cu) timed alone,
+through cufuse.ops.norm.backward_rows / softmax_backward_rows on torch CUDA tensors: CUDA events
+behind an L2 flush (cufuse._timing), median of 30; % of the copy bandwidth of the same run (a clone
+of a 1 GiB tensor) counting x and g read and dx written once (dw and db partial sums: small). To
+compare trees, run it once per tree (PYTHONPATH) in the same device call:
+    PYTHONPATH=<tree> python3 bench/norm_bwd_probe.py [dtype ...]"""
+import sys
+
+import torch
+
+from cufuse import _arrays as A
+from cufuse import _driver as D
+from cufuse import _timing
+from cufuse.ops import norm as N
+
+DTYPES = [getattr(torch, d) for d in sys.argv[1:]] or [torch.bfloat16, torch.float16, torch.float32]
+SHAPES = [(16384, 4096), (4096, 8192), (16384, 1024), (4096, 4096)]
+
+
+def gpu_us(f):
+    """f queues on torch's current stream: the events go there too."""
+    return _timing.gpu_times(f, D.stream_for(A.TORCH_CUDA, 0), reps=30, warmup=5)["gpu_us"]
+
+
+big = torch.randn(1 << 28, device="cuda")
+copy = 2 * big.numel() * 4 / gpu_us(lambda: big.clone()) / 1e3  # GB/s read + written
+del big
+tree = N.__file__.split("/cufuse/")[0][-14:]
+for dt in DTYPES:
+    for rows, n in SHAPES:
+        g = torch.Generator(device="cuda").manual_seed(5)
+        x = torch.randn(rows, n, device="cuda", dtype=dt, generator=g)
+        gr = torch.randn(rows, n, device="cuda", dtype=dt, generator=g)
+        w = torch.randn(n, device="cuda", dtype=dt, generator=g)
+        b = torch.randn(n, device="cuda", dtype=dt, generator=g)
+        nbytes = 3 * x.numel() * x.element_size()
+        for kind, call in (("layer", lambda: N.backward_rows("layer", gr, x, n, w, b, 1e-5)),
+                           ("rms", lambda: N.backward_rows("rms", gr, x, n, w, None, 1e-5)),
+                           ("softmax", lambda: N.softmax_backward_rows(gr, x, False))):
+            us = gpu_us(call)
+            print(f"{tree:>14} {str(dt)[6:]:9} {rows:6}x{n:<5} {kind:8} {us:8.1f} us "
+                  f"{100 * nbytes / us / 1e3 / copy:5.1f}% of copy", flush=True)
