@@ -80,6 +80,7 @@ def main():
     ap.add_argument("--seq", type=int, default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU's)")
+    ap.add_argument("--variants", default=None, help="comma-separated variants to run (default: all)")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() and cufuse.CUDA_AVAILABLE else "cpu"
     small = a.small or device == "cpu"
@@ -95,7 +96,10 @@ def main():
     import sys
     module = sys.modules[type(base).__module__]
     original = module.apply_rotary_pos_emb  # a patch replaces this module function: each variant starts from it
-    for label, make in variants(base).items():
+    chosen = variants(base)
+    if a.variants:
+        chosen = {k: v for k, v in chosen.items() if k in a.variants.split(",")}
+    for label, make in chosen.items():
         module.apply_rotary_pos_emb = original
         torch._dynamo.reset()
         model = make().train()
