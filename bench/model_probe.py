@@ -4,10 +4,14 @@ Liger-Kernel's patch, same run (python3 bench/model_probe.py [--dtype
 bfloat16] [--small]).
 
 Per variant: ms per training step (forward with labels, backward, AdamW
-step; median of CUDA-event timings after warm-up), tokens/s, the peak memory
-a step allocates, the first loss (all variants start from the same weights
-and batch, so the losses agree to the dtype's precision), and ms per
-forward-only step (one token appended: a 1 x seq decode-free forward).
+step; the median over --rounds interleaved rounds of each round's median of
+--reps CUDA-event timings after warm-up; every variant is built first, so the
+rounds alternate between them and a drift of the host or the GPU touches all
+alike), tokens/s, the peak memory a step allocates (first round), the first
+loss (all variants start from the same weights and batch, so the losses agree
+to the dtype's precision), ms per forward-only step, and the rounds' range of
+the training step (the same code moved by 40% between calls on an H200 host:
+bench/NOTES.md, session 49).
 """
 from __future__ import annotations
 
@@ -78,7 +82,8 @@ def main():
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
-    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=10, help="steps per round (their median is the round's figure)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over all variants, interleaved; the median is shown")
     ap.add_argument("--small", action="store_true", help="tiny sizes (the CPU's)")
     ap.add_argument("--variants", default=None, help="comma-separated variants to run (default: all)")
     a = ap.parse_args()
@@ -92,43 +97,52 @@ def main():
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {a.dtype}, Llama {base.config.num_hidden_layers} x "
           f"{base.config.hidden_size}, {batch} x {seq} tokens")
-    print(f"{'variant':16} {'train ms':>9} {'tokens/s':>10} {'peak MiB':>9} {'first loss':>11} {'forward ms':>11}")
+    print(f"{'variant':16} {'train ms':>9} {'tokens/s':>10} {'peak MiB':>9} {'first loss':>11} {'forward ms':>11} "
+          f"{'rounds ms':>14}")
     import sys
     module = sys.modules[type(base).__module__]
     original = module.apply_rotary_pos_emb  # a patch replaces this module function: each variant starts from it
     chosen = variants(base)
     if a.variants:
         chosen = {k: v for k, v in chosen.items() if k in a.variants.split(",")}
-    for label, make in chosen.items():
+    built = {}
+    for label, make in chosen.items():  # every variant built first, then timed in interleaved rounds
         module.apply_rotary_pos_emb = original
-        torch._dynamo.reset()
-        model = make().train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
-        first = {}
-
-        def step():
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            first.setdefault("loss", loss.detach())
         try:
-            if device == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                before = torch.cuda.memory_allocated()
-            ms = timed(step, a.reps, device)
-            peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 20 if device == "cuda" else float("nan")
-            with torch.no_grad():
-                fwd = timed(lambda: model(input_ids=ids), a.reps, device)
+            model = make().train()
         except Exception as e:  # a variant that fails says so and the others run
             print(f"{label:16} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             continue
-        print(f"{label:16} {ms:9.2f} {batch * seq / ms * 1e3:10.0f} {peak:9.0f} {first['loss'].item():11.5f} "
-              f"{fwd:11.2f}")
-        del model, opt
-        if device == "cuda":
-            torch.cuda.empty_cache()
+        built[label] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
+                        "rope": module.apply_rotary_pos_emb, "ms": [], "fwd": [], "first": None, "peak": float("nan")}
+    for rnd in range(a.rounds):
+        for label, v in list(built.items()):
+            module.apply_rotary_pos_emb = v["rope"]  # the function this variant's patch installed
+
+            def step(v=v):
+                loss = v["model"](input_ids=ids, labels=ids).loss
+                loss.backward()
+                v["opt"].step()
+                v["opt"].zero_grad(set_to_none=True)
+                if v["first"] is None:
+                    v["first"] = loss.item()
+            try:
+                if device == "cuda" and rnd == 0:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    before = torch.cuda.memory_allocated()
+                v["ms"].append(timed(step, a.reps, device))
+                if device == "cuda" and rnd == 0:
+                    v["peak"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+                with torch.no_grad():
+                    v["fwd"].append(timed(lambda v=v: v["model"](input_ids=ids), a.reps, device))
+            except Exception as e:
+                print(f"{label:16} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
+                del built[label]
+    for label, v in built.items():
+        ms, fwd = statistics.median(v["ms"]), statistics.median(v["fwd"])
+        print(f"{label:16} {ms:9.2f} {batch * seq / ms * 1e3:10.0f} {v['peak']:9.0f} {v['first']:11.5f} "
+              f"{fwd:11.2f} {min(v['ms']):8.2f}-{max(v['ms']):.2f}")
 
 
 if __name__ == "__main__":
