@@ -25,7 +25,6 @@
 // checks: cufuse/_autograd.py); other rows take the generated-kernel path.
 #include "common.cuh"
 
-
 namespace cufuse {
 
 constexpr int kNormBwdMaxThreads = 512;
@@ -33,8 +32,6 @@ constexpr int kNormBwdMaxThreads = 512;
 // registers with one pack per thread, and with two of 32-bit or 64-bit elements; 16-bit elements at two
 // packs per thread spill a lot there (bfloat16 4096x8192: 129 -> 212 us on an H200) and keep one block.
 template <int NP, typename T> constexpr int kNormBwdMinBlocks = NP == 1 || sizeof(T) >= 4 ? 2 : 1;
-// norm_backward's dynamic shared memory for NP packs of V elements per thread
-// (cufuse/ops/norm.py computes the same): NP threads (2 V sizeof(C) + 2 * 16).
 
 // Sum of (a, b) over the block; every thread gets it. `red` holds one pair
 // per warp; the __syncthreads before the writes keeps one call's reads apart
