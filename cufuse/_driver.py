@@ -748,7 +748,7 @@ class Recipe(NamedTuple):
     same_ok: tuple    # per output: inputs that may be the very same view (elementwise in place)
     sbufs: tuple = ()  # bytes of each per-stream buffer (RecipeBuilder.stream_buffer)
     extra: object = None  # what else the family keeps with the recipe (cufuse.fuse: the traced signature)
-    like: bool = False    # the one output may be empty_like(the call's first argument) (build's like)
+    like: bool = False    # output 0 may be empty_like(the call's first argument) (build's like)
 
 
 class RecipeBuilder:
@@ -787,8 +787,8 @@ class RecipeBuilder:
         ``in_spans`` (``view_span``, one per output and input) and ``same_ok``
         (per output, the inputs it may be the very same view of; default none)
         are what ``apart`` checks a given out= with. ``like``: the call's first
-        argument, whose twin (empty_like) output 0 may be when it is the only
-        output, of its shape and dtype, and C-contiguous."""
+        argument, whose twin (empty_like) output 0 may be where it has that
+        output's shape and dtype and is C-contiguous."""
         same_ok = ((),) * len(outs) if same_ok is None else same_ok
         if not len(out_spans) == len(same_ok) == len(outs) or len(in_spans) != self.nin:
             raise ValueError(f"recipe: {len(outs)} outputs with {len(out_spans)} spans and {len(same_ok)} "
@@ -814,7 +814,7 @@ class RecipeBuilder:
             get = operator.itemgetter(*idx) if len(idx) > 1 else (lambda v, i=idx[0]: (v[i],))
             steps.append(Launch(fn, grid, block, shared, get, consts, [None]))
         like_ok = False
-        if like is not None and len(outs) == 1 and self.kind == A.TORCH_CUDA and A.is_torch_tensor(like):
+        if like is not None and outs and self.kind == A.TORCH_CUDA and A.is_torch_tensor(like):
             o = outs[0]
             like_ok = (tuple(like.shape) == o.shape and like.dtype == o.dtype
                        and A.is_c_contiguous(o.shape, A.strides_of(like, self.kind)))
@@ -847,6 +847,9 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
         if outs is None:
             if rec.like and like is not None:
                 outs = [T.empty_like(like)]
+                if len(rec.outs) > 1:
+                    tdev = T.devices.get(dev) or torch_device(dev)
+                    outs += [T.empty(o.shape, dtype=o.dtype, device=tdev) for o in rec.outs[1:]]
             else:
                 empty_, tdev = T.empty, T.devices.get(dev) or torch_device(dev)
                 outs = [empty_(o.shape, dtype=o.dtype, device=tdev) for o in rec.outs]

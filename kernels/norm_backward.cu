@@ -17,7 +17,7 @@
 // The weight and bias gradients are column sums over the rows of gm xhat and
 // gm: each thread adds its columns of every row its block holds, in C, in its
 // own slots of the block's shared memory, and writes its block's partial sums,
-// pw[blockIdx.x][col] and pb[...], which the host sums over the blocks (the
+// pw[blockIdx.x][col] and pb[...], which column_sums adds over the blocks (the
 // second stage). Nothing is added atomically: the result does not depend on
 // timing. A block loads its next row before it reduces the current one.
 //
@@ -98,6 +98,10 @@ __device__ __forceinline__ void row_stats(const Pack<T, 16 / sizeof(T)> (&xp)[NP
     block_sum2(s, unused, red);
     rstd = C(1) / math::sqrt(s * inv_n + static_cast<C>(eps));
 }
+
+// column_sums's block: 32 columns x 16 parts at a time
+constexpr int kColumnSumsX = 32;
+constexpr int kColumnSumsY = 16;
 
 }  // namespace cufuse
 
@@ -232,6 +236,45 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
                 if (pb) pb[c0 + v] = ab[(j * V + v) * blockDim.x + threadIdx.x];
             }
         }
+}
+
+// The second stage of the weight and bias gradients: dw[c] is the sum over
+// the parts (norm_backward's blocks) of pw[part][c], rounded once to T; db
+// likewise from pb (either may be null). A block takes 32 columns (a warp's
+// lanes: coalesced rows); its threadIdx.y takes parts y, y + 16, ... and the
+// 16 sums are then added in shared memory as a fixed tree: the same order in
+// every run, nothing atomic.
+template <typename T>
+__global__ void __launch_bounds__(cufuse::kColumnSumsX * cufuse::kColumnSumsY)
+column_sums(T* __restrict__ dw, T* __restrict__ db, const cufuse::compute_t<T>* __restrict__ pw,
+            const cufuse::compute_t<T>* __restrict__ pb, int parts, int cols) {
+    using namespace cufuse;
+    using C = compute_t<T>;
+    __shared__ C sw[kColumnSumsY][kColumnSumsX], sb[kColumnSumsY][kColumnSumsX];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const int c = blockIdx.x * kColumnSumsX + tx;
+    C aw = C(0), ab = C(0);
+    if (c < cols) {
+        for (int p = ty; p < parts; p += kColumnSumsY) {
+            const long long i = static_cast<long long>(p) * cols + c;
+            if (pw) aw += pw[i];
+            if (pb) ab += pb[i];
+        }
+    }
+    sw[ty][tx] = aw;
+    sb[ty][tx] = ab;
+#pragma unroll
+    for (int s = kColumnSumsY / 2; s > 0; s >>= 1) {
+        __syncthreads();
+        if (ty < s) {
+            sw[ty][tx] += sw[ty + s][tx];
+            sb[ty][tx] += sb[ty + s][tx];
+        }
+    }
+    if (ty == 0 && c < cols) {
+        if (dw) dw[c] = from_compute<T>(sw[0][tx]);
+        if (db) db[c] = from_compute<T>(sb[0][tx]);
+    }
 }
 
 // dx of softmax (y (g - sum(g y))) and log_softmax (g - exp(y) sum(g)) from

@@ -290,6 +290,47 @@ def test_norm_backward_kernel_declines():
     assert backward_rows("rms", z, z, 64, None, None, 1e-5) is None
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "plain"])
+def test_norm_backward_fast_path(affine):
+    """A repeated backward signature is one recipe (the kernel and the
+    column sums' second stage): the second call takes the fast path, on new
+    data (poisoned results of the first call reused by the allocator do not
+    leak), and gives what the first path gives on that data; a row length
+    the kernel does not take still declines."""
+    from cufuse.ops import norm as N
+    N._BWD_FAST.recipes.clear()
+    gen = torch.Generator().manual_seed(7)
+    n, dt = 256, torch.bfloat16 if BF16 else torch.float16
+
+    def data():
+        x, dy = (torch.randn(33, n, generator=gen, dtype=torch.float64).to(dt).cuda() for _ in range(2))
+        w, b = ((torch.randn(n, generator=gen, dtype=torch.float64).to(dt).cuda() if affine else None)
+                for _ in range(2))
+        return dy, x, n, w, b
+
+    first = N.backward_rows("layer", *data(), 1e-5)
+    for t in first:
+        if t is not None:
+            t.fill_(float("nan"))
+    del first, t  # their memory free for the next call's results
+    hits = N._BWD_FAST.hits
+    args = data()
+    got = N.backward_rows("layer", *args, 1e-5)
+    assert N._BWD_FAST.hits == hits + 1
+    N._BWD_FAST.recipes.clear()
+    want = N.backward_rows("layer", *args, 1e-5)  # the general path on the same data
+    assert N._BWD_FAST.hits == hits + 1
+    for a, b_ in zip(got, want):
+        assert (a is None) == (b_ is None)
+        if a is not None:
+            assert torch.equal(a, b_)
+    assert (got[1] is None) == (not affine) and got[0].shape == (33, n)
+    hits = N._BWD_FAST.hits
+    assert N.backward_rows("layer", args[0][:, :250], args[1][:, :250], 250, None, None, 1e-5) is None
+    assert N._BWD_FAST.hits == hits
+
+
 SOFTMAX_BWD_SHAPES = [(5, 24), (1000, 768), (64, 4096), (16, 32000), (3, 4, 256), (0, 64)]
 
 

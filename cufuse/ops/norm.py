@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from numbers import Real
+from typing import NamedTuple
 
 import numpy as np
 
@@ -256,6 +257,11 @@ _BWD_EXPRS = {(dt, kind, np_): R.register(f"{_BWD_FAMILY}:{dt.name}", R.name_exp
               for np_ in nps}
 
 
+# column_sums (the second stage of dw and db) per dtype, and its block (kernels/norm_backward.cu)
+_SUM_EXPRS = {dt: R.register(f"{_BWD_FAMILY}:{dt.name}", R.name_expression("column_sums", ct), "norm backward column sums",
+                             dt.name) for dt, ct in R.FLOAT_CTYPES.items()}
+_SUM_X, _SUM_Y = 32, 16
+
 _BWD_PLANS: dict = {}  # (dtype (torch or NumPy), kind, n, device) -> (kernel, threads, most blocks), or None
 
 
@@ -290,13 +296,21 @@ def _bwd_plan(kind, dtype, n, dev):
     return plan
 
 
+class _BwdSetup(NamedTuple):
+    fn: object      # the one-pass kernel
+    shared: int     # its dynamic shared bytes
+    threads: int
+    grid: int       # blocks: the rows, at most those the device runs at once
+    rows: int
+    arrays: tuple   # (x, *rowwise, *per_column), C-contiguous (copies where they were not)
+
+
 def _bwd_setup(kind, x, rowwise, n, per_column=(), akind=A.TORCH_CUDA):
-    """((kernel, dynamic shared bytes), threads, grid, rows, (x, *rowwise, *per_column) contiguous) of
-    the one-pass kernel ``kind`` over rows of ``n`` elements of x (arrays of
-    ``akind``), the ``rowwise`` arrays (None: absent) shaped as x and the
-    ``per_column`` ones (weight, bias) of n elements; None where
-    kernels/norm_backward.cu does not take them (dtypes that differ, a
-    partial pack, rows too long, misaligned data)."""
+    """The ``_BwdSetup`` of the one-pass kernel ``kind`` over rows of ``n``
+    elements of x (arrays of ``akind``), the ``rowwise`` arrays (None:
+    absent) shaped as x and the ``per_column`` ones (weight, bias) of n
+    elements; None where kernels/norm_backward.cu does not take them (dtypes
+    that differ, a partial pack, rows too long, misaligned data)."""
     dt = A.dtype_of(x, akind)
     if any(a is not None and (A.dtype_of(a, akind) != dt or A.count(tuple(a.shape)) != n) for a in per_column) or \
             any(a is not None and A.dtype_of(a, akind) != dt for a in rowwise):
@@ -310,55 +324,116 @@ def _bwd_setup(kind, x, rowwise, n, per_column=(), akind=A.TORCH_CUDA):
     if any(a is not None and A.pointer_of(a, akind) % 16 for a in ts):
         return None
     rows = A.count(tuple(x.shape)) // n if n else 0
-    return (fn, shared), threads, max(1, min(rows, most)), rows, ts
+    return _BwdSetup(fn, shared, threads, max(1, min(rows, most)), rows, ts)
 
 
-def _bwd_launch(fn, grid, threads, dev, ptrs, rows, n, *extra):
-    fn, shared = fn
-    with R._cp.cuda.Device(dev):
-        R.launch_grid(fn, (grid,), (threads,), (*[0 if a is None else a.data_ptr() for a in ptrs], np.int64(rows),
-                                                 np.int32(n), *extra), D.stream_for(A.TORCH_CUDA, dev), shared)
+# Recipes of the backward kernels by call signature (dx and, for the norms,
+# the column sums' second stage): a repeated backward is one lookup and the launches.
+_BWD_FAST = D.FastPath("norm_backward")
+
+
+def _bwd_run(key, arrays, eps, build):
+    """The results of the backward recipe of ``key`` (the signature of the
+    ``arrays`` given and what else selects the kernel) with ``eps``, from
+    the fast path, else from ``build()``: (recipe, its inputs, whether
+    nothing was copied), None where the kernel does not take the rows."""
+    s = D.signature(arrays)
+    if s is not None:
+        key = (s[0], key)
+        res = _BWD_FAST.run(key, s[1], len(s[1]), None, (eps,), arrays[0])
+        if res is not None:
+            return res
+    got = build()
+    if got is None:
+        return None
+    rec, ins, kept = got
+    return D.run_general(rec, None, None, [a.data_ptr() for a in ins], (eps,), arrays[0], _BWD_FAST,
+                         key if kept and s is not None else None)
+
+
+def _bwd_inputs(setup, given):
+    """The arrays of ``setup`` that are present, and whether none is a copy of the ``given`` one."""
+    ins = [a for a in setup.arrays if a is not None]
+    return ins, all(a is o for a, o in zip(setup.arrays, given))
 
 
 def backward_rows(kind, g, x, n, w, b, eps, gadd=None):
     """(dx, dw or None, db or None) of the norm ``kind`` ("layer",
     "layer_relu", "rms") over the last ``n`` elements of CUDA tensors, plus
     ``gadd`` (x's shape; None: nothing) in dx, from kernels/norm_backward.cu
-    on torch's current stream; None where the rows do not fit it (the caller
-    then takes the generated kernels)."""
-    import torch
-    setup = _bwd_setup(kind, x, (g, gadd), n, (w, b))
-    if setup is None:
+    on torch's current stream: the one-pass kernel, then column_sums over
+    its blocks' partial sums for dw and db; None where the rows do not fit
+    it (the caller then takes the generated kernels)."""
+    eps = float(eps)
+
+    def build():
+        setup = _bwd_setup(kind, x, (g, gadd), n, (w, b))
+        if setup is None:
+            return None
+        wc, bc = setup.arrays[3:]
+        ins, kept = _bwd_inputs(setup, (x, g, gadd, w, b))
+        slots, i = [], 0  # each array's input slot (0: absent)
+        for a in setup.arrays:
+            slots.append(0 if a is None else D.in_(i))
+            i += a is not None
+        sx, sg, sa, sw, sb = slots
+        dev, dt = x.get_device(), A.torch_to_numpy_dtype(x.dtype)
+        acc = 8 if dt == np.float64 else 4
+        bld = D.RecipeBuilder(A.TORCH_CUDA, dev, 1 + (wc is not None) + (bc is not None), len(ins))
+        shape = tuple(x.shape)
+        outs, spans = [D.output(shape, dt, A.TORCH_CUDA)], [D.view_span(shape, A.c_strides(shape), dt.itemsize)]
+        grads = []  # (output slot, partial sums' temporary) of dw and db; (0, 0) where absent
+        for a in (wc, bc):
+            if a is None:
+                grads.append((0, 0))
+                continue
+            outs.append(D.output(tuple(a.shape), dt, A.TORCH_CUDA))
+            spans.append(D.view_span(tuple(a.shape), A.c_strides(tuple(a.shape)), dt.itemsize))
+            part = setup.grid * n * acc  # zeroed where no row adds to it
+            grads.append((D.out_(len(outs) - 1), bld.temp(part, zeroed=0 if setup.rows else part)))
+        (dw, pw), (db, pb) = grads
+        if setup.rows:
+            bld.launch(setup.fn, (setup.grid,), (setup.threads,),
+                       (D.out_(0), pw, pb, sg, sx, sw, sb, sa, np.int64(setup.rows), np.int32(n), D.val(0)),
+                       setup.shared)
+        if n and (wc is not None or bc is not None):
+            sums = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _SUM_EXPRS[dt], dev)
+            bld.launch(sums, (-(-n // _SUM_X),), (_SUM_X, _SUM_Y), (dw, db, pw, pb, np.int32(setup.grid), np.int32(n)))
+        rec = bld.build(outs, spans, [D.view_span(tuple(a.shape), A.c_strides(tuple(a.shape)), dt.itemsize)
+                                      for a in ins], like=x)
+        return rec, ins, kept
+
+    res = _bwd_run((kind, n), (x, g, gadd, w, b), eps, build)
+    if res is None:
         return None
-    fn, threads, grid, rows, (x, g, gadd, w, b) = setup
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    dx = torch.empty_like(x)
-    part = torch.empty if rows else torch.zeros  # (no rows: nothing to add, zero gradients)
-    pw = part((grid, n), dtype=acc, device=x.device) if w is not None else None
-    pb = part((grid, n), dtype=acc, device=x.device) if b is not None else None
-    if rows:
-        _bwd_launch(fn, grid, threads, x.get_device(), (dx, pw, pb, g, x, w, b, gadd), rows, n, float(eps))
-    dw = pw.sum(0).to(w.dtype).reshape(w.shape) if w is not None else None  # the second stage: over the blocks
-    db = pb.sum(0).to(b.dtype).reshape(b.shape) if b is not None else None
-    return dx, dw, db
+    it = iter(res[1:])
+    return res[0], (next(it) if w is not None else None), (next(it) if b is not None else None)
 
 
 def softmax_backward_rows(g, y, log):
     """dx of softmax (``log`` False) or log_softmax over the last axis of
     CUDA tensors from the output ``y``, by kernels/norm_backward.cu; None where
     the rows do not fit it."""
-    import torch
     if y.dim() == 0:
         return None
-    n = y.shape[-1]
-    setup = _bwd_setup("log_softmax" if log else "softmax", y, (g,), n)
-    if setup is None:
-        return None
-    fn, threads, grid, rows, (y, g) = setup
-    dx = torch.empty_like(y)
-    if rows:
-        _bwd_launch(fn, grid, threads, y.get_device(), (dx, g, y), rows, n)
-    return dx
+    kind = "log_softmax" if log else "softmax"
+
+    def build():
+        n = y.shape[-1]
+        setup = _bwd_setup(kind, y, (g,), n)
+        if setup is None:
+            return None
+        ins, kept = _bwd_inputs(setup, (y, g))
+        dev, dt, shape = y.get_device(), A.torch_to_numpy_dtype(y.dtype), tuple(y.shape)
+        bld = D.RecipeBuilder(A.TORCH_CUDA, dev, 1, 2)
+        if setup.rows:
+            bld.launch(setup.fn, (setup.grid,), (setup.threads,),
+                       (D.out_(0), D.in_(1), D.in_(0), np.int64(setup.rows), np.int32(n)), setup.shared)
+        span = D.view_span(shape, A.c_strides(shape), dt.itemsize)
+        return bld.build([D.output(shape, dt, A.TORCH_CUDA)], [span], [span, span], like=y), ins, kept
+
+    res = _bwd_run(kind, (y, g), 0.0, build)
+    return None if res is None else res[0]
 
 
 # --------------------------------------------------------------- validation
@@ -668,7 +743,7 @@ def _add_norm_kernel(fwd_kind, kind, dt, dev, x, residual, n, w, b, e, key):
     setup = _bwd_setup(fwd_kind, x, (residual,), n, (w, b), kind)
     if setup is None:
         return None
-    (fn, _), threads, grid, rows, (xc, rc, wc, bc) = setup  # (no dynamic shared memory)
+    fn, threads, grid, rows, (xc, rc, wc, bc) = setup.fn, setup.threads, setup.grid, setup.rows, setup.arrays
     ins = [a for a in (xc, rc, wc, bc) if a is not None]
     bld = D.RecipeBuilder(kind, dev, 2, len(ins))
     if rows:
