@@ -80,7 +80,7 @@ _CTYPE_NAMES = {"__half": "float16", "__nv_bfloat16": "bfloat16", "float": "floa
 FLOATS = {d.name for d in A.FLOAT_DTYPES}  # bfloat16 among them where ml_dtypes is installed
 # kernels without a functor: the backward of the row ops (kernels/norm_backward.cu), storage type first
 _BWD_EXPR = re.compile(r"(norm_backward|softmax_backward|add_norm_forward)<([\w ]+), (\d+)(?:, (?:true|false))+>"
-                       r"|(cross_entropy_forward|cross_entropy_backward|rope)<([\w ]+)>"
+                       r"|(cross_entropy_forward|cross_entropy_backward|rope|column_sums)<([\w ]+)>"
                        r"|(scatter_add_forward|scatter_add_backward)<([\w ]+), \d>"
                        r"|(attention_forward|attention_forward_sm90|attention_backward_kv|attention_backward_q|attention_delta|attention_score)"
                        r"<([\w ]+)(?:, \d+)*>")
