@@ -12,7 +12,7 @@ import functools
 import itertools
 import logging
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -129,6 +129,13 @@ def _scalar_spec(x):
     return None
 
 
+class _BackwardPlan(NamedTuple):
+    fn: object         # the backward Fused (None: no position in ``need`` is differentiable)
+    wrt: tuple         # the argument positions it writes gradients of
+    n: float           # the last dim of the broadcast shape (the backward's row length argument)
+    unsqueeze: tuple   # per output: its incoming gradient gets a trailing 1 (a reduction without keepdims)
+
+
 class Fused:
     """A function traced and compiled by ``cufuse.fuse``; see ``cufuse.fuse``."""
 
@@ -147,6 +154,7 @@ class Fused:
         self._sigs: dict = {}
         self.fast = D.FastPath(f"fuse({self.__name__})")
         self._plans: dict = {}
+        self._bwd_plans: dict = {}  # (call signature, positions) -> _BackwardPlan
         self._op_key = TO.fused_key(self)  # its name for torch.ops.cufuse.fused (torch.compile)
 
     def __repr__(self):
@@ -342,23 +350,39 @@ class Fused:
         the outputs depend on, from the incoming gradients ``gouts`` (one per
         output): ONE generated kernel per signature (cufuse/_fuse/grad.py)
         that recomputes the forward, then each gradient summed down to its
-        argument's shape (torch's sum_to_size) where it was broadcast."""
+        argument's shape (torch's sum_to_size) where it was broadcast. What
+        the arguments' classification decides is kept per call signature."""
+        s = D.signature((*args, *gouts))
+        key = None if s is None else (s[0], tuple(need))
+        plan = self._bwd_plans.get(key) if key is not None else None
+        if plan is None:
+            plan = self._backward_plan(args, need)
+            if key is not None:
+                if len(self._bwd_plans) >= D.FastPath.MAX:
+                    self._bwd_plans.clear()
+                self._bwd_plans[key] = plan
+        if plan.fn is None:
+            return {}
+        gl = [go.unsqueeze(-1) if u else go for u, go in zip(plan.unsqueeze, gouts)]
+        res = plan.fn(*gl, plan.n, *args)
+        res = res if isinstance(res, tuple) else (res,)
+        return {p: r if tuple(r.shape) == tuple(args[p].shape) else r.sum_to_size(args[p].shape)
+                for p, r in zip(plan.wrt, res)}
+
+    def _backward_plan(self, args, need):
+        """The ``_BackwardPlan`` of a backward call: the classification of ``args``."""
         kind, spec, arrays, _ = self._classify(args)
         sig = self._signature(spec, len(args), kind)
         g = sig.graph
         wrt = tuple(p for p in grad.differentiable_inputs(g) if p in need)
         if not wrt:
-            return {}
+            return _BackwardPlan(None, (), 1.0, ())
         bwd = sig.backwards.get(wrt)
         if bwd is None:
             bwd = sig.backwards[wrt] = Fused(grad.backward_function(g, wrt), name=f"{self.__name__}_backward")
         shape = tuple(np.broadcast_shapes(*[tuple(x.shape) for _, x in arrays]))
-        gl = [go.unsqueeze(-1) if red is not None and not keep else go
-              for (_, red, keep, _), go in zip(g.outputs, gouts)]
-        res = bwd(*gl, float(shape[-1]) if shape else 1.0, *args)
-        res = res if isinstance(res, tuple) else (res,)
-        return {p: r if tuple(r.shape) == tuple(args[p].shape) else r.sum_to_size(args[p].shape)
-                for p, r in zip(wrt, res)}
+        return _BackwardPlan(bwd, wrt, float(shape[-1]) if shape else 1.0,
+                             tuple(red is not None and not keep for (_, red, keep, _) in g.outputs))
 
     # ------------------------------------------------------------ Dask
     def _dask(self, args, out):
