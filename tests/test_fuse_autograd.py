@@ -215,3 +215,23 @@ def test_swiglu_module_under_compile(device):
     y_c.sum().backward()
     y_e.sum().backward()
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_backward_plan_kept_per_signature():
+    """The backward's classification is kept per call signature: a second
+    call with another scalar value reuses it and uses that value; a
+    broadcast argument of another shape gets a plan of its own, its gradient
+    summed down to its shape."""
+    f = cufuse.fuse(lambda x, y, c: x * c + y * y)
+    x, y = (torch.randn(5, 7, device="cuda", dtype=torch.float64, requires_grad=True) for _ in range(2))
+    for c in (2.0, 3.0):
+        x.grad = y.grad = None
+        f(x, y, c).backward(torch.ones(5, 7, device="cuda", dtype=torch.float64))
+        torch.testing.assert_close(x.grad, torch.full_like(x, c))
+        torch.testing.assert_close(y.grad, 2 * y.detach())
+    assert len(f._bwd_plans) == 1
+    y1 = torch.randn(7, device="cuda", dtype=torch.float64, requires_grad=True)
+    f(x, y1, 1.0).backward(torch.ones(5, 7, device="cuda", dtype=torch.float64))
+    torch.testing.assert_close(y1.grad, 2 * 5 * y1.detach())
+    assert len(f._bwd_plans) == 2
