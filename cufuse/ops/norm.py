@@ -352,9 +352,14 @@ def _bwd_run(key, arrays, eps, build):
 
 
 def _bwd_inputs(setup, given):
-    """The arrays of ``setup`` that are present, and whether none is a copy of the ``given`` one."""
-    ins = [a for a in setup.arrays if a is not None]
-    return ins, all(a is o for a, o in zip(setup.arrays, given))
+    """(the arrays of ``setup`` that are present, the input slot of each of
+    its arrays (0 where absent), whether none is a copy of the ``given`` one)."""
+    ins, slots = [], []
+    for a in setup.arrays:
+        slots.append(0 if a is None else D.in_(len(ins)))
+        if a is not None:
+            ins.append(a)
+    return ins, slots, all(a is o for a, o in zip(setup.arrays, given))
 
 
 def backward_rows(kind, g, x, n, w, b, eps, gadd=None):
@@ -371,12 +376,7 @@ def backward_rows(kind, g, x, n, w, b, eps, gadd=None):
         if setup is None:
             return None
         wc, bc = setup.arrays[3:]
-        ins, kept = _bwd_inputs(setup, (x, g, gadd, w, b))
-        slots, i = [], 0  # each array's input slot (0: absent)
-        for a in setup.arrays:
-            slots.append(0 if a is None else D.in_(i))
-            i += a is not None
-        sx, sg, sa, sw, sb = slots
+        ins, (sx, sg, sa, sw, sb), kept = _bwd_inputs(setup, (x, g, gadd, w, b))
         dev, dt = x.get_device(), A.torch_to_numpy_dtype(x.dtype)
         acc = 8 if dt == np.float64 else 4
         bld = D.RecipeBuilder(A.TORCH_CUDA, dev, 1 + (wc is not None) + (bc is not None), len(ins))
@@ -423,12 +423,12 @@ def softmax_backward_rows(g, y, log):
         setup = _bwd_setup(kind, y, (g,), n)
         if setup is None:
             return None
-        ins, kept = _bwd_inputs(setup, (y, g))
+        ins, (sy, sg), kept = _bwd_inputs(setup, (y, g))
         dev, dt, shape = y.get_device(), A.torch_to_numpy_dtype(y.dtype), tuple(y.shape)
         bld = D.RecipeBuilder(A.TORCH_CUDA, dev, 1, 2)
         if setup.rows:
             bld.launch(setup.fn, (setup.grid,), (setup.threads,),
-                       (D.out_(0), D.in_(1), D.in_(0), np.int64(setup.rows), np.int32(n)), setup.shared)
+                       (D.out_(0), sg, sy, np.int64(setup.rows), np.int32(n)), setup.shared)
         span = D.view_span(shape, A.c_strides(shape), dt.itemsize)
         return bld.build([D.output(shape, dt, A.TORCH_CUDA)], [span], [span, span], like=y), ins, kept
 
@@ -743,20 +743,17 @@ def _add_norm_kernel(fwd_kind, kind, dt, dev, x, residual, n, w, b, e, key):
     setup = _bwd_setup(fwd_kind, x, (residual,), n, (w, b), kind)
     if setup is None:
         return None
-    fn, threads, grid, rows, (xc, rc, wc, bc) = setup.fn, setup.threads, setup.grid, setup.rows, setup.arrays
-    ins = [a for a in (xc, rc, wc, bc) if a is not None]
+    ins, (sx, sr, sw, sb), kept = _bwd_inputs(setup, (x, residual, w, b))
     bld = D.RecipeBuilder(kind, dev, 2, len(ins))
-    if rows:
-        bld.launch(fn, (grid,), (threads,),
-                   (D.out_(0), D.out_(1), D.in_(0), D.in_(1), D.in_(2) if wc is not None else 0,
-                    D.in_(len(ins) - 1) if bc is not None else 0, np.int64(rows), np.int32(n), D.val(0)))
+    if setup.rows:
+        bld.launch(setup.fn, (setup.grid,), (setup.threads,),
+                   (D.out_(0), D.out_(1), sx, sr, sw, sb, np.int64(setup.rows), np.int32(n), D.val(0)))
     shape, isz = tuple(x.shape), dt.itemsize
     span = D.view_span(shape, A.c_strides(shape), isz)
     rec = bld.build([D.output(shape, dt, kind)] * 2, [span, span],
                     [D.view_span(tuple(a.shape), A.strides_of(a, kind), isz) for a in ins])
-    copied = any(a is not o for a, o in zip((xc, rc, wc, bc), (x, residual, w, b)))
     y, h = D.run_general(rec, None, None, [A.pointer_of(a, kind) for a in ins], (e,), None, _ADD_FAST,
-                         None if copied else key)
+                         key if kept else None)
     return y, h
 
 
