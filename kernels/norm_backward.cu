@@ -14,6 +14,10 @@
 //   dx = rstd (gw - s1 - xhat s2) + gadd    (rms_norm: without s1; gadd, when
 //        given, is the gradient of the residual sum h that add_rms_norm /
 //        add_layer_norm also return: x there is h, and dx its gradient).
+// Block reductions are the latency of a row: without the relu mask,
+// sum((x - mean)^2), sum(gw (x - mean)) (= s2 n / rstd) and sum(gw) are one
+// reduction after the mean's, so layer_norm takes two a row and rms_norm one;
+// layer_norm_relu's mask needs xhat first and takes three.
 // The weight and bias gradients are column sums over the rows of gm xhat and
 // gm: each thread adds its columns of every row its block holds, in C, in its
 // own slots of the block's shared memory, and writes its block's partial sums,
@@ -33,57 +37,71 @@ constexpr int kNormBwdMaxThreads = 512;
 // packs per thread spill a lot there (bfloat16 4096x8192: 129 -> 212 us on an H200) and keep one block.
 template <int NP, typename T> constexpr int kNormBwdMinBlocks = NP == 1 || sizeof(T) >= 4 ? 2 : 1;
 
-// Sum of (a, b) over the block; every thread gets it. `red` holds one pair
-// per warp; the __syncthreads before the writes keeps one call's reads apart
-// from the next call's writes. Every warp then adds the warps' partials as a
-// tree over its lanes and takes lane 0's: the same order in every thread and
-// run (the same bits), four dependent steps for 16 warps instead of fifteen.
-template <typename C> __device__ __forceinline__ void block_sum2(C& a, C& b, C (*red)[2]) {
+// Values per warp of a block reduction's shared scratch (red[warps][kRedValues]).
+constexpr int kRedValues = 3;
+
+// Sums of the K values v over the block; every thread gets them. `red` holds
+// K values per warp; the __syncthreads before the writes keeps one call's
+// reads apart from the next call's writes. Every warp then adds the warps'
+// partials as a tree over its lanes and takes lane 0's: the same order in
+// every thread and run (the same bits), four dependent steps for 16 warps
+// instead of fifteen.
+template <int K, typename C> __device__ __forceinline__ void block_sum(C (&v)[K], C (*red)[kRedValues]) {
+    static_assert(K <= kRedValues, "red holds kRedValues values per warp");
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        a += __shfl_xor_sync(0xffffffffu, a, o);
-        b += __shfl_xor_sync(0xffffffffu, b, o);
-    }
+    for (int o = 16; o > 0; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     __syncthreads();
-    if (lane == 0) {
-        red[warp][0] = a;
-        red[warp][1] = b;
-    }
-    __syncthreads();
-    a = lane < warps ? red[lane][0] : C(0);
-    b = lane < warps ? red[lane][1] : C(0);
+    if (lane == 0)
 #pragma unroll
-    for (int o = kNormBwdMaxThreads / 64; o > 0; o >>= 1) {
-        a += __shfl_down_sync(0xffffffffu, a, o);
-        b += __shfl_down_sync(0xffffffffu, b, o);
-    }
-    a = __shfl_sync(0xffffffffu, a, 0);
-    b = __shfl_sync(0xffffffffu, b, 0);
+        for (int k = 0; k < K; ++k) red[warp][k] = v[k];
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = lane < warps ? red[lane][k] : C(0);
+#pragma unroll
+    for (int o = kNormBwdMaxThreads / 64; o > 0; o >>= 1)
+#pragma unroll
+        for (int k = 0; k < K; ++k) v[k] += __shfl_down_sync(0xffffffffu, v[k], o);
+#pragma unroll
+    for (int k = 0; k < K; ++k) v[k] = __shfl_sync(0xffffffffu, v[k], 0);
+}
+
+// One value's block_sum.
+template <typename C> __device__ __forceinline__ C block_sum1(C a, C (*red)[kRedValues]) {
+    C v[1] = {a};
+    block_sum(v, red);
+    return v[0];
+}
+
+// The mean of the values a block holds of a row (NP packs per thread, has[j]:
+// pack j lies in the row; 1 / n = inv_n): one block reduction.
+template <typename T, int NP, typename C>
+__device__ __forceinline__ C row_mean(const Pack<T, 16 / sizeof(T)> (&xp)[NP], const bool (&has)[NP], C inv_n,
+                                      C (*red)[kRedValues]) {
+    constexpr int V = 16 / sizeof(T);
+    C s = C(0);
+#pragma unroll
+    for (int j = 0; j < NP; ++j)
+        if (has[j]) {
+            C t[V];
+            unpack(xp[j], t);
+#pragma unroll
+            for (int v = 0; v < V; ++v) s += t[v];
+        }
+    return block_sum1(s, red) * inv_n;
 }
 
 // The mean (0 without Center: rms_norm) and rstd of a row that a block holds
-// as NP packs per thread (has[j]: pack j lies in the row), from the held
-// values in two passes: mean = sum(x) / n, rstd = 1 / sqrt(sum((x - mean)^2) / n + eps).
+// as NP packs per thread, from the held values in two passes:
+// mean = sum(x) / n, rstd = 1 / sqrt(sum((x - mean)^2) / n + eps).
 template <bool Center, typename T, int NP, typename C>
 __device__ __forceinline__ void row_stats(const Pack<T, 16 / sizeof(T)> (&xp)[NP], const bool (&has)[NP], C inv_n,
-                                          double eps, C (*red)[2], C& mean, C& rstd) {
+                                          double eps, C (*red)[kRedValues], C& mean, C& rstd) {
     constexpr int V = 16 / sizeof(T);
-    C s = C(0), unused = C(0);
-    mean = C(0);
-    if (Center) {
-#pragma unroll
-        for (int j = 0; j < NP; ++j)
-            if (has[j]) {
-                C t[V];
-                unpack(xp[j], t);
-#pragma unroll
-                for (int v = 0; v < V; ++v) s += t[v];
-            }
-        block_sum2(s, unused, red);
-        mean = s * inv_n;
-        s = C(0);
-    }
+    mean = Center ? row_mean(xp, has, inv_n, red) : C(0);
+    C s = C(0);
 #pragma unroll
     for (int j = 0; j < NP; ++j)
         if (has[j]) {
@@ -95,9 +113,13 @@ __device__ __forceinline__ void row_stats(const Pack<T, 16 / sizeof(T)> (&xp)[NP
                 s += d * d;
             }
         }
-    block_sum2(s, unused, red);
-    rstd = C(1) / math::sqrt(s * inv_n + static_cast<C>(eps));
+    rstd = C(1) / math::sqrt(block_sum1(s, red) * inv_n + static_cast<C>(eps));
 }
+
+// 16 bytes of C values: one 128-bit shared-memory access
+template <typename C> struct alignas(16) Quad {
+    C v[16 / sizeof(C)];
+};
 
 // column_sums's block: 32 columns x 16 parts at a time
 constexpr int kColumnSumsX = 32;
@@ -115,29 +137,30 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
     using C = compute_t<T>;
     constexpr int V = 16 / sizeof(T);
     using P = Pack<T, V>;
-    __shared__ C red[kNormBwdMaxThreads / 32][2];
+    __shared__ C red[kNormBwdMaxThreads / 32][kRedValues];
     const int npack = cols / V;
     const C inv_n = C(1) / static_cast<C>(cols);
     bool has[NP];
     // Dynamic shared memory (_bwd_shared in cufuse/ops/norm.py): the column sums of gm xhat (aw) and gm (ab) of
     // the block's rows, then w and b as packs. Held in registers they allowed one block of 512 threads per
-    // SM: one row in flight. Element (j, v) of thread t at (j V + v) blockDim.x + t, pack j at
-    // j blockDim.x + t: each thread's own (no barrier), conflict-free.
+    // SM: one row in flight. The sums go in 16-byte quads (one 128-bit access each: the shared-memory
+    // instructions are a quarter of one per element), quad q of pack j of thread t at (j QP + q) blockDim.x + t,
+    // pack j of w at j blockDim.x + t: each thread's own (no barrier), conflict-free.
+    using Q = Quad<C>;
+    constexpr int QV = 16 / sizeof(C), QP = V / QV;
     extern __shared__ __align__(16) unsigned char smem_raw[];
-    C* aw = reinterpret_cast<C*>(smem_raw);
-    C* ab = aw + NP * V * blockDim.x;
-    P* wk = reinterpret_cast<P*>(ab + NP * V * blockDim.x);
+    Q* aw = reinterpret_cast<Q*>(smem_raw);
+    Q* ab = aw + NP * QP * blockDim.x;
+    P* wk = reinterpret_cast<P*>(ab + NP * QP * blockDim.x);
     P* bk = wk + NP * blockDim.x;
-    const bool sums = pw != nullptr || pb != nullptr;
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
         const int k = threadIdx.x + j * blockDim.x;
         has[j] = k < npack;
         if (has[j] && w) wk[k] = load_pack(reinterpret_cast<const P*>(w) + k);
         if (has[j] && b) bk[k] = load_pack(reinterpret_cast<const P*>(b) + k);
-        if (sums)
 #pragma unroll
-            for (int v = 0; v < V; ++v) aw[(j * V + v) * blockDim.x + threadIdx.x] = ab[(j * V + v) * blockDim.x + threadIdx.x] = C(0);
+        for (int q = 0; q < QP; ++q) aw[(j * QP + q) * blockDim.x + threadIdx.x] = ab[(j * QP + q) * blockDim.x + threadIdx.x] = Q{};
     }
     const auto wb = [&](int j, C (&wv)[V], C (&bv)[V]) {
         const int k = threadIdx.x + j * blockDim.x;
@@ -168,31 +191,55 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         P xn[NP], gn[NP];
         if (r + gridDim.x < rows) load_row(r + gridDim.x, xn, gn);
-        C mean, rstd;
-        row_stats<Center>(xp, has, inv_n, eps, red, mean, rstd);
-        C s1 = C(0), s2 = C(0);
+        C mean = C(0), rstd, s1 = C(0), s2;  // s1 = sum(gm w), s2 = sum(gm w xhat), then / n
+        if constexpr (Relu) {
+            // the mask needs xhat: the statistics (two reductions), then s1 and s2 (a third)
+            row_stats<Center>(xp, has, inv_n, eps, red, mean, rstd);
+            C acc[2] = {C(0), C(0)};
 #pragma unroll
-        for (int j = 0; j < NP; ++j)
-            if (has[j]) {
-                C t[V], gg[V], wv[V], bv[V];
-                unpack(xp[j], t);
-                unpack(gp[j], gg);
-                wb(j, wv, bv);
+            for (int j = 0; j < NP; ++j)
+                if (has[j]) {
+                    C t[V], gg[V], wv[V], bv[V];
+                    unpack(xp[j], t);
+                    unpack(gp[j], gg);
+                    wb(j, wv, bv);
 #pragma unroll
-                for (int v = 0; v < V; ++v) {
-                    const C xh = (t[v] - mean) * rstd;
-                    const C gm = (!Relu || xh * wv[v] + bv[v] > C(0)) ? gg[v] : C(0);
-                    const C gw = gm * wv[v];
-                    s1 += gw;
-                    s2 += gw * xh;
-                    if (sums) {
-                        aw[(j * V + v) * blockDim.x + threadIdx.x] += gm * xh;
-                        ab[(j * V + v) * blockDim.x + threadIdx.x] += gm;
+                    for (int v = 0; v < V; ++v) {
+                        const C xh = (t[v] - mean) * rstd;
+                        const C gw = xh * wv[v] + bv[v] > C(0) ? gg[v] * wv[v] : C(0);
+                        acc[0] += gw;
+                        acc[1] += gw * xh;
                     }
                 }
-            }
-        block_sum2(s1, s2, red);
-        s1 = Center ? s1 * inv_n : C(0);
+            block_sum(acc, red);
+            s1 = acc[0];
+            s2 = acc[1];
+        } else {
+            // the mean (layer_norm), then sum((x - mean)^2), sum(g w (x - mean)) (= s2 n / rstd) and s1 in
+            // one reduction: two reductions a row for layer_norm, one for rms_norm
+            mean = Center ? row_mean(xp, has, inv_n, red) : C(0);
+            C acc[Center ? 3 : 2] = {};
+#pragma unroll
+            for (int j = 0; j < NP; ++j)
+                if (has[j]) {
+                    C t[V], gg[V], wv[V], bv[V];
+                    unpack(xp[j], t);
+                    unpack(gp[j], gg);
+                    wb(j, wv, bv);
+#pragma unroll
+                    for (int v = 0; v < V; ++v) {
+                        const C d = t[v] - mean, gw = gg[v] * wv[v];
+                        acc[0] += d * d;
+                        acc[1] += gw * d;
+                        if constexpr (Center) acc[2] += gw;
+                    }
+                }
+            block_sum(acc, red);
+            rstd = C(1) / math::sqrt(acc[0] * inv_n + static_cast<C>(eps));
+            s2 = rstd * acc[1];
+            if constexpr (Center) s1 = acc[2];
+        }
+        s1 *= inv_n;
         s2 *= inv_n;
         P* dr = reinterpret_cast<P*>(dx + r * cols);
         const P* ar = reinterpret_cast<const P*>(gadd + r * cols);
@@ -211,10 +258,20 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
                 }
                 P o;
 #pragma unroll
-                for (int v = 0; v < V; ++v) {
-                    const C xh = (t[v] - mean) * rstd;
-                    const C gm = (!Relu || xh * wv[v] + bv[v] > C(0)) ? gg[v] : C(0);
-                    o.v[v] = from_compute<T>(rstd * (gm * wv[v] - s1 - xh * s2) + ga[v]);
+                for (int q = 0; q < QP; ++q) {  // a quad of the sums at a time
+                    const int i = (j * QP + q) * blockDim.x + threadIdx.x;
+                    Q sw = pw ? aw[i] : Q{}, sb = pb ? ab[i] : Q{};
+#pragma unroll
+                    for (int u = 0; u < QV; ++u) {
+                        const int v = q * QV + u;
+                        const C xh = (t[v] - mean) * rstd;
+                        const C gm = (!Relu || xh * wv[v] + bv[v] > C(0)) ? gg[v] : C(0);
+                        o.v[v] = from_compute<T>(rstd * (gm * wv[v] - s1 - xh * s2) + ga[v]);
+                        sw.v[u] += gm * xh;
+                        sb.v[u] += gm;
+                    }
+                    if (pw) aw[i] = sw;
+                    if (pb) ab[i] = sb;
                 }
                 store_pack(dr + threadIdx.x + j * blockDim.x, o);
             }
@@ -232,8 +289,9 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
                                  static_cast<long long>(threadIdx.x + j * blockDim.x) * V;
 #pragma unroll
             for (int v = 0; v < V; ++v) {
-                if (pw) pw[c0 + v] = aw[(j * V + v) * blockDim.x + threadIdx.x];
-                if (pb) pb[c0 + v] = ab[(j * V + v) * blockDim.x + threadIdx.x];
+                const int i = (j * QP + v / QV) * blockDim.x + threadIdx.x;
+                if (pw) pw[c0 + v] = aw[i].v[v % QV];
+                if (pb) pb[c0 + v] = ab[i].v[v % QV];
             }
         }
 }
@@ -286,13 +344,13 @@ softmax_backward(T* __restrict__ dx, const T* __restrict__ g, const T* __restric
     using C = compute_t<T>;
     constexpr int V = 16 / sizeof(T);
     using P = Pack<T, V>;
-    __shared__ C red[kNormBwdMaxThreads / 32][2];
+    __shared__ C red[kNormBwdMaxThreads / 32][kRedValues];
     const int npack = cols / V;
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const P* yr = reinterpret_cast<const P*>(y + r * cols);
         const P* gr = reinterpret_cast<const P*>(g + r * cols);
         P yp[NP], gp[NP];
-        C s = C(0), unused = C(0);
+        C s = C(0);
 #pragma unroll
         for (int j = 0; j < NP; ++j) {
             const int k = threadIdx.x + j * blockDim.x;
@@ -306,7 +364,7 @@ softmax_backward(T* __restrict__ dx, const T* __restrict__ g, const T* __restric
                 for (int v = 0; v < V; ++v) s += Log ? gg[v] : gg[v] * t[v];
             }
         }
-        block_sum2(s, unused, red);
+        s = block_sum1(s, red);
         P* dr = reinterpret_cast<P*>(dx + r * cols);
 #pragma unroll
         for (int j = 0; j < NP; ++j) {
@@ -338,7 +396,7 @@ add_norm_forward(T* __restrict__ y, T* __restrict__ h, const T* __restrict__ x, 
     using C = compute_t<T>;
     constexpr int V = 16 / sizeof(T);
     using P = Pack<T, V>;
-    __shared__ C red[kNormBwdMaxThreads / 32][2];
+    __shared__ C red[kNormBwdMaxThreads / 32][kRedValues];
     const int npack = cols / V;
     const C inv_n = C(1) / static_cast<C>(cols);
     bool has[NP];
