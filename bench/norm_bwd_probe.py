@@ -1,7 +1,8 @@
 """The one-pass backward kernels of the norms and softmax (kernels/norm_backward.cu) timed alone,
 through cufuse.ops.norm.backward_rows / softmax_backward_rows on torch CUDA tensors: CUDA events
 behind an L2 flush (cufuse._timing), median of 30; % of the copy bandwidth of the same run (a clone
-of a 1 GiB tensor) counting x and g read and dx written once (dw and db partial sums: small). To
+of a 1 GiB tensor) counting x and g read and dx written once (dw and db partial sums: small; rms+add,
+the residual-add norm's backward, also reads the residual's gradient). To
 compare trees, run it once per tree (PYTHONPATH) in the same device call:
     PYTHONPATH=<tree> python3 bench/norm_bwd_probe.py [dtype ...]"""
 import sys
@@ -14,7 +15,7 @@ from cufuse import _timing
 from cufuse.ops import norm as N
 
 DTYPES = [getattr(torch, d) for d in sys.argv[1:]] or [torch.bfloat16, torch.float16, torch.float32]
-SHAPES = [(16384, 4096), (4096, 8192), (16384, 1024), (4096, 4096)]
+SHAPES = [(16384, 4096), (4096, 8192), (16384, 1024), (4096, 4096), (32768, 2048)]
 
 
 def gpu_us(f):
@@ -33,10 +34,13 @@ for dt in DTYPES:
         gr = torch.randn(rows, n, device="cuda", dtype=dt, generator=g)
         w = torch.randn(n, device="cuda", dtype=dt, generator=g)
         b = torch.randn(n, device="cuda", dtype=dt, generator=g)
+        ga = torch.randn(rows, n, device="cuda", dtype=dt, generator=g)
         nbytes = 3 * x.numel() * x.element_size()
         for kind, call in (("layer", lambda: N.backward_rows("layer", gr, x, n, w, b, 1e-5)),
+                           ("rms+add", lambda: N.backward_rows("rms", gr, x, n, w, None, 1e-5, ga)),
                            ("rms", lambda: N.backward_rows("rms", gr, x, n, w, None, 1e-5)),
                            ("softmax", lambda: N.softmax_backward_rows(gr, x, False))):
             us = gpu_us(call)
+            moved = nbytes * (4 / 3 if kind == "rms+add" else 1)
             print(f"{tree:>14} {str(dt)[6:]:9} {rows:6}x{n:<5} {kind:8} {us:8.1f} us "
-                  f"{100 * nbytes / us / 1e3 / copy:5.1f}% of copy", flush=True)
+                  f"{100 * moved / us / 1e3 / copy:5.1f}% of copy", flush=True)

@@ -681,15 +681,9 @@ def _add_norm(name, x, residual, normalized_shape, weight, bias, eps):
                              f"must have x's dtype, shape and device ({x.dtype}, {tuple(x.shape)}, {x.device})")
         h = x + residual
         return _recorded_norm(_ADD_NORMS[name][0], h, normalized_shape, weight, bias, eps, None), h
-    sk = _shape_key(normalized_shape)
-    key = None
-    if sk is not None and type(eps) is float and 0.0 <= eps < _INF:  # the fast path: a signature seen before
-        s = D.signature((x, residual, weight, bias))
-        if s is not None:
-            key = (name, s[0], sk)
-            res = _ADD_FAST.run(key, s[1], len(s[1]), None, (eps,))
-            if res is not None:
-                return res[0], res[1]
+    res, key = _add_norm_fast(name, x, residual, normalized_shape, weight, bias, eps)
+    if res is not None:
+        return res
     if DK.is_dask(x) or DK.is_dask(residual):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
     kind = A.array_kind(name, x, "x")
@@ -701,6 +695,21 @@ def _add_norm(name, x, residual, normalized_shape, weight, bias, eps):
 
 
 _ADD_FAST = D.FastPath("add_norm")
+
+
+def _add_norm_fast(name, x, residual, normalized_shape, weight, bias, eps):
+    """((y, h) from the fast path, or None; the key of the call's signature,
+    under which _add_norm_values keeps its launch, or None where the call has
+    none: a tensor that requires grad in grad mode, an eps or shape the path does not take)."""
+    sk = _shape_key(normalized_shape)
+    if sk is None or type(eps) is not float or not 0.0 <= eps < _INF:
+        return None, None
+    s = D.signature((x, residual, weight, bias))
+    if s is None:
+        return None, None
+    key = (name, s[0], sk)
+    res = _ADD_FAST.run(key, s[1], len(s[1]), None, (eps,))
+    return (None if res is None else (res[0], res[1])), key
 
 
 def _add_norm_values(name, x, residual, normalized_shape, weight, bias, eps, key=None):
@@ -761,7 +770,9 @@ def _add_norm_function(torch):
     class AddNormFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, x, residual, w, b, name, ns, eps):
-            y, h = _add_norm_values(name, x, residual, ns, w, b, eps)
+            # grad mode is off here: the fast path and the recipe kept by signature as in a no-grad call
+            res, key = _add_norm_fast(name, x, residual, ns, w, b, eps)
+            y, h = res if res is not None else _add_norm_values(name, x, residual, ns, w, b, eps, key)
             ctx.kind, ctx.n, ctx.eps = _ADD_NORMS[name][2], A.count(ns), eps
             ctx.save_for_backward(h, w, b)
             return y, h
