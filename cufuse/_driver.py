@@ -739,7 +739,7 @@ class Recipe(NamedTuple):
     kind: str
     device: int
     outs: tuple       # Output per result (allocated when the call has no out=)
-    temps: tuple      # bytes of each temporary (uint8, allocated per call)
+    temps: tuple      # bytes of each temporary (uint8, allocated per call, all in one allocation)
     steps: tuple      # Launch and Memset, in order
     nout: int
     nin: int
@@ -749,6 +749,8 @@ class Recipe(NamedTuple):
     sbufs: tuple = ()  # bytes of each per-stream buffer (RecipeBuilder.stream_buffer)
     extra: object = None  # what else the family keeps with the recipe (cufuse.fuse: the traced signature)
     like: bool = False    # output 0 may be empty_like(the call's first argument) (build's like)
+    temp_offsets: tuple = ()  # per temporary: its byte offset in the call's one allocation of them
+    temp_bytes: int = 0       # that allocation's size
 
 
 class RecipeBuilder:
@@ -818,8 +820,13 @@ class RecipeBuilder:
             o = outs[0]
             like_ok = (tuple(like.shape) == o.shape and like.dtype == o.dtype
                        and A.is_c_contiguous(o.shape, A.strides_of(like, self.kind)))
+        offsets, end = [], 0
+        for n in self.temps:  # each at a multiple of 128 bytes: one allocation per call, not one per temporary
+            offsets.append(end)
+            end += -(-n // 128) * 128
         return Recipe(self.kind, self.device, tuple(outs), tuple(self.temps), tuple(steps), self.nout, self.nin,
-                      tuple(out_spans), tuple(in_spans), tuple(same_ok), tuple(self.sbufs), extra, like_ok)
+                      tuple(out_spans), tuple(in_spans), tuple(same_ok), tuple(self.sbufs), extra, like_ok,
+                      tuple(offsets), end)
 
 
 def output(shape, dtype, kind):
@@ -858,8 +865,9 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
         temps = tptrs = ()
         if rec.temps:
             tdev = T.devices.get(dev) or torch_device(dev)
-            temps = [T.empty((n,), dtype=T.np_dtypes[_U8], device=tdev) for n in rec.temps]
-            tptrs = [t.data_ptr() for t in temps]
+            temps = T.empty((rec.temp_bytes,), dtype=T.np_dtypes[_U8], device=tdev)
+            t0 = temps.data_ptr()
+            tptrs = [t0 + o for o in rec.temp_offsets]
     else:
         if outs is None:
             new = _cp.ndarray
@@ -868,12 +876,13 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
         sptr = _cp.cuda.get_current_stream().ptr
         temps = tptrs = ()
         if rec.temps:
-            temps = [_cp.empty((n,), np.uint8) for n in rec.temps]
-            tptrs = [t.data.ptr for t in temps]
+            temps = _cp.empty((rec.temp_bytes,), np.uint8)
+            t0 = temps.data.ptr
+            tptrs = [t0 + o for o in rec.temp_offsets]
             if _cp.cuda.get_current_stream().is_capturing():
                 # a CUDA graph being captured keeps these addresses: the memory
                 # must not return to the pool, where another array would take it
-                _CAPTURED_TEMPS.extend(temps)
+                _CAPTURED_TEMPS.append(temps)
     if rec.sbufs:
         sobj = _stream_object(kind, dev, sptr)
         if (sobj or _cp.cuda.get_current_stream()).is_capturing():

@@ -6,6 +6,7 @@
 # only a few files). Exit status 1 if any shard failed. Usage: bash scripts/device_suite.sh [extra pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the examples the tests run as subprocesses import cufuse from here
 OUT=${OUT:-/tmp/suite}; mkdir -p "$OUT"
 SHARDS=(
   "tests/test_fuse.py"
