@@ -116,6 +116,24 @@ __device__ __forceinline__ void row_stats(const Pack<T, 16 / sizeof(T)> (&xp)[NP
     rstd = C(1) / math::sqrt(block_sum1(s, red) * inv_n + static_cast<C>(eps));
 }
 
+// This thread's packs (threadIdx.x + j blockDim.x, where has[j]) of row r of
+// two arrays of rows of `cols` elements.
+template <typename T, int NP>
+__device__ __forceinline__ void load_rows(const T* a, const T* b, long long r, int cols, const bool (&has)[NP],
+                                          Pack<T, 16 / sizeof(T)> (&pa)[NP], Pack<T, 16 / sizeof(T)> (&pb)[NP]) {
+    using P = Pack<T, 16 / sizeof(T)>;
+    const P* ar = reinterpret_cast<const P*>(a + r * cols);
+    const P* br = reinterpret_cast<const P*>(b + r * cols);
+#pragma unroll
+    for (int j = 0; j < NP; ++j) {
+        const int k = threadIdx.x + j * blockDim.x;
+        if (has[j]) {
+            pa[j] = load_pack(ar + k);
+            pb[j] = load_pack(br + k);
+        }
+    }
+}
+
 // 16 bytes of C values: one 128-bit shared-memory access
 template <typename C> struct alignas(16) Quad {
     C v[16 / sizeof(C)];
@@ -172,25 +190,13 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
             if (!b) bv[v] = C(0);
         }
     };
-    // a row's packs of x and g; the next row's are loaded before this row's reductions, so that a block
-    // always has a row's loads in flight (one block of 512 threads per SM holds one row otherwise)
-    const auto load_row = [&](long long r, P (&xa)[NP], P (&ga)[NP]) {
-        const P* xr = reinterpret_cast<const P*>(x + r * cols);
-        const P* gr = reinterpret_cast<const P*>(g + r * cols);
-#pragma unroll
-        for (int j = 0; j < NP; ++j) {
-            const int k = threadIdx.x + j * blockDim.x;
-            if (has[j]) {
-                xa[j] = load_pack(xr + k);
-                ga[j] = load_pack(gr + k);
-            }
-        }
-    };
+    // the next row's packs of x and g are loaded before this row's reductions, so that a block always has a
+    // row's loads in flight (one block of 512 threads per SM holds one row otherwise)
     P xp[NP], gp[NP];
-    if (blockIdx.x < rows) load_row(blockIdx.x, xp, gp);
+    if (blockIdx.x < rows) load_rows(x, g, blockIdx.x, cols, has, xp, gp);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         P xn[NP], gn[NP];
-        if (r + gridDim.x < rows) load_row(r + gridDim.x, xn, gn);
+        if (r + gridDim.x < rows) load_rows(x, g, r + gridDim.x, cols, has, xn, gn);
         C mean = C(0), rstd, s1 = C(0), s2;  // s1 = sum(gm w), s2 = sum(gm w xhat), then / n
         if constexpr (Relu) {
             // the mask needs xhat: the statistics (two reductions), then s1 and s2 (a third)
@@ -344,32 +350,35 @@ softmax_backward(T* __restrict__ dx, const T* __restrict__ g, const T* __restric
     using C = compute_t<T>;
     constexpr int V = 16 / sizeof(T);
     using P = Pack<T, V>;
+    // With one or two packs a thread, the next row's packs are loaded before this row's reduction (as
+    // norm_backward's); more would take registers that keep blocks off the SM.
+    constexpr bool kAhead = NP <= 2;
     __shared__ C red[kNormBwdMaxThreads / 32][kRedValues];
     const int npack = cols / V;
+    bool has[NP];
+#pragma unroll
+    for (int j = 0; j < NP; ++j) has[j] = threadIdx.x + j * blockDim.x < npack;
+    P yp[NP], gp[NP];
+    if (kAhead && blockIdx.x < rows) load_rows(y, g, blockIdx.x, cols, has, yp, gp);
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        const P* yr = reinterpret_cast<const P*>(y + r * cols);
-        const P* gr = reinterpret_cast<const P*>(g + r * cols);
-        P yp[NP], gp[NP];
+        P yn[NP], gn[NP];
+        if (!kAhead) load_rows(y, g, r, cols, has, yp, gp);
+        else if (r + gridDim.x < rows) load_rows(y, g, r + gridDim.x, cols, has, yn, gn);
         C s = C(0);
 #pragma unroll
-        for (int j = 0; j < NP; ++j) {
-            const int k = threadIdx.x + j * blockDim.x;
-            if (k < npack) {
-                yp[j] = load_pack(yr + k);
-                gp[j] = load_pack(gr + k);
+        for (int j = 0; j < NP; ++j)
+            if (has[j]) {
                 C t[V], gg[V];
                 unpack(yp[j], t);
                 unpack(gp[j], gg);
 #pragma unroll
                 for (int v = 0; v < V; ++v) s += Log ? gg[v] : gg[v] * t[v];
             }
-        }
         s = block_sum1(s, red);
         P* dr = reinterpret_cast<P*>(dx + r * cols);
 #pragma unroll
-        for (int j = 0; j < NP; ++j) {
-            const int k = threadIdx.x + j * blockDim.x;
-            if (k < npack) {
+        for (int j = 0; j < NP; ++j)
+            if (has[j]) {
                 C t[V], gg[V];
                 unpack(yp[j], t);
                 unpack(gp[j], gg);
@@ -377,9 +386,14 @@ softmax_backward(T* __restrict__ dx, const T* __restrict__ g, const T* __restric
 #pragma unroll
                 for (int v = 0; v < V; ++v)
                     o.v[v] = from_compute<T>(Log ? gg[v] - cufuse::math::exp(t[v]) * s : t[v] * (gg[v] - s));
-                store_pack(dr + k, o);
+                store_pack(dr + threadIdx.x + j * blockDim.x, o);
             }
-        }
+        if constexpr (kAhead)
+#pragma unroll
+            for (int j = 0; j < NP; ++j) {
+                yp[j] = yn[j];
+                gp[j] = gn[j];
+            }
     }
 }
 
