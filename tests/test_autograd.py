@@ -230,7 +230,7 @@ def test_row_ops_opcheck_and_compile(device):
 
 
 # ------------------------------------- the one-pass norm backward kernel
-NORM_BWD_SHAPES = [(5, 24), (1000, 768), (300, 4096), (33, 8192), (2, 5, 256), (0, 64)]
+NORM_BWD_SHAPES = [(5, 24), (1000, 768), (300, 4096), (7, 2600), (33, 8192), (2, 5, 256), (0, 64)]
 
 
 @pytest.mark.cuda
