@@ -56,11 +56,12 @@ def timed(fn, reps, device):
 def variants(base):
     out = {"eager": lambda: copy.deepcopy(base)}
 
-    def patched():
+    def patched(linear_loss=True):
         m = copy.deepcopy(base)
-        cufuse.patch(m)
+        cufuse.patch(m, linear_loss=linear_loss)
         return m
     out["cufuse"] = patched
+    out["cufuse-logits"] = lambda: patched(False)  # the head and loss apart: logits made
     out["compile"] = lambda: torch.compile(copy.deepcopy(base))
     out["cufuse+compile"] = lambda: torch.compile(patched())
     try:

@@ -41,6 +41,8 @@ as they are.
 """
 from __future__ import annotations
 
+import types
+
 import torch
 from torch import nn
 
@@ -134,6 +136,74 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch
     return loss
+
+
+def linear_causal_lm_loss(hidden, weight, bias, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
+                          shift_labels=None, **kwargs):
+    """``causal_lm_loss`` of ``hidden @ weight.T + bias`` without the logits
+    (``cufuse.linear_cross_entropy``)."""
+    from .ops.cross_entropy import linear_cross_entropy
+    if shift_labels is None:
+        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
+        shift_labels = labels[..., 1:].contiguous()
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    shift_labels = shift_labels.reshape(-1).to(hidden.device)
+    reduction = "sum" if num_items_in_batch is not None else "mean"
+    loss = linear_cross_entropy(hidden, weight, shift_labels, bias=bias, ignore_index=ignore_index,
+                                reduction=reduction, dtype=torch.float32)
+    if reduction == "sum":
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+class _HiddenStates(nn.Module):
+    """Stands in for the LM head during a fused training forward: the hidden states go to the loss."""
+
+    def forward(self, x):
+        return x
+
+
+def _plan_head(model):
+    """The attribute name of the model's LM head where its training loss can
+    skip the logits (a plain ``nn.Linear`` child, as ``get_output_embeddings``
+    says, with no hooks), else None."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if type(head) is not nn.Linear:
+        return None
+    return next((k for k, m in model._modules.items() if m is head), None)
+
+
+def _fused_head_forward(self, *args, **kwargs):
+    """The patched causal LM's ``forward`` (bound to it, so that a deepcopy
+    rebinds): in training with ``labels=`` given and grad mode on it runs the
+    model's own forward with the LM head standing aside and the loss through
+    ``linear_causal_lm_loss``: no logits are made, and the output has no
+    ``logits`` (as Liger-Kernel's patched models). Any other call, or one
+    under torch.compile, is the model's own forward."""
+    from ._torch_ops import compiling
+    forward, attr = self._cufuse_forward
+    head = self._modules.get(attr)
+    if kwargs.get("labels") is None or not self.training or not torch.is_grad_enabled() or compiling() or \
+            type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks or \
+            self.loss_function is not causal_lm_loss:
+        return forward(*args, **kwargs)
+
+    def loss(logits, labels, vocab_size, **kw):  # logits: the hidden states, through _HiddenStates
+        return linear_causal_lm_loss(logits, head.weight, head.bias, labels, vocab_size, **kw)
+
+    self._modules[attr] = _HiddenStates()
+    self.loss_function = loss
+    try:
+        out = forward(*args, **kwargs)
+    finally:
+        self._modules[attr] = head
+        self.loss_function = causal_lm_loss
+    if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...) without the logits
+        return out[:1] + out[2:]
+    return type(out)(**{k: v for k, v in out.items() if k != "logits"})
 
 
 def _plan_loss(model):
@@ -239,17 +309,20 @@ def _use_cufuse_attention(model):
     return True
 
 
-def patch(model, *, attention=False):
+def patch(model, *, attention=False, linear_loss=True):
     """Replace, in place, the modules of ``model`` that cufuse has (see the
     module doc) and return a ``PatchReport``; with ``attention=True`` also
-    its attention (transformers models using the attention interface).
+    its attention (transformers models using the attention interface); with
+    ``linear_loss`` (default) a causal LM's head and loss are one
+    ``cufuse.linear_cross_entropy`` in training with labels (no logits).
     TypeError for anything but a torch.nn.Module; ValueError when it holds
     none of those modules."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"cufuse.patch: expected a torch.nn.Module, got {type(model).__module__}."
                         f"{type(model).__name__}")
-    if not isinstance(attention, bool):
-        raise TypeError(f"cufuse.patch: attention must be a bool, got {type(attention).__name__}")
+    for what, v in (("attention", attention), ("linear_loss", linear_loss)):
+        if not isinstance(v, bool):
+            raise TypeError(f"cufuse.patch: {what} must be a bool, got {type(v).__name__}")
     report = PatchReport()
     steps = []
     done: set = set()  # a swapped MLP's own submodules are its old ones: not planned again
@@ -282,6 +355,12 @@ def patch(model, *, attention=False):
     if loss:
         model.loss_function = causal_lm_loss
         report.replaced.append(("loss_function", "ForCausalLMLoss", "cufuse.cross_entropy"))
+        head = _plan_head(model) if linear_loss else None
+        if head is not None:
+            model._cufuse_forward = (model.forward, head)
+            model.forward = types.MethodType(_fused_head_forward, model)
+            report.replaced.append((f"{head} + loss_function", "Linear + ForCausalLMLoss",
+                                    "cufuse.linear_cross_entropy"))
     if attention:
         before = getattr(model.config, "_attn_implementation", None) if hasattr(model, "config") else None
         if _use_cufuse_attention(model):

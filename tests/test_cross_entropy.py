@@ -274,3 +274,145 @@ def test_in_place_never_into_a_leaf(device):
     cufuse.cross_entropy(logits, t).backward()
     if device == "cuda":
         assert seen["ptr"] == logits.data_ptr()
+
+
+# ------------------------------------------------- linear_cross_entropy
+def _linear_reference(h, w, b, t, eps, z, reduction):
+    """float64: the logits h @ w.T + b in float64, then ``_reference``; per row as h's leading shape."""
+    h64 = np.asarray(h, np.float64).reshape(-1, h.shape[-1])
+    logits = h64 @ np.asarray(w, np.float64).T + (0.0 if b is None else np.asarray(b, np.float64))
+    got = _reference(logits, np.asarray(t).reshape(-1), eps=eps, z=z, reduction=reduction)
+    return got.reshape(h.shape[:-1]) if reduction == "none" else got
+
+
+def _linear_tol(dt, feats, scale):
+    """The logits are made in dt (a product's float32 sum rounded once): their
+    rounding, about ``scale`` times dt's rtol, is what the loss differs by."""
+    rtol, atol = _tol(dt, feats)
+    return rtol, atol + (TOL[dt][0] * scale if np.dtype(dt).itemsize == 2 else 1e-5 if dt == np.float32 else 0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES_ALL, ids=str)
+@pytest.mark.parametrize("chunk_rows", [None, 1, 5, 64], ids=str)
+def test_linear_loss_against_reference(backend, dtype, chunk_rows):
+    """Odd sizes (2 x 7 rows of 24 features, 37 classes), with and without a
+    bias, ignored rows; chunks of 1, 5 (a tail) and more rows than there are."""
+    h = rand((2, 7, 24), dtype, 21)
+    w = rand((37, 24), dtype, 22, scale=0.4)
+    b = rand((37,), dtype, 23)
+    t = _targets(14, 37, 24).reshape(2, 7)
+    t[1, 2] = IGNORE
+    ha, wa, ba, ta = (backend.asarray(a) for a in (h, w, b, t))
+    for bias in (None, ba):
+        for eps, z in ((0.0, 0.0), (0.1, 1e-3)):
+            for reduction in ("mean", "sum", "none"):
+                got = backend.to_numpy(cufuse.linear_cross_entropy(ha, wa, ta, bias=bias, label_smoothing=eps, z_loss=z,
+                                                                   reduction=reduction, chunk_rows=chunk_rows))
+                want = _linear_reference(h, w, None if bias is None else b, t, eps, z, reduction)
+                assert got.dtype == dtype and got.shape == np.shape(want), (got.dtype, got.shape)
+                rtol, atol = _linear_tol(dtype, 24, 6.0)
+                np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol,
+                                           atol=atol * (14 if reduction == "sum" else 1),
+                                           err_msg=f"bias {bias is not None} eps {eps} z {z} {reduction}")
+
+
+def test_linear_loss_empty_and_errors(backend):
+    w = backend.asarray(rand((11, 8), np.float32, 25))
+    h0, t0 = backend.asarray(np.zeros((0, 8), np.float32)), backend.asarray(np.zeros((0,), np.int64))
+    assert backend.to_numpy(cufuse.linear_cross_entropy(h0, w, t0, reduction="none")).shape == (0,)
+    assert np.isnan(backend.to_numpy(cufuse.linear_cross_entropy(h0, w, t0)))  # a mean of no rows, as torch
+    h = backend.asarray(rand((4, 8), np.float32, 26))
+    t = backend.asarray(np.arange(4, dtype=np.int64))
+    with pytest.raises(ValueError, match="8 features"):
+        cufuse.linear_cross_entropy(backend.asarray(rand((4, 9), np.float32, 27)), w, t)
+    with pytest.raises(TypeError, match="weight has dtype float64"):
+        cufuse.linear_cross_entropy(h, backend.asarray(rand((11, 8), np.float64, 28)), t)
+    with pytest.raises(ValueError, match="weight must be 2-D"):
+        cufuse.linear_cross_entropy(h, backend.asarray(rand((11, 8, 1), np.float32, 28)), t)
+    with pytest.raises(ValueError, match="bias has shape"):
+        cufuse.linear_cross_entropy(h, w, t, bias=backend.asarray(rand((10,), np.float32, 29)))
+    with pytest.raises(ValueError, match="need \\(4,\\)"):
+        cufuse.linear_cross_entropy(h, w, backend.asarray(np.arange(3, dtype=np.int64)))
+    with pytest.raises(TypeError, match="weight must be an array"):
+        cufuse.linear_cross_entropy(h, [[1.0] * 8] * 11, t)
+    other = np.ones((11, 8), np.float32) if backend.name != "numpy" else torch.ones(11, 8)
+    with pytest.raises(TypeError, match="weight must be the hidden states' array kind"):
+        cufuse.linear_cross_entropy(h, other, t)
+    with pytest.raises(TypeError, match="accepted dtypes"):
+        cufuse.linear_cross_entropy(backend.asarray(np.ones((4, 8), np.int32)), w, t)
+    with pytest.raises(ValueError, match="no classes"):
+        cufuse.linear_cross_entropy(h, backend.asarray(np.ones((0, 8), np.float32)), t)
+    with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
+        cufuse.linear_cross_entropy(h, w, t, chunk_rows=0)
+    with pytest.raises(TypeError, match="chunk_rows"):
+        cufuse.linear_cross_entropy(h, w, t, chunk_rows=2.0)
+    with pytest.raises(ValueError, match="reduction"):
+        cufuse.linear_cross_entropy(h, w, t, reduction="avg")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_linear_gradient_against_torch(device, reduction):
+    """Gradients of hidden, weight and bias against torch's autograd of the
+    float64 logits and loss, in chunks of 4 rows (a tail of 1); only the
+    inputs that require grad get one; every row ignored gives zero gradients."""
+    g = torch.Generator().manual_seed(31)
+    h0 = torch.randn(3, 5, 40, generator=g, dtype=torch.float64)
+    w0 = torch.randn(97, 40, generator=g, dtype=torch.float64) * 0.3
+    b0 = torch.randn(97, generator=g, dtype=torch.float64)
+    t = torch.randint(0, 97, (3, 5), generator=g)
+    t[0, 1] = t[2, 4] = IGNORE
+    up = torch.randn(3, 5, generator=g, dtype=torch.float64) if reduction == "none" else torch.tensor(
+        0.7, dtype=torch.float64)
+    dts = [torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if device == "cuda" else [])
+    for dt in dts:
+        for grads in ("hwb", "w", "h"):
+            ours = [v.to(device, dt, copy=True).requires_grad_(k in grads) for k, v in zip("hwb", (h0, w0, b0))]
+            ref = [v.clone().requires_grad_(True) for v in (h0, w0, b0)]
+            rnd = [v.detach().to(dt).double() for v in ours]  # the inputs as dt holds them
+            loss = cufuse.linear_cross_entropy(ours[0], ours[1], t.to(device), bias=ours[2], label_smoothing=0.1,
+                                               z_loss=1e-2, reduction=reduction, chunk_rows=4)
+            lr = torch.nn.functional.linear(*(r.cpu() + (v - v.detach()) for r, v in zip(rnd, ref)))
+            want = _torch_loss(lr.reshape(-1, 97), t.reshape(-1), 0.1, 1e-2, reduction)
+            want = want.reshape(3, 5) if reduction == "none" else want
+            tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}[dt]
+            torch.testing.assert_close(loss.double().cpu(), want, rtol=tol, atol=tol * 10)
+            (loss.double() * up.to(device)).sum().backward()
+            (want * up).sum().backward()
+            for k, o, r in zip("hwb", ours, ref):
+                if k not in grads:
+                    assert o.grad is None, k
+                    continue
+                s = float(r.grad.abs().max())
+                torch.testing.assert_close(o.grad.double().cpu(), r.grad, rtol=tol * 4, atol=tol * 4 * s,
+                                           msg=f"{dt} {grads}: d{k}")
+    hidden = h0.to(device).requires_grad_(True)
+    cufuse.linear_cross_entropy(hidden, w0.to(device), torch.full((3, 5), IGNORE, device=device),
+                                reduction="sum").backward()
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_linear_gradcheck_and_compile(device):
+    """gradcheck (float64, chunks of 2); under torch.compile(fullgraph=True)
+    the loss and gradients equal eager's."""
+    g = torch.Generator().manual_seed(32)
+    h = torch.randn(5, 6, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    w = torch.randn(9, 6, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    b = torch.randn(9, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    t = torch.tensor([0, 8, IGNORE, 5, 7]).to(device)
+    for red in ("mean", "none"):
+        assert torch.autograd.gradcheck(lambda *a: cufuse.linear_cross_entropy(
+            a[0], a[1], t, bias=a[2], label_smoothing=0.2, z_loss=0.05, reduction=red, chunk_rows=2), (h, w, b))
+    # a retained graph's second backward makes the chunks again: the same gradients
+    loss = cufuse.linear_cross_entropy(h, w, t, bias=b, reduction="mean", chunk_rows=2)
+    loss.backward(retain_graph=True)
+    first = [v.grad.clone() for v in (h, w, b)]
+    loss.backward()
+    for v, f1 in zip((h, w, b), first):
+        torch.testing.assert_close(v.grad, 2 * f1, rtol=1e-12, atol=1e-12)
+    torch._dynamo.reset()
+
+    def f(x, weight, bias):
+        return cufuse.linear_cross_entropy(x * 2.0, weight, t, bias=bias, z_loss=1e-3)
+    compiled_matches_eager(f, [h.float(), w.float(), b.float()], 1e-5, 1e-5, grad_atol=1e-5)

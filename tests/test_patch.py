@@ -27,6 +27,7 @@ _ENC_KW = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, inter
 
 
 _LOSS = "ForCausalLMLoss -> cufuse.cross_entropy"
+_HEAD = "Linear + ForCausalLMLoss -> cufuse.linear_cross_entropy"
 _ROPE = "apply_rotary_pos_emb -> cufuse.rope"
 _ROPE_MODULES = [T.models.llama.modeling_llama, T.models.mistral.modeling_mistral, T.models.qwen2.modeling_qwen2]
 
@@ -48,16 +49,16 @@ def _text(batch=2, n=9):
 # family -> (model factory, inputs factory, expected replacements)
 MODELS = {
     "llama": (lambda: T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW)), _text,
-              {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
+              {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1, _HEAD: 1}),
     "mistral": (lambda: T.MistralForCausalLM(T.MistralConfig(**_LLAMA_KW)), _text,
-                {"MistralMLP -> SwiGLU": 2, "MistralRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
+                {"MistralMLP -> SwiGLU": 2, "MistralRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1, _HEAD: 1}),
     "qwen2": (lambda: T.Qwen2ForCausalLM(T.Qwen2Config(**_LLAMA_KW)), _text,
-              {"Qwen2MLP -> SwiGLU": 2, "Qwen2RMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
+              {"Qwen2MLP -> SwiGLU": 2, "Qwen2RMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1, _HEAD: 1}),
     "llama_geglu": (lambda: T.LlamaForCausalLM(T.LlamaConfig(hidden_act="gelu_pytorch_tanh", **_LLAMA_KW)), _text,
-                    {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}),
+                    {"LlamaMLP -> SwiGLU": 2, "LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1, _HEAD: 1}),
     "gpt2": (lambda: T.GPT2LMHeadModel(T.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32,
                                                     bos_token_id=0, eos_token_id=0)), _text,
-             {"LayerNorm -> LayerNorm": 5, "NewGELUActivation -> GELU": 2, _LOSS: 1}),
+             {"LayerNorm -> LayerNorm": 5, "NewGELUActivation -> GELU": 2, _LOSS: 1, _HEAD: 1}),
     "bert": (lambda: T.BertModel(T.BertConfig(vocab_size=100, **_ENC_KW)), _text,
              {"LayerNorm -> LayerNorm": 5, "GELUActivation -> GELU": 2}),
     "vit": (lambda: T.ViTModel(T.ViTConfig(image_size=32, patch_size=8, **_ENC_KW)),
@@ -111,7 +112,7 @@ def test_patch_errors_and_what_it_leaves():
         cufuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
     model = T.LlamaForCausalLM(T.LlamaConfig(hidden_act="relu", **_LLAMA_KW))
     report = cufuse.patch(model)  # the norms and the rest; the ReLU-gated MLPs stay (with why)
-    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1}
+    assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1, _HEAD: 1}
     assert [n for n, _ in report.skipped] == ["model.layers.0.mlp", "model.layers.1.mlp"]
     assert "not SiLU or GELU" in report.skipped[0][1] and "left alone" in str(report)
     with pytest.raises(ValueError, match="nothing was changed"):  # patched already: nothing left to do
@@ -166,6 +167,60 @@ def test_patched_causal_lm_loss(family, device):
             torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=f"{family}: {k}")
         model.zero_grad()
         ref.zero_grad()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_patched_training_loss_skips_the_logits(family, device):
+    """In training with labels the patched causal LM's head and loss are one
+    linear_cross_entropy: the same loss and gradients as transformers' own
+    (with and without num_items_in_batch, return_dict=False too), no logits
+    in the output; a deepcopy keeps the patch on its own weights; eval mode,
+    no labels and linear_loss=False give the logits as before."""
+    make, inputs, _ = MODELS[family]
+    torch.manual_seed(0)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    model = make().to(device=device, dtype=dtype).train()
+    for m in model.modules():  # dropout off, training mode kept
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+    ref = copy.deepcopy(model)
+    cufuse.patch(model)
+    ids = inputs()["input_ids"].to(device)
+    labels = ids.clone()
+    labels[0, 3] = -100
+    rtol = 1e-6 if dtype == torch.float64 else 1e-4
+    for extra in ({}, {"num_items_in_batch": torch.tensor(11, device=device)}, {"return_dict": False}):
+        a, b = model(input_ids=ids, labels=labels, **extra), ref(input_ids=ids, labels=labels, **extra)
+        if extra.get("return_dict") is False:
+            assert len(a) == len(b) - 1  # (loss, logits, cache) without the logits
+            la, lb = a[0], b[0]
+        else:
+            assert a.logits is None and "logits" not in a
+            la, lb = a.loss, b.loss
+        torch.testing.assert_close(la, lb, rtol=rtol, atol=rtol)
+        la.backward()
+        lb.backward()
+        for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=f"{family}: {k}")
+        model.zero_grad()
+        ref.zero_grad()
+    twin = copy.deepcopy(model)
+    assert twin.forward.__self__ is twin
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.mul_(0.5)
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss,
+                               rtol=rtol, atol=rtol)
+    assert not torch.allclose(twin(input_ids=ids, labels=labels).loss, ref(input_ids=ids, labels=labels).loss)
+    assert model(input_ids=ids).logits.shape == (*ids.shape, 100)
+    model.eval()
+    assert model(input_ids=ids, labels=labels).logits.shape == (*ids.shape, 100)
+    keep = make().to(device=device, dtype=dtype).train()
+    assert _HEAD not in cufuse.patch(keep, linear_loss=False).counts()
+    assert keep(input_ids=ids, labels=labels).logits.shape == (*ids.shape, 100)
+    with pytest.raises(TypeError, match="linear_loss must be a bool"):
+        cufuse.patch(make(), linear_loss=1)
 
 
 @pytest.mark.parametrize("device", DEVICES)

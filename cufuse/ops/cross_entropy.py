@@ -54,20 +54,29 @@ def _args(name, logits, target, ignore_index, label_smoothing, z_loss, reduction
     if len(shape) != 2:
         raise ValueError(f"cufuse.{name}: logits must be 2-D (rows, classes), got shape {shape}; flatten the "
                          "leading dims (logits.reshape(-1, classes), target.reshape(-1))")
+    if shape[1] == 0:
+        raise ValueError(f"cufuse.{name}: logits have no classes (shape {shape})")
+    target, ignore, eps, z = _target_args(name, logits, "logits", kind, dev, shape[:1], target, ignore_index,
+                                          label_smoothing, z_loss, reduction)
+    return kind, dt, dev, shape[0], shape[1], target, ignore, eps, z
+
+
+def _target_args(name, data, what, kind, dev, need, target, ignore_index, label_smoothing, z_loss, reduction):
+    """(target as int64, ignore, eps, z) of a loss over ``data`` (called
+    ``what``), whose target must have the shape ``need``; or TypeError / ValueError."""
+    owner = what + ("'" if what.endswith("s") else "'s")
     tk = A.kind_of(target) if not isinstance(target, (int, float)) else None
     if tk != kind:
-        raise TypeError(f"cufuse.{name}: target must be the logits' array kind ({A.describe(logits, kind)}), "
+        raise TypeError(f"cufuse.{name}: target must be the {owner} array kind ({A.describe(data, kind)}), "
                         f"got {type(target).__module__}.{type(target).__name__}")
     tdt = A.dtype_of(target, kind)
     if tdt not in _TARGET_DTYPES:
         raise TypeError(f"cufuse.{name}: target must hold int64 (or int32) class indices, got dtype {tdt}")
-    if tuple(target.shape) != shape[:1]:
-        raise ValueError(f"cufuse.{name}: target has shape {tuple(target.shape)}; logits of shape {shape} need "
-                         f"({shape[0]},)")
+    if tuple(target.shape) != tuple(need):
+        raise ValueError(f"cufuse.{name}: target has shape {tuple(target.shape)}; {what} of shape "
+                         f"{tuple(data.shape)} need {tuple(need)}")
     if kind in A.GPU_KINDS and A.device_of(target, kind) != dev:
-        raise ValueError(f"cufuse.{name}: logits on GPU {dev}, target on GPU {A.device_of(target, kind)}")
-    if shape[1] == 0:
-        raise ValueError(f"cufuse.{name}: logits have no classes (shape {shape})")
+        raise ValueError(f"cufuse.{name}: {what} on GPU {dev}, target on GPU {A.device_of(target, kind)}")
     if not isinstance(reduction, str) or reduction not in _REDUCTIONS:
         raise ValueError(f"cufuse.{name}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     ignore = _number(name, "ignore_index", ignore_index, None, None, int)
@@ -77,7 +86,7 @@ def _args(name, logits, target, ignore_index, label_smoothing, z_loss, reduction
         raise ValueError(f"cufuse.{name}: z_loss must be finite, got {z_loss!r}")
     if tdt != _TARGET_DTYPES[0]:
         target = target.to(A.torch().int64) if kind in (A.TORCH_CPU, A.TORCH_CUDA) else target.astype(np.int64)
-    return kind, dt, dev, shape[0], shape[1], target, ignore, eps, z
+    return target, ignore, eps, z
 
 
 # ---------------------------------------------------------------- the math
@@ -280,3 +289,209 @@ def _function(torch):
             return dx, None, None, None, None
 
     return CrossEntropyFn
+
+
+# ------------------------------------------------- the loss of a linear layer
+def _linear_args(name, hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction, chunk_rows):
+    """(kind, dtype, device, features, classes, target as int64, ignore, eps, z, rows per chunk)
+    of linear_cross_entropy, or TypeError / ValueError (torch tensors given detached)."""
+    if any(DK.is_dask(a) for a in (hidden, weight, bias, target)):
+        raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
+    kind, dt, dev = _rows.data_arg(name, hidden)
+    hs = tuple(hidden.shape)
+    if not hs:
+        raise ValueError(f"cufuse.{name}: hidden must have a features dim ([..., features]), got a 0-d array")
+    feats = hs[-1]
+    for what, a, dims in (("weight", weight, 2), ("bias", bias, 1)):
+        if a is None and what == "bias":
+            continue
+        if A.array_kind(name, a, what) != kind:
+            raise TypeError(f"cufuse.{name}: {what} must be the hidden states' array kind ({A.describe(hidden, kind)}), "
+                            f"got {type(a).__module__}.{type(a).__name__}")
+        if A.dtype_of(a, kind) != dt:
+            raise TypeError(f"cufuse.{name}: {what} has dtype {A.dtype_of(a, kind)}, hidden {dt}: they must agree "
+                            "(as torch.nn.functional.linear)")
+        if kind in A.GPU_KINDS and A.device_of(a, kind) != dev:
+            raise ValueError(f"cufuse.{name}: hidden on GPU {dev}, {what} on GPU {A.device_of(a, kind)}")
+        if len(a.shape) != dims:
+            raise ValueError(f"cufuse.{name}: {what} must be {dims}-D, got shape {tuple(a.shape)}")
+    ws = tuple(weight.shape)
+    if ws[1] != feats:
+        raise ValueError(f"cufuse.{name}: weight of shape {ws} needs hidden states of {ws[1]} features, "
+                         f"got shape {hs}")
+    if ws[0] == 0:
+        raise ValueError(f"cufuse.{name}: weight has no classes (shape {ws})")
+    if bias is not None and tuple(bias.shape) != ws[:1]:
+        raise ValueError(f"cufuse.{name}: bias has shape {tuple(bias.shape)}; weight of shape {ws} needs {ws[:1]}")
+    target, ignore, eps, z = _target_args(name, hidden, "hidden states", kind, dev, hs[:-1], target, ignore_index,
+                                          label_smoothing, z_loss, reduction)
+    if chunk_rows is not None:
+        chunk_rows = _number(name, "chunk_rows", chunk_rows, None, None, int)
+        if chunk_rows < 1:
+            raise ValueError(f"cufuse.{name}: chunk_rows must be >= 1, got {chunk_rows}")
+    return kind, dt, dev, feats, ws[0], target, ignore, eps, z, chunk_rows
+
+
+def _chunk_rows(rows, feats, classes):
+    """Rows of logits made at a time: no more elements than the hidden states
+    hold, or 2**24 (32 MiB of bfloat16) where they are smaller; a multiple of
+    64 rows above 64 (the matrix products' tiles)."""
+    c = max(1, min(rows, max(rows * feats, 1 << 24) // classes))
+    return c - c % 64 if c > 64 else c
+
+
+def _linear_chunks(kind, dt, dev, h2, w, b, t, ignore, eps, z, per, scale=None, grads=(None, None, None)):
+    """The per-row losses of the rows of ``h2 @ w.T + b`` made ``per`` rows
+    at a time; with ``scale`` (one value or one per row, the compute dtype)
+    also each chunk's logits gradient, in place, and from it, into ``grads``
+    (dh rows, dw, db in float32; None: not wanted), the gradients of h2, w
+    and b: written (dh), the first chunk's product (dw) or added (db)."""
+    torch_kind = kind in (A.TORCH_CPU, A.TORCH_CUDA)
+    gh, gw, gb = grads
+    if not torch_kind:  # NumPy and CuPy: products in the compute dtype, logits rounded once to dt (as torch's)
+        cdt = A.compute_dtype(dt)
+        w = w.astype(cdt, copy=False)
+        b = None if b is None else b.astype(cdt, copy=False)
+    losses = []
+    for s in range(0, max(1, h2.shape[0]), per):  # (no rows: one empty chunk, for the empty results)
+        e = min(h2.shape[0], s + per)
+        hc, tc = h2[s:e], t[s:e]
+        if torch_kind:
+            mm = A.torch().mm
+            logits = mm(hc, w.t()) if b is None else A.torch().addmm(b, hc, w.t())
+        else:
+            logits = hc.astype(cdt, copy=False) @ w.T
+            logits = (logits if b is None else logits + b).astype(dt, copy=False)
+        loss, lse = _forward(kind, dt, dev, logits, tc, ignore, eps, z)
+        losses.append(loss)
+        if scale is None:
+            continue
+        d = _backward(kind, dt, dev, logits, tc, lse, scale if A.count(tuple(scale.shape)) == 1 else scale[s:e],
+                      ignore, eps, z, inplace=True)
+        del logits
+        if gh is not None:
+            mm(d, w, out=gh[s:e])
+        if gw is not None:
+            if s:
+                gw.addmm_(d.t(), hc)
+            else:
+                mm(d.t(), hc, out=gw)
+        if gb is not None:
+            gb += d.sum(0, dtype=gb.dtype)
+    if len(losses) == 1:
+        return losses[0]
+    if torch_kind:
+        return A.torch().cat(losses)
+    return (R._cp if kind == A.CUPY else np).concatenate(losses)
+
+
+def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias: Array | None = None,
+                         ignore_index: int = -100, label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         reduction: str = "mean", dtype: DType | None = None, chunk_rows: int | None = None) -> Array:
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without the logits:
+    a language model's head and loss in one call, made ``chunk_rows`` rows
+    of logits at a time (default: no more elements than ``hidden`` holds, or
+    2**24 where that is less). ``hidden`` is [..., features], ``weight``
+    [classes, features] (an ``nn.Linear``'s), ``bias`` [classes] or None,
+    ``target`` hidden's leading shape; the other arguments as
+    ``cufuse.cross_entropy`` ("none" gives one loss per row of hidden's
+    leading shape).
+
+    On torch tensors it is differentiable. With reduction "mean" or "sum"
+    the forward computes the gradients chunk by chunk as it goes (each
+    chunk's logits gradient in place, then its products with weight and
+    hidden), so nothing vocabulary-sized outlives a chunk; the backward
+    scales them by the incoming gradient. The weight's gradient is summed
+    over the chunks in its own dtype (one rounding per chunk). With
+    "none" the backward makes the chunks again. Under torch.compile it is
+    ``cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target)``.
+    """
+    name = "linear_cross_entropy"
+    if TO.compiling():
+        F = A.torch().nn.functional
+        loss = cross_entropy(F.linear(hidden, weight, bias).reshape(-1, weight.shape[0]), target.reshape(-1),
+                             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
+                             reduction=reduction, dtype=dtype)
+        return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss
+    grad = AG.wants_grad((hidden, weight, bias))
+    given = [a.detach() if grad and A.is_torch_tensor(a) else a for a in (hidden, weight, bias)]
+    args = _linear_args(name, given[0], given[1], given[2], target, ignore_index, label_smoothing, z_loss, reduction,
+                        chunk_rows)
+    kind, dt = args[0], args[1]
+    odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
+    if grad:
+        return AG._function_class("linear_cross_entropy", _linear_function).apply(hidden, weight, bias, args,
+                                                                                   reduction, odt)
+    h, w, b = given
+    loss, _ = _linear_loss(args, h, w, b, reduction, odt)
+    return loss
+
+
+def _linear_loss(args, h, w, b, reduction, odt, scale=None, grads=(None, None, None)):
+    """(the loss as asked, the count of rows that count) of linear_cross_entropy's ``args``,
+    with the gradients of ``_linear_chunks`` where ``scale`` is given."""
+    kind, dt, dev, feats, classes, t, ignore, eps, z, per = args
+    h2, t2 = h.reshape(-1, feats), t.reshape(-1)
+    per = per or _chunk_rows(h2.shape[0], feats, classes)
+    rows = _linear_chunks(kind, dt, dev, h2, w, b, t2, ignore, eps, z, per, scale, grads)
+    res, count = _reduce(kind, rows, t2, ignore, reduction, odt)
+    return (res.reshape(tuple(h.shape[:-1])) if reduction == "none" else res), count
+
+
+def _linear_function(torch):
+    class LinearCrossEntropyFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, hidden, weight, bias, args, reduction, odt):
+            kind, dt, dev, feats, classes, t, ignore = args[:7]
+            h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
+            ctx.args, ctx.reduction, ctx.odt, ctx.shape = args, reduction, odt, tuple(hidden.shape)
+            ctx.save_for_backward(h, w, b)
+            ctx.grads = None
+            if reduction == "none":  # the incoming gradient is per row: the backward makes the chunks again
+                loss, ctx.count = _linear_loss(args, h, w, b, reduction, odt)
+                return loss
+            # the gradients of a loss of one value, made now and scaled by the backward: the forward's
+            # logits chunks are the only ones made
+            cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
+            scale = (1 / (t != ignore).sum().to(cdt)).reshape(1) if reduction == "mean" else \
+                torch.ones(1, dtype=cdt, device=h.device)
+            grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(tuple(h.shape[:-1])), feats)
+            loss, ctx.count = _linear_loss(args, h, w, b, reduction, odt, scale, grads)
+            ctx.grads = _bias_dtype(grads, b)
+            return loss
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):
+            if ctx.grads is not None:  # the first backward: the forward's gradients, scaled in place
+                grads, ctx.grads = ctx.grads, None
+                grads = [None if d is None else d.mul_(g) for d in grads]
+            else:  # per-row losses, or a second backward of a retained graph: the chunks again
+                h, w, b = ctx.saved_tensors
+                kind, dt, dev, feats = ctx.args[:4]
+                cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
+                scale = g.to(cdt).reshape(-1).contiguous()
+                if ctx.reduction == "mean":
+                    scale = scale / ctx.count.to(cdt)
+                grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(ctx.shape[:-1]), feats)
+                _linear_loss(ctx.args, h, w, b, "none", ctx.odt, scale, grads)
+                grads = _bias_dtype(grads, b)
+            gh, gw, gb = grads
+            return None if gh is None else gh.reshape(ctx.shape), gw, gb, None, None, None
+
+    return LinearCrossEntropyFn
+
+
+def _bias_dtype(grads, b):
+    """The gradients with the bias's (summed in float32 or float64) in the bias's dtype."""
+    gh, gw, gb = grads
+    return gh, gw, None if gb is None else gb.to(b.dtype)
+
+
+def _new_grads(torch, need, h, w, b, rows, feats):
+    """(dh [rows, features] in h's dtype, dw in w's, db in float32 zeros) where ``need`` says."""
+    gh = torch.empty((rows, feats), dtype=h.dtype, device=h.device) if need[0] else None
+    gw = torch.empty_like(w) if need[1] else None
+    gb = torch.zeros(w.shape[0], dtype=torch.float32 if b is None or b.dtype != torch.float64 else torch.float64,
+                     device=w.device) if b is not None and need[2] else None
+    return gh, gw, gb
