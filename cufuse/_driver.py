@@ -45,12 +45,12 @@ except Exception:  # pragma: no cover - no CuPy
 # ----------------------------------------------------------------- torch
 class TorchAPI:
     """The torch names of the hot path (``Tensor`` is None until bound)."""
-    __slots__ = ("Tensor", "empty", "empty_like", "raw_stream", "float_dtypes", "np_dtypes", "devices",
-                 "grad_enabled")
+    __slots__ = ("Tensor", "empty", "empty_like", "empty_strided", "raw_stream", "float_dtypes", "np_dtypes",
+                 "devices", "grad_enabled")
 
     def __init__(self):
         self.Tensor = None
-        self.empty = self.empty_like = None
+        self.empty = self.empty_like = self.empty_strided = None
         self.raw_stream = self.grad_enabled = None
         self.float_dtypes = {}  # torch float dtype -> NumPy dtype
         self.np_dtypes = {}     # NumPy dtype -> torch dtype
@@ -71,6 +71,7 @@ def torch_api() -> TorchAPI:
             TORCH.np_dtypes = {v: k for k, v in TORCH.float_dtypes.items()} | {np.dtype(np.int8): t.int8,
                                                                                np.dtype(np.uint8): t.uint8}
             TORCH.empty, TORCH.empty_like, TORCH.grad_enabled = t.empty, t.empty_like, t.is_grad_enabled
+            TORCH.empty_strided = t.empty_strided
             TORCH.raw_stream = getattr(t._C, "_cuda_getCurrentRawStream", None) or (
                 lambda dev: t.cuda.current_stream(dev).cuda_stream)
             TORCH.Tensor = t.Tensor
@@ -110,6 +111,15 @@ def empty(shape, dtype, kind, dev):
     if kind == A.TORCH_CUDA:
         return A.torch().empty(shape, dtype=A.numpy_to_torch_dtype(dtype), device=torch_device(dev))
     return _cp.ndarray(shape, dtype)
+
+
+def empty_dense(shape, dtype, kind, dev, strides):
+    """``empty`` with the element ``strides`` of a dense layout (a permutation of C order's)."""
+    if kind == A.TORCH_CUDA:
+        return A.torch().empty_strided(shape, strides, dtype=A.numpy_to_torch_dtype(dtype), device=torch_device(dev))
+    dtype = np.dtype(dtype)
+    return _cp.ndarray(shape, dtype, _cp.cuda.alloc(A.count(tuple(shape)) * dtype.itemsize),
+                       tuple(s * dtype.itemsize for s in strides))
 
 
 def empty_padded(shape, dtype, kind, dev):
@@ -731,6 +741,7 @@ class Memset(NamedTuple):
 class Output(NamedTuple):
     shape: tuple
     dtype: object  # NumPy dtype (CuPy) or torch dtype (torch)
+    strides: tuple | None = None  # element strides of a dense layout (a permutation of C order); None: C order
 
 
 class Recipe(NamedTuple):
@@ -818,7 +829,7 @@ class RecipeBuilder:
         like_ok = False
         if like is not None and outs and self.kind == A.TORCH_CUDA and A.is_torch_tensor(like):
             o = outs[0]
-            like_ok = (tuple(like.shape) == o.shape and like.dtype == o.dtype
+            like_ok = (tuple(like.shape) == o.shape and like.dtype == o.dtype and o.strides is None
                        and A.is_c_contiguous(o.shape, A.strides_of(like, self.kind)))
         offsets, end = [], 0
         for n in self.temps:  # each at a multiple of 128 bytes: one allocation per call, not one per temporary
@@ -829,9 +840,11 @@ class RecipeBuilder:
                       tuple(offsets), end)
 
 
-def output(shape, dtype, kind):
-    """The Output of a recipe for a result of ``shape`` and NumPy ``dtype``."""
-    return Output(tuple(shape), A.numpy_to_torch_dtype(dtype) if kind == A.TORCH_CUDA else np.dtype(dtype))
+def output(shape, dtype, kind, strides=None):
+    """The Output of a recipe for a result of ``shape`` and NumPy ``dtype``,
+    C-contiguous or with ``strides`` (elements) of a dense layout."""
+    return Output(tuple(shape), A.numpy_to_torch_dtype(dtype) if kind == A.TORCH_CUDA else np.dtype(dtype),
+                  None if strides is None else tuple(strides))
 
 
 def view_span(shape, strides, itemsize):
@@ -858,8 +871,9 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
                     tdev = T.devices.get(dev) or torch_device(dev)
                     outs += [T.empty(o.shape, dtype=o.dtype, device=tdev) for o in rec.outs[1:]]
             else:
-                empty_, tdev = T.empty, T.devices.get(dev) or torch_device(dev)
-                outs = [empty_(o.shape, dtype=o.dtype, device=tdev) for o in rec.outs]
+                empty_, strided, tdev = T.empty, T.empty_strided, T.devices.get(dev) or torch_device(dev)
+                outs = [empty_(o.shape, dtype=o.dtype, device=tdev) if o.strides is None else
+                        strided(o.shape, o.strides, dtype=o.dtype, device=tdev) for o in rec.outs]
         optrs = [o.data_ptr() for o in outs] if len(outs) > 1 else (outs[0].data_ptr(),)
         sptr = T.raw_stream(dev)  # torch's current stream
         temps = tptrs = ()
@@ -871,7 +885,8 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
     else:
         if outs is None:
             new = _cp.ndarray
-            outs = [new(o.shape, o.dtype) for o in rec.outs]
+            outs = [new(o.shape, o.dtype) if o.strides is None else empty_dense(o.shape, o.dtype, kind, dev, o.strides)
+                    for o in rec.outs]
         optrs = [o.data.ptr for o in outs] if len(outs) > 1 else (outs[0].data.ptr,)
         sptr = _cp.cuda.get_current_stream().ptr
         temps = tptrs = ()

@@ -624,15 +624,19 @@ def rope(xs, cos, sin, interleaved):
 
 
 def _register_rope(torch):
-    from .ops.rope import rotate_tensors
+    from .ops.rope import out_strides, rotate_tensors
 
     @torch.library.custom_op("cufuse::rope", mutates_args=(),
                              schema="(Tensor[] xs, Tensor cos, Tensor sin, bool interleaved, bool bwd) -> Tensor[]")
     def rope_op(xs, cos, sin, interleaved, bwd):
         return rotate_tensors(xs, cos, sin, interleaved, bwd)
 
-    rope_op.register_fake(lambda xs, cos, sin, interleaved, bwd:
-                          [torch.empty_like(x, memory_format=torch.contiguous_format) for x in xs])
+    def fake(xs, cos, sin, interleaved, bwd):  # the layouts rotate_tensors gives (ops/rope.py: out_strides)
+        sts = [out_strides(tuple(x.shape), tuple(x.stride())) if x.is_cuda else None for x in xs]
+        return [torch.empty_like(x, memory_format=torch.contiguous_format) if st is None else
+                torch.empty_strided(x.shape, st, dtype=x.dtype, device=x.device) for x, st in zip(xs, sts)]
+
+    rope_op.register_fake(fake)
 
     def setup(ctx, inputs, output):
         xs, cos, sin, interleaved, bwd = inputs

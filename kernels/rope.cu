@@ -8,7 +8,8 @@
 //   forward   out_i = x_i c_i - x_j s_i,   out_j = x_j c_j + x_i s_j
 //   backward  out_i = x_i c_i + x_j s_j,   out_j = x_j c_j - x_i s_i
 // (the backward is the transposed rotation: x is the incoming gradient).
-// Elements [r, d) are copied. out is C-contiguous [rows][d].
+// Elements [r, d) are copied. out's rows have strides of their own (x's
+// layout where x is dense, so that the result keeps it, else C order).
 //
 // A thread handles one unit of a row: N pairs (two packs of x, cos and sin
 // in, two packs out) or N copied elements; N = 16 bytes of elements where
@@ -110,17 +111,19 @@ __device__ __forceinline__ void rope_unit(T* o, const T* x, const T* c, const T*
     store_n<N>(o + j, oj);
 }
 
+// Row (a, b, c) of x, of the tables and of out at their own strides (out: x's
+// layout, or C order).
 template <int N, typename T>
 __device__ __forceinline__ void rope_rows_of(T* out, const T* x, const T* cos, const T* sin, unsigned rows,
                                              unsigned nb, unsigned nc, long long xa, long long xb, long long xc,
-                                             long long ca, long long cb, long long cc, int d, int r, int units,
-                                             bool interleaved, bool bwd) {
+                                             long long ca, long long cb, long long cc, long long oa, long long ob,
+                                             long long oc, int r, int units, bool interleaved, bool bwd) {
     const unsigned step = gridDim.x * blockDim.y;
     for (unsigned row = blockIdx.x * blockDim.y + threadIdx.y; row < rows; row += step) {
         const unsigned c = row % nc, ab = row / nc, b = ab % nb, a = ab / nb;
-        const long long xo = a * xa + b * xb + c * xc, co = a * ca + b * cb + c * cc;
+        const long long xo = a * xa + b * xb + c * xc, co = a * ca + b * cb + c * cc, oo = a * oa + b * ob + c * oc;
         for (int u = threadIdx.x; u < units; u += blockDim.x)
-            rope_unit<N>(out + static_cast<long long>(row) * d, x + xo, cos + co, sin + co, u, r, interleaved, bwd);
+            rope_unit<N>(out + oo, x + xo, cos + co, sin + co, u, r, interleaved, bwd);
     }
 }
 
@@ -131,9 +134,9 @@ __device__ __forceinline__ void rope_rows_of(T* out, const T* x, const T* cos, c
 template <typename T>
 __global__ void __launch_bounds__(cufuse::kRopeThreads)
 rope(T* out0, const T* x0, unsigned rows0, unsigned nb0, unsigned nc0, long long xa0, long long xb0, long long xc0,
-     long long ca0, long long cb0, long long cc0, bool vec0,
+     long long ca0, long long cb0, long long cc0, long long oa0, long long ob0, long long oc0, bool vec0,
      T* out1, const T* x1, unsigned rows1, unsigned nb1, unsigned nc1, long long xa1, long long xb1, long long xc1,
-     long long ca1, long long cb1, long long cc1, bool vec1,
+     long long ca1, long long cb1, long long cc1, long long oa1, long long ob1, long long oc1, bool vec1,
      const T* __restrict__ cos, const T* __restrict__ sin, int d, int r, bool interleaved, bool bwd) {
     using namespace cufuse;
     constexpr int V = 16 / sizeof(T);
@@ -143,11 +146,14 @@ rope(T* out0, const T* x0, unsigned rows0, unsigned nb0, unsigned nc0, long long
     const unsigned rows = second ? rows1 : rows0, nb = second ? nb1 : nb0, nc = second ? nc1 : nc0;
     const long long xa = second ? xa1 : xa0, xb = second ? xb1 : xb0, xc = second ? xc1 : xc0;
     const long long ca = second ? ca1 : ca0, cb = second ? cb1 : cb0, cc = second ? cc1 : cc0;
+    const long long oa = second ? oa1 : oa0, ob = second ? ob1 : ob0, oc = second ? oc1 : oc0;
     if (second ? vec1 : vec0) {
         const int units = r / 2 / V + (d - r) / V;
-        rope_rows_of<V>(out, x, cos, sin, rows, nb, nc, xa, xb, xc, ca, cb, cc, d, r, units, interleaved, bwd);
+        rope_rows_of<V>(out, x, cos, sin, rows, nb, nc, xa, xb, xc, ca, cb, cc, oa, ob, oc, r, units, interleaved,
+                        bwd);
     } else {
         const int units = r / 2 + (d - r);
-        rope_rows_of<1>(out, x, cos, sin, rows, nb, nc, xa, xb, xc, ca, cb, cc, d, r, units, interleaved, bwd);
+        rope_rows_of<1>(out, x, cos, sin, rows, nb, nc, xa, xb, xc, ca, cb, cc, oa, ob, oc, r, units, interleaved,
+                        bwd);
     }
 }

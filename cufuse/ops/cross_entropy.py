@@ -334,9 +334,10 @@ def _linear_args(name, hidden, weight, bias, target, ignore_index, label_smoothi
 
 def _chunk_rows(rows, feats, classes):
     """Rows of logits made at a time: no more elements than the hidden states
-    hold, or 2**24 (32 MiB of bfloat16) where they are smaller; a multiple of
-    64 rows above 64 (the matrix products' tiles)."""
-    c = max(1, min(rows, max(rows * feats, 1 << 24) // classes))
+    hold (so the loss adds no more memory than they take), or 2**22 (8 MiB of
+    bfloat16) where they are smaller; a multiple of 64 rows above 64 (the
+    matrix products' tiles)."""
+    c = max(1, min(rows, max(rows * feats, 1 << 22) // classes))
     return c - c % 64 if c > 64 else c
 
 
@@ -445,34 +446,37 @@ def _linear_function(torch):
             kind, dt, dev, feats, classes, t, ignore = args[:7]
             h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
             ctx.args, ctx.reduction, ctx.odt, ctx.shape = args, reduction, odt, tuple(hidden.shape)
-            ctx.save_for_backward(h, w, b)
             ctx.grads = None
             if reduction == "none":  # the incoming gradient is per row: the backward makes the chunks again
-                loss, ctx.count = _linear_loss(args, h, w, b, reduction, odt)
+                ctx.save_for_backward(h, w, b)
+                loss, _ = _linear_loss(args, h, w, b, reduction, odt)
                 return loss
             # the gradients of a loss of one value, made now and scaled by the backward: the forward's
-            # logits chunks are the only ones made
+            # logits chunks are the only ones made, and nothing is saved (not even the hidden states, whose
+            # memory the layer before may then free)
             cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
             scale = (1 / (t != ignore).sum().to(cdt)).reshape(1) if reduction == "mean" else \
                 torch.ones(1, dtype=cdt, device=h.device)
             grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(tuple(h.shape[:-1])), feats)
-            loss, ctx.count = _linear_loss(args, h, w, b, reduction, odt, scale, grads)
+            loss, _ = _linear_loss(args, h, w, b, reduction, odt, scale, grads)
             ctx.grads = _bias_dtype(grads, b)
             return loss
 
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, g):
-            if ctx.grads is not None:  # the first backward: the forward's gradients, scaled in place
+            if ctx.reduction != "none":  # the forward's gradients, scaled in place: handed over once
+                if ctx.grads is None:
+                    raise RuntimeError("cufuse.linear_cross_entropy: a second backward through the same graph "
+                                       "(retain_graph=True) of a mean or sum loss: its gradients were made in the "
+                                       "forward and handed to the first one; use reduction='none' and reduce that")
                 grads, ctx.grads = ctx.grads, None
                 grads = [None if d is None else d.mul_(g) for d in grads]
-            else:  # per-row losses, or a second backward of a retained graph: the chunks again
+            else:  # per-row losses: the chunks again, each row's gradient scaled by its incoming one
                 h, w, b = ctx.saved_tensors
                 kind, dt, dev, feats = ctx.args[:4]
                 cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
                 scale = g.to(cdt).reshape(-1).contiguous()
-                if ctx.reduction == "mean":
-                    scale = scale / ctx.count.to(cdt)
                 grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(ctx.shape[:-1]), feats)
                 _linear_loss(ctx.args, h, w, b, "none", ctx.odt, scale, grads)
                 grads = _bias_dtype(grads, b)

@@ -109,8 +109,9 @@ def _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev):
 
 def _apply(fn, x, cos, sin, r, interleaved, kind, dt, dev):
     """fn's rotation of x's rotary dims into a new array of x's shape (the rest copied)."""
+    st = out_strides(tuple(x.shape), A.strides_of(x, kind), _aligned(x, kind)) if kind in A.GPU_KINDS else None
     with D.on_device(kind, dev):
-        out = D.empty_like(x, kind)
+        out = D.empty_like(x, kind) if st is None else D.empty_dense(tuple(x.shape), dt, kind, dev, st)
     fn(*_halves(x, r, interleaved), *_halves(cos, r, interleaved), *_halves(sin, r, interleaved),
        out=_halves(out, r, interleaved))
     if r < x.shape[-1]:
@@ -137,11 +138,32 @@ def _tables_for_kernel(cos, sin, kind):
     return cos, sin
 
 
-def _plan(x, cos, sin, r, kind):
-    """(x, cos, sin, dims) for one tensor: x with contiguous rows, and its rows
-    as at most 3 dims (outer first) with x's and the tables' strides:
-    dims = (rows, nb, nc, xa, xb, xc, ca, cb, cc). Tables that need more dims
-    (or x that does) are made dense first."""
+def out_strides(shape, strides, aligned=True):
+    """Element strides of the GPU result of rotating an array of ``shape`` and
+    ``strides``: its own where it is dense (every element once, in some
+    order of its dims, rows contiguous and ``aligned``: a transposed view of
+    a projection's output keeps its layout, as ``torch.empty_like`` does),
+    else None (C order)."""
+    if not shape or 0 in shape or strides[-1] != 1 or not aligned or A.is_c_contiguous(shape, strides):
+        return None
+    expect = 1
+    for s, n in sorted((s, n) for n, s in zip(shape, strides) if n != 1):
+        if s != expect:
+            return None
+        expect *= n
+    return tuple(strides)
+
+
+def _aligned(x, kind):
+    return A.pointer_of(x, kind) % A.dtype_of(x, kind).itemsize == 0
+
+
+def _plan(x, cos, sin, r, kind, ostr):
+    """(x, cos, sin, out strides, dims) for one tensor: x with contiguous rows,
+    and its rows as at most 3 dims (outer first) with x's, the tables' and
+    the output's strides (``ostr``, None: C order): dims = (rows, nb, nc, xa,
+    xb, xc, ca, cb, cc, oa, ob, oc). Tables that need more dims (or x that
+    does) are made dense first, and the output C order."""
     lead = tuple(x.shape[:-1])
     item = A.dtype_of(x, kind).itemsize
     if A.strides_of(x, kind)[-1] != 1 or A.pointer_of(x, kind) % item:
@@ -149,14 +171,16 @@ def _plan(x, cos, sin, r, kind):
     for attempt in range(2):
         xs = list(A.strides_of(x, kind)[:-1])
         cst = A.broadcast_strides(tuple(cos.shape[:-1]), A.strides_of(cos, kind)[:-1], lead)
-        shp, (sx, sc) = A.collapse(lead, [xs, cst])
+        ost = list((ostr or A.c_strides(tuple(x.shape)))[:-1])
+        shp, (sx, sc, so) = A.collapse(lead, [xs, cst, ost])
         if len(shp) <= 3:
             break
-        x = D.contiguous(x, kind)
+        x, ostr = D.contiguous(x, kind), None
         cos, sin = (D.dense(t, lead + (r,), kind) for t in (cos, sin))
     pad = 3 - len(shp)
-    shp, sx, sc = shp + [1] * pad, sx + [0] * pad, sc + [0] * pad  # innermost first
-    return x, cos, sin, (A.count(lead), shp[1], shp[0], sx[2], sx[1], sx[0], sc[2], sc[1], sc[0])
+    shp, sx, sc, so = shp + [1] * pad, sx + [0] * pad, sc + [0] * pad, so + [0] * pad  # innermost first
+    return x, cos, sin, ostr, (A.count(lead), shp[1], shp[0], sx[2], sx[1], sx[0], sc[2], sc[1], sc[0], so[2], so[1],
+                               so[0])
 
 
 def _vec(dt, d, r, dims, *ptrs):
@@ -174,7 +198,7 @@ def _steps(b, fn, dt, dev, jobs, tables, r, interleaved, bwd):
     d = jobs[0][4]
     args, units = [], 0
     for so, sx, px, dims, _ in jobs:
-        # the output is C-contiguous [rows][d] from a fresh allocation: 16-byte aligned
+        # the output is a fresh allocation (16-byte aligned) with strides in dims
         vec = _vec(dt, d, r, dims, px, ps_cos, ps_sin)
         v = 16 // dt.itemsize if vec else 1
         units = max(units, r // 2 // v + (d - r) // v)
@@ -195,8 +219,8 @@ _FAST = D.FastPath("rope")
 def rotate(xs, cos, sin, r, interleaved, bwd, kind, dt, dev, also=None):
     """Each array of ``xs`` (q, or q and k) rotated over its first ``r`` dims
     by cos and sin (shaped to broadcast against its rows), or by the
-    transposed rotation where ``bwd`` (the gradient); new C-contiguous arrays
-    of x's shape and kind. One launch on the GPU, kept as the recipe of the
+    transposed rotation where ``bwd`` (the gradient); new arrays of x's shape
+    and kind, in x's layout where it is dense on the GPU (``out_strides``), else C order. One launch on the GPU, kept as the recipe of the
     call's signature (the driver's fast path) where it needed no copies;
     also under ``also`` = (key, input pointers) where those are the same."""
     if kind not in A.GPU_KINDS or any(A.count(tuple(x.shape[:-1])) >= _MAX_ROWS for x in xs):
@@ -216,13 +240,14 @@ def _rotate_general(xs, cos, sin, r, interleaved, bwd, kind, dt, dev, s, key, al
     """rotate's general path: the kernel's view of each array (copies where it
     needs them), one recipe, kept where nothing was copied."""
     tc, ts = _tables_for_kernel(cos, sin, kind)
-    plans = [_plan(x, tc, ts, r, kind) for x in xs]
+    plans = [_plan(x, tc, ts, r, kind, out_strides(tuple(x.shape), A.strides_of(x, kind), _aligned(x, kind)))
+             for x in xs]
     n = len(xs)
     ins = [p[0] for p in plans] + [tc, ts]
     b = D.RecipeBuilder(kind, dev, n, n + 2)
     fn = R.get_function(FAMILY, _EXPRS[dt], dev)
     shared, alone = [], []  # jobs that read the tables as given / through their own dense copies
-    for i, (px, pc, pt, dims) in enumerate(plans):
+    for i, (px, pc, pt, _, dims) in enumerate(plans):
         if dims[0] == 0 or px.shape[-1] == 0:
             continue
         job = (D.out_(i), D.in_(i), A.pointer_of(px, kind), dims, px.shape[-1])
@@ -238,8 +263,8 @@ def _rotate_general(xs, cos, sin, r, interleaved, bwd, kind, dt, dev, s, key, al
         _steps(b, fn, dt, dev, [job], ((A.pointer_of(pc, kind),) * 2, (A.pointer_of(pt, kind),) * 2), r,
                interleaved, bwd)
     item = dt.itemsize
-    rec = b.build([D.output(tuple(x.shape), dt, kind) for x in xs],
-                  [D.view_span(tuple(x.shape), A.c_strides(tuple(x.shape)), item) for x in xs],
+    rec = b.build([D.output(tuple(x.shape), dt, kind, p[3]) for x, p in zip(xs, plans)],
+                  [D.view_span(tuple(x.shape), p[3] or A.c_strides(tuple(x.shape)), item) for x, p in zip(xs, plans)],
                   [D.view_span(tuple(a.shape), A.strides_of(a, kind), item) for a in ins[:n + 2]])
     in_ptrs = [A.pointer_of(a, kind) for a in ins[:n + 2]]
     copied = alone or any(a is not x for a, x in zip(ins, (*xs, cos, sin)))
