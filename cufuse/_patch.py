@@ -23,7 +23,11 @@ Recognized, by module type and layout (not by model name):
   transformers' ``ForCausalLMLoss``: Llama, Mistral, Qwen2, GPT-2, ...) ->
   ``causal_lm_loss``, the same loss through ``cufuse.cross_entropy``: no
   float32 copy of the logits, the gradient written in place of them (after
-  ``loss.backward()`` the model output's ``logits`` hold their gradient).
+  ``loss.backward()`` the model output's ``logits`` hold their gradient);
+  where the head is a plain ``nn.Linear`` (``linear_loss=True``), a training
+  forward with ``labels=`` runs the head and that loss as one
+  ``cufuse.linear_cross_entropy`` (no logits made; the output's ``logits``
+  is None, as Liger-Kernel's).
 
 - with ``attention=True``, the attention of models that use transformers'
   attention interface (Llama, Mistral, Qwen2, GPT-2, BERT, ViT in

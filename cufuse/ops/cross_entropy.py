@@ -415,7 +415,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
                              reduction=reduction, dtype=dtype)
         return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss
     grad = AG.wants_grad((hidden, weight, bias))
-    given = [a.detach() if grad and A.is_torch_tensor(a) else a for a in (hidden, weight, bias)]
+    given = [a.detach() if grad and a is not None and A.is_torch_tensor(a) else a for a in (hidden, weight, bias)]
     args = _linear_args(name, given[0], given[1], given[2], target, ignore_index, label_smoothing, z_loss, reduction,
                         chunk_rows)
     kind, dt = args[0], args[1]
