@@ -869,7 +869,8 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
                 outs = [T.empty_like(like)]
                 if len(rec.outs) > 1:
                     tdev = T.devices.get(dev) or torch_device(dev)
-                    outs += [T.empty(o.shape, dtype=o.dtype, device=tdev) for o in rec.outs[1:]]
+                    outs += [T.empty(o.shape, dtype=o.dtype, device=tdev) if o.strides is None else
+                             T.empty_strided(o.shape, o.strides, dtype=o.dtype, device=tdev) for o in rec.outs[1:]]
             else:
                 empty_, strided, tdev = T.empty, T.empty_strided, T.devices.get(dev) or torch_device(dev)
                 outs = [empty_(o.shape, dtype=o.dtype, device=tdev) if o.strides is None else

@@ -24,10 +24,11 @@ Recognized, by module type and layout (not by model name):
   ``causal_lm_loss``, the same loss through ``cufuse.cross_entropy``: no
   float32 copy of the logits, the gradient written in place of them (after
   ``loss.backward()`` the model output's ``logits`` hold their gradient);
-  where the head is a plain ``nn.Linear`` (``linear_loss=True``), a training
-  forward with ``labels=`` runs the head and that loss as one
-  ``cufuse.linear_cross_entropy`` (no logits made; the output's ``logits``
-  is None, as Liger-Kernel's).
+  for Llama, Mistral, Qwen2 and GPT-2 with a plain ``nn.Linear`` head
+  (``linear_loss=True``), a training forward with ``labels=`` runs the head
+  and that loss as one ``cufuse.linear_cross_entropy`` (no logits made; the
+  output's ``logits`` is None, as Liger-Kernel's): the head becomes an
+  ``LMHead`` and the class's forward is wrapped (``_fused_forward``).
 
 - with ``attention=True``, the attention of models that use transformers'
   attention interface (Llama, Mistral, Qwen2, GPT-2, BERT, ViT in
@@ -45,7 +46,8 @@ as they are.
 """
 from __future__ import annotations
 
-import types
+import functools
+import threading
 
 import torch
 from torch import nn
@@ -128,6 +130,13 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     (computed in float32, as the float32 copy transformers makes), a float32
     loss."""
     from .ops.cross_entropy import cross_entropy
+    head = getattr(_DEFER, "head", None)
+    if head is not None:  # the head stood aside: logits are its input, the hidden states
+        if not getattr(logits, "_cufuse_hidden", False):
+            raise RuntimeError("cufuse.patch: the model changed its LM head's output before the loss; its head "
+                               "and loss cannot be one linear_cross_entropy: patch it with linear_loss=False")
+        return linear_causal_lm_loss(logits, head.weight, head.bias, labels, vocab_size, num_items_in_batch,
+                                     ignore_index, shift_labels)
     if shift_labels is None:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
@@ -162,52 +171,81 @@ def linear_causal_lm_loss(hidden, weight, bias, labels, vocab_size, num_items_in
     return loss
 
 
-class _HiddenStates(nn.Module):
-    """Stands in for the LM head during a fused training forward: the hidden states go to the loss."""
+# Causal LMs whose forward is ``logits = lm_head(hidden)`` then ``loss_function(logits, labels, ...)``
+# with nothing done to the logits in between (the fused head needs exactly that)
+_FUSED_HEAD_MODELS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"}
+_DEFER = threading.local()  # .head: the LM head standing aside in this thread's training forward
+
+
+class LMHead(nn.Linear):
+    """A causal LM's head after ``cufuse.patch``: ``nn.Linear`` (the same
+    Parameters and state_dict), except inside the model's own training
+    forward with labels, where it hands its input to the loss instead of
+    making the logits (``_fused_forward``)."""
 
     def forward(self, x):
-        return x
+        if getattr(_DEFER, "head", None) is self:
+            x = x.view_as(x)  # a view marked for causal_lm_loss: these are the hidden states, not logits
+            x._cufuse_hidden = True
+            return x
+        return super().forward(x)
 
 
 def _plan_head(model):
-    """The attribute name of the model's LM head where its training loss can
-    skip the logits (a plain ``nn.Linear`` child, as ``get_output_embeddings``
-    says, with no hooks), else None."""
-    get = getattr(model, "get_output_embeddings", None)
-    head = get() if callable(get) else None
-    if type(head) is not nn.Linear:
-        return None
-    return next((k for k, m in model._modules.items() if m is head), None)
+    """Whether the model's loss may skip the logits: a model of a known forward
+    (``_FUSED_HEAD_MODELS``) whose head (``get_output_embeddings``) is a plain
+    ``nn.Linear`` and that transforms no logits (no soft-capping or scale)."""
+    if type(model).__name__ not in _FUSED_HEAD_MODELS:
+        return False
+    cfg = getattr(model, "config", None)
+    if any(getattr(cfg, k, None) for k in ("final_logit_softcapping", "logit_scale", "logits_scaling")):
+        return False
+    return type(model.get_output_embeddings()) is nn.Linear
 
 
-def _fused_head_forward(self, *args, **kwargs):
-    """The patched causal LM's ``forward`` (bound to it, so that a deepcopy
-    rebinds): in training with ``labels=`` given and grad mode on it runs the
-    model's own forward with the LM head standing aside and the loss through
-    ``linear_causal_lm_loss``: no logits are made, and the output has no
-    ``logits`` (as Liger-Kernel's patched models). Any other call, or one
-    under torch.compile, is the model's own forward."""
+def _fused_forward(fwd):
+    """The class's ``forward`` ``fwd``, wrapped (its signature kept: Trainer
+    and generate read it): a model that ``cufuse.patch`` marked
+    (``_cufuse_linear_loss``), called in training with ``labels=`` and grad
+    mode on, runs ``fwd`` with its ``LMHead`` handing the hidden states to
+    ``causal_lm_loss`` (no logits; the output's ``logits`` is None, as
+    Liger-Kernel's). Any other call, any other model of the class, or one
+    under torch.compile or autocast, is ``fwd`` itself."""
     from ._torch_ops import compiling
-    forward, attr = self._cufuse_forward
-    head = self._modules.get(attr)
-    if kwargs.get("labels") is None or not self.training or not torch.is_grad_enabled() or compiling() or \
-            type(head) is not nn.Linear or head._forward_hooks or head._forward_pre_hooks or \
-            self.loss_function is not causal_lm_loss:
-        return forward(*args, **kwargs)
 
-    def loss(logits, labels, vocab_size, **kw):  # logits: the hidden states, through _HiddenStates
-        return linear_causal_lm_loss(logits, head.weight, head.bias, labels, vocab_size, **kw)
+    @functools.wraps(fwd)
+    def forward(self, *args, **kwargs):
+        head = self.get_output_embeddings() if self.__dict__.get("_cufuse_linear_loss") else None
+        if head is None or type(head) is not LMHead or kwargs.get("labels") is None or not self.training or \
+                not torch.is_grad_enabled() or _autocast() or compiling() or \
+                head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook") or \
+                self.loss_function is not causal_lm_loss or getattr(_DEFER, "head", None) is not None:
+            return fwd(self, *args, **kwargs)
+        _DEFER.head = head
+        try:
+            out = fwd(self, *args, **kwargs)
+        finally:
+            _DEFER.head = None
+        if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...) without the logits
+            return out[:1] + out[2:]
+        return type(out)(**{k: v for k, v in out.items() if k != "logits"})
 
-    self._modules[attr] = _HiddenStates()
-    self.loss_function = loss
-    try:
-        out = forward(*args, **kwargs)
-    finally:
-        self._modules[attr] = head
-        self.loss_function = causal_lm_loss
-    if isinstance(out, tuple):  # return_dict=False: (loss, logits, ...) without the logits
-        return out[:1] + out[2:]
-    return type(out)(**{k: v for k, v in out.items() if k != "logits"})
+    forward._cufuse_fused = True  # type: ignore[attr-defined]
+    return forward
+
+
+def _autocast():
+    return torch.is_autocast_enabled("cuda") or torch.is_autocast_enabled("cpu")
+
+
+def _use_fused_head(model):
+    """Mark the model and make its class's forward ``_fused_forward`` (once per class)."""
+    cls = type(model)
+    if not getattr(cls.forward, "_cufuse_fused", False):
+        cls.forward = _fused_forward(cls.forward)
+    head = model.get_output_embeddings()
+    head.__class__ = LMHead
+    model._cufuse_linear_loss = True
 
 
 def _plan_loss(model):
@@ -359,11 +397,9 @@ def patch(model, *, attention=False, linear_loss=True):
     if loss:
         model.loss_function = causal_lm_loss
         report.replaced.append(("loss_function", "ForCausalLMLoss", "cufuse.cross_entropy"))
-        head = _plan_head(model) if linear_loss else None
-        if head is not None:
-            model._cufuse_forward = (model.forward, head)
-            model.forward = types.MethodType(_fused_head_forward, model)
-            report.replaced.append((f"{head} + loss_function", "Linear + ForCausalLMLoss",
+        if linear_loss and _plan_head(model):
+            _use_fused_head(model)
+            report.replaced.append(("lm_head + loss_function", "Linear + ForCausalLMLoss",
                                     "cufuse.linear_cross_entropy"))
     if attention:
         before = getattr(model.config, "_attn_implementation", None) if hasattr(model, "config") else None

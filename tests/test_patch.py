@@ -6,6 +6,8 @@ errors. Skipped without transformers (not a test dependency)."""
 from __future__ import annotations
 
 import copy
+import inspect
+import io
 import os
 import subprocess
 import sys
@@ -197,6 +199,7 @@ def test_patched_training_loss_skips_the_logits(family, device):
             la, lb = a[0], b[0]
         else:
             assert a.logits is None and "logits" not in a
+            assert b.logits is not None  # the class's forward is wrapped: an unpatched model is untouched
             la, lb = a.loss, b.loss
         torch.testing.assert_close(la, lb, rtol=rtol, atol=rtol)
         la.backward()
@@ -205,6 +208,17 @@ def test_patched_training_loss_skips_the_logits(family, device):
             torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=f"{family}: {k}")
         model.zero_grad()
         ref.zero_grad()
+    # the forward's signature is the model's (Trainer and generate read it); a pickled model keeps the patch
+    assert list(inspect.signature(model.forward).parameters)[:1] == ["input_ids"]
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    out = loaded(input_ids=ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, ref(input_ids=ids, labels=labels).loss, rtol=rtol, atol=rtol)
+    with torch.autocast(device, dtype=torch.bfloat16):  # autocast: the model's own path (logits made)
+        assert model(input_ids=ids, labels=labels).logits is not None
     twin = copy.deepcopy(model)
     assert twin.forward.__self__ is twin
     with torch.no_grad():

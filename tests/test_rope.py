@@ -330,3 +330,15 @@ def test_gradients_random_tables(device, layout):
            else torch.cat((-xr[..., r // 2:], xr[..., : r // 2]), -1))
     (want,) = torch.autograd.grad(torch.cat((xr * cos + rot * sin, qb[..., r:]), -1), qb, gout)
     torch.testing.assert_close(dq, want, rtol=1e-12, atol=1e-12)
+
+
+def test_result_layout_rule():
+    """out_strides: a dense permuted layout of up to 3 leading dims is kept (what the kernel writes and the
+    registered operator's fake says); C order, more dims, a gap or rows not contiguous give None."""
+    from cufuse.ops.rope import out_strides
+    assert out_strides((2, 4, 3, 8), (96, 8, 32, 1)) == (96, 8, 32, 1)   # (b, t, h, d) seen as (b, h, t, d)
+    assert out_strides((2, 4, 3, 8), (96, 24, 8, 1)) is None              # C order
+    assert out_strides((2, 5, 3, 4, 8), (480, 8, 32, 96, 1)) is None      # 4 leading dims
+    assert out_strides((2, 4, 3, 8), (192, 8, 64, 1)) is None             # a slice: not dense
+    assert out_strides((2, 4, 3, 8), (96, 1, 32, 4)) is None              # rows not contiguous
+    assert out_strides((2, 4, 3, 8), (96, 8, 32, 1), aligned=False) is None

@@ -391,20 +391,22 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
                          reduction: str = "mean", dtype: DType | None = None, chunk_rows: int | None = None) -> Array:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without the logits:
     a language model's head and loss in one call, made ``chunk_rows`` rows
-    of logits at a time (default: no more elements than ``hidden`` holds, or
-    2**24 where that is less). ``hidden`` is [..., features], ``weight``
+    of logits at a time (default: as many elements as ``hidden`` holds, at
+    least 2**22). ``hidden`` is [..., features], ``weight``
     [classes, features] (an ``nn.Linear``'s), ``bias`` [classes] or None,
     ``target`` hidden's leading shape; the other arguments as
     ``cufuse.cross_entropy`` ("none" gives one loss per row of hidden's
     leading shape).
 
     On torch tensors it is differentiable. With reduction "mean" or "sum"
-    the forward computes the gradients chunk by chunk as it goes (each
+    (bfloat16, float32, float64) the forward computes the gradients chunk by chunk as it goes (each
     chunk's logits gradient in place, then its products with weight and
     hidden), so nothing vocabulary-sized outlives a chunk; the backward
     scales them by the incoming gradient. The weight's gradient is summed
     over the chunks in its own dtype (one rounding per chunk). With
-    "none" the backward makes the chunks again. Under torch.compile it is
+    "none", and for float16 (whose logits gradient, scaled by 1 / rows before
+    the loss scale of a GradScaler comes, would lose its small terms), the
+    backward makes the chunks again. Under torch.compile it is
     ``cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target)``.
     """
     name = "linear_cross_entropy"
@@ -447,9 +449,9 @@ def _linear_function(torch):
             h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
             ctx.args, ctx.reduction, ctx.odt, ctx.shape = args, reduction, odt, tuple(hidden.shape)
             ctx.grads = None
-            if reduction == "none":  # the incoming gradient is per row: the backward makes the chunks again
+            if reduction == "none" or dt == np.float16:  # the backward makes the chunks again, scaled there
                 ctx.save_for_backward(h, w, b)
-                loss, _ = _linear_loss(args, h, w, b, reduction, odt)
+                loss, ctx.count = _linear_loss(args, h, w, b, reduction, odt)
                 return loss
             # the gradients of a loss of one value, made now and scaled by the backward: the forward's
             # logits chunks are the only ones made, and nothing is saved (not even the hidden states, whose
@@ -465,18 +467,20 @@ def _linear_function(torch):
         @staticmethod
         @torch.autograd.function.once_differentiable
         def backward(ctx, g):
-            if ctx.reduction != "none":  # the forward's gradients, scaled in place: handed over once
+            if ctx.reduction != "none" and ctx.args[1] != np.float16:  # the forward's, scaled: handed over once
                 if ctx.grads is None:
                     raise RuntimeError("cufuse.linear_cross_entropy: a second backward through the same graph "
                                        "(retain_graph=True) of a mean or sum loss: its gradients were made in the "
                                        "forward and handed to the first one; use reduction='none' and reduce that")
                 grads, ctx.grads = ctx.grads, None
                 grads = [None if d is None else d.mul_(g) for d in grads]
-            else:  # per-row losses: the chunks again, each row's gradient scaled by its incoming one
+            else:  # the chunks again, each row's gradient scaled by its incoming one (a mean's over the count)
                 h, w, b = ctx.saved_tensors
                 kind, dt, dev, feats = ctx.args[:4]
                 cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
                 scale = g.to(cdt).reshape(-1).contiguous()
+                if ctx.reduction == "mean":
+                    scale = scale / ctx.count.to(cdt)
                 grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(ctx.shape[:-1]), feats)
                 _linear_loss(ctx.args, h, w, b, "none", ctx.odt, scale, grads)
                 grads = _bias_dtype(grads, b)

@@ -144,8 +144,9 @@ def out_strides(shape, strides, aligned=True):
     order of its dims, rows contiguous and ``aligned``: a transposed view of
     a projection's output keeps its layout, as ``torch.empty_like`` does),
     else None (C order)."""
-    if not shape or 0 in shape or strides[-1] != 1 or not aligned or A.is_c_contiguous(shape, strides):
-        return None
+    if not shape or len(shape) > 4 or 0 in shape or strides[-1] != 1 or not aligned or \
+            A.is_c_contiguous(shape, strides):
+        return None  # (more than 3 leading dims may not collapse to the kernel's 3: C order, as _plan makes them)
     expect = 1
     for s, n in sorted((s, n) for n, s in zip(shape, strides) if n != 1):
         if s != expect:
