@@ -237,6 +237,41 @@ def test_patched_training_loss_skips_the_logits(family, device):
         cufuse.patch(make(), linear_loss=1)
 
 
+def test_fused_head_is_per_thread_and_per_model():
+    """While one thread is inside a fused training forward, another thread's
+    call on the same model gets its logits; Gemma (not a model the fused
+    head knows) keeps its head and loss apart."""
+    import threading
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW)).train()
+    cufuse.patch(model)
+    ids = _text(2, 8)["input_ids"]
+    inside, go = threading.Event(), threading.Event()
+
+    def hold(mod, inp, out):  # the training thread waits inside its forward, after the final norm
+        if threading.current_thread().name == "train":
+            inside.set()
+            go.wait(30)
+    model.model.norm.register_forward_hook(hold)
+    res = {}
+    t = threading.Thread(target=lambda: res.update(train=model(input_ids=ids, labels=ids)), name="train")
+    t.start()
+    assert inside.wait(30)
+    with torch.no_grad():
+        other = model(input_ids=ids)
+    go.set()
+    t.join(30)
+    assert other.logits.shape == (2, 8, 100)
+    assert res["train"].logits is None and torch.isfinite(res["train"].loss)
+    gemma = T.GemmaForCausalLM(T.GemmaConfig(**_LLAMA_KW, head_dim=16))
+    module = T.models.gemma.modeling_gemma
+    saved = module.apply_rotary_pos_emb  # (a patch replaces the modeling module's function)
+    try:
+        assert _HEAD not in cufuse.patch(gemma).counts()
+    finally:
+        module.apply_rotary_pos_emb = saved
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_patched_rotary_matches_transformers(device, _original_rotary):
     """The patched apply_rotary_pos_emb against transformers' own, values and
