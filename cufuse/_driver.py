@@ -852,6 +852,13 @@ def view_span(shape, strides, itemsize):
     return A.extent(0, tuple(shape), tuple(strides), itemsize)
 
 
+def _torch_outs(T, specs, dev):
+    """New torch tensors for the Outputs ``specs`` on GPU ``dev`` (C order, or their strides)."""
+    tdev = T.devices.get(dev) or torch_device(dev)
+    return [T.empty(o.shape, dtype=o.dtype, device=tdev) if o.strides is None else
+            T.empty_strided(o.shape, o.strides, dtype=o.dtype, device=tdev) for o in specs]
+
+
 def execute(rec, outs, in_ptrs, values=(), like=None):
     """Run ``rec``: ``outs`` the output arrays (None: allocate them),
     ``in_ptrs`` the inputs' addresses, ``values`` the per-call values,
@@ -868,13 +875,9 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
             if rec.like and like is not None:
                 outs = [T.empty_like(like)]
                 if len(rec.outs) > 1:
-                    tdev = T.devices.get(dev) or torch_device(dev)
-                    outs += [T.empty(o.shape, dtype=o.dtype, device=tdev) if o.strides is None else
-                             T.empty_strided(o.shape, o.strides, dtype=o.dtype, device=tdev) for o in rec.outs[1:]]
+                    outs += _torch_outs(T, rec.outs[1:], dev)
             else:
-                empty_, strided, tdev = T.empty, T.empty_strided, T.devices.get(dev) or torch_device(dev)
-                outs = [empty_(o.shape, dtype=o.dtype, device=tdev) if o.strides is None else
-                        strided(o.shape, o.strides, dtype=o.dtype, device=tdev) for o in rec.outs]
+                outs = _torch_outs(T, rec.outs, dev)
         optrs = [o.data_ptr() for o in outs] if len(outs) > 1 else (outs[0].data_ptr(),)
         sptr = T.raw_stream(dev)  # torch's current stream
         temps = tptrs = ()

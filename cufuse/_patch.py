@@ -128,47 +128,35 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     the tokens not ignored, or a sum divided by ``num_items_in_batch``)
     through ``cufuse.cross_entropy``: the logits read in their own dtype
     (computed in float32, as the float32 copy transformers makes), a float32
-    loss."""
-    from .ops.cross_entropy import cross_entropy
+    loss. Inside a fused training forward (``_fused_forward``) ``logits``
+    are the head's input and the loss is ``cufuse.linear_cross_entropy``."""
+    from .ops.cross_entropy import cross_entropy, linear_cross_entropy
     head = getattr(_DEFER, "head", None)
-    if head is not None:  # the head stood aside: logits are its input, the hidden states
-        if not getattr(logits, "_cufuse_hidden", False):
-            raise RuntimeError("cufuse.patch: the model changed its LM head's output before the loss; its head "
-                               "and loss cannot be one linear_cross_entropy: patch it with linear_loss=False")
-        return linear_causal_lm_loss(logits, head.weight, head.bias, labels, vocab_size, num_items_in_batch,
-                                     ignore_index, shift_labels)
+    if head is None:
+        x = logits.reshape(-1, vocab_size)
+        return _shifted(x, labels, num_items_in_batch, ignore_index, shift_labels, lambda t, reduction: cross_entropy(
+            x, t, ignore_index=ignore_index, reduction=reduction, dtype=torch.float32))
+    # the head stood aside: logits are its input, the hidden states
+    if not getattr(logits, "_cufuse_hidden", False):
+        raise RuntimeError("cufuse.patch: the model changed its LM head's output before the loss; its head "
+                           "and loss cannot be one linear_cross_entropy: patch it with linear_loss=False")
+    x = logits.reshape(-1, logits.shape[-1])
+    return _shifted(x, labels, num_items_in_batch, ignore_index, shift_labels, lambda t, reduction: linear_cross_entropy(
+        x, head.weight, t, bias=head.bias, ignore_index=ignore_index, reduction=reduction, dtype=torch.float32))
+
+
+def _shifted(x, labels, num_items_in_batch, ignore_index, shift_labels, loss):
+    """``ForCausalLMLoss``'s labels and reduction around ``loss(targets, reduction)`` of the rows of ``x``."""
     if shift_labels is None:
         labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
         shift_labels = labels[..., 1:].contiguous()
-    logits = logits.reshape(-1, vocab_size)
-    shift_labels = shift_labels.reshape(-1).to(logits.device)
     reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = cross_entropy(logits, shift_labels, ignore_index=ignore_index, reduction=reduction, dtype=torch.float32)
+    out = loss(shift_labels.reshape(-1).to(x.device), reduction)
     if reduction == "sum":
         if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
-
-
-def linear_causal_lm_loss(hidden, weight, bias, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
-                          shift_labels=None, **kwargs):
-    """``causal_lm_loss`` of ``hidden @ weight.T + bias`` without the logits
-    (``cufuse.linear_cross_entropy``)."""
-    from .ops.cross_entropy import linear_cross_entropy
-    if shift_labels is None:
-        labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)
-        shift_labels = labels[..., 1:].contiguous()
-    hidden = hidden.reshape(-1, hidden.shape[-1])
-    shift_labels = shift_labels.reshape(-1).to(hidden.device)
-    reduction = "sum" if num_items_in_batch is not None else "mean"
-    loss = linear_cross_entropy(hidden, weight, shift_labels, bias=bias, ignore_index=ignore_index,
-                                reduction=reduction, dtype=torch.float32)
-    if reduction == "sum":
-        if torch.is_tensor(num_items_in_batch):
-            num_items_in_batch = num_items_in_batch.to(loss.device)
-        loss = loss / num_items_in_batch
-    return loss
+            num_items_in_batch = num_items_in_batch.to(out.device)
+        out = out / num_items_in_batch
+    return out
 
 
 # Causal LMs whose forward is ``logits = lm_head(hidden)`` then ``loss_function(logits, labels, ...)``

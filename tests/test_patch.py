@@ -144,6 +144,16 @@ def test_vit_example():
     assert "LayerNorm -> LayerNorm" in stdout
 
 
+def _same_gradients(loss, ref_loss, model, ref, tol, family):
+    """Back-propagates both losses; every parameter's gradient agrees; both models' gradients cleared."""
+    loss.backward()
+    ref_loss.backward()
+    for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=tol, atol=tol, msg=f"{family}: {k}")
+    model.zero_grad()
+    ref.zero_grad()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_patched_causal_lm_loss(family, device):
@@ -163,12 +173,7 @@ def test_patched_causal_lm_loss(family, device):
         a, b = model(input_ids=ids, labels=labels, **extra), ref(input_ids=ids, labels=labels, **extra)
         assert a.loss.dtype == b.loss.dtype
         torch.testing.assert_close(a.loss, b.loss, rtol=rtol, atol=rtol)
-        a.loss.backward()
-        b.loss.backward()
-        for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=f"{family}: {k}")
-        model.zero_grad()
-        ref.zero_grad()
+        _same_gradients(a.loss, b.loss, model, ref, rtol * 10, family)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -202,12 +207,7 @@ def test_patched_training_loss_skips_the_logits(family, device):
             assert b.logits is not None  # the class's forward is wrapped: an unpatched model is untouched
             la, lb = a.loss, b.loss
         torch.testing.assert_close(la, lb, rtol=rtol, atol=rtol)
-        la.backward()
-        lb.backward()
-        for (k, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=f"{family}: {k}")
-        model.zero_grad()
-        ref.zero_grad()
+        _same_gradients(la, lb, model, ref, rtol * 10, family)
     # the forward's signature is the model's (Trainer and generate read it); a pickled model keeps the patch
     assert list(inspect.signature(model.forward).parameters)[:1] == ["input_ids"]
     buf = io.BytesIO()

@@ -188,9 +188,9 @@ def _backward(kind, dt, dev, x, t, lse, scale, ignore, eps, z, inplace=False):
     return dx
 
 
-def _reduce(kind, loss, t, ignore, reduction, dt):
-    """(the loss as the caller asked, the count of rows that count: a mean's divisor)."""
-    count = (t != ignore).sum()
+def _reduce(kind, loss, t, ignore, reduction, dt, count=None):
+    """(the loss as the caller asked, the count of rows that count: a mean's divisor, unless given)."""
+    count = (t != ignore).sum() if count is None else count
     if reduction == "none":
         res = loss
     elif reduction == "sum":
@@ -353,13 +353,14 @@ def _linear_chunks(kind, dt, dev, h2, w, b, t, ignore, eps, z, per, scale=None, 
         cdt = A.compute_dtype(dt)
         w = w.astype(cdt, copy=False)
         b = None if b is None else b.astype(cdt, copy=False)
+    else:
+        mm, addmm = A.torch().mm, A.torch().addmm
     losses = []
     for s in range(0, max(1, h2.shape[0]), per):  # (no rows: one empty chunk, for the empty results)
         e = min(h2.shape[0], s + per)
         hc, tc = h2[s:e], t[s:e]
         if torch_kind:
-            mm = A.torch().mm
-            logits = mm(hc, w.t()) if b is None else A.torch().addmm(b, hc, w.t())
+            logits = mm(hc, w.t()) if b is None else addmm(b, hc, w.t())
         else:
             logits = hc.astype(cdt, copy=False) @ w.T
             logits = (logits if b is None else logits + b).astype(dt, copy=False)
@@ -430,14 +431,14 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     return loss
 
 
-def _linear_loss(args, h, w, b, reduction, odt, scale=None, grads=(None, None, None)):
-    """(the loss as asked, the count of rows that count) of linear_cross_entropy's ``args``,
-    with the gradients of ``_linear_chunks`` where ``scale`` is given."""
+def _linear_loss(args, h, w, b, reduction, odt, scale=None, grads=(None, None, None), count=None):
+    """(the loss as asked, the count of rows that count, unless given) of linear_cross_entropy's
+    ``args``, with the gradients of ``_linear_chunks`` where ``scale`` is given."""
     kind, dt, dev, feats, classes, t, ignore, eps, z, per = args
     h2, t2 = h.reshape(-1, feats), t.reshape(-1)
     per = per or _chunk_rows(h2.shape[0], feats, classes)
     rows = _linear_chunks(kind, dt, dev, h2, w, b, t2, ignore, eps, z, per, scale, grads)
-    res, count = _reduce(kind, rows, t2, ignore, reduction, odt)
+    res, count = _reduce(kind, rows, t2, ignore, reduction, odt, count)
     return (res.reshape(tuple(h.shape[:-1])) if reduction == "none" else res), count
 
 
@@ -457,10 +458,10 @@ def _linear_function(torch):
             # logits chunks are the only ones made, and nothing is saved (not even the hidden states, whose
             # memory the layer before may then free)
             cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
-            scale = (1 / (t != ignore).sum().to(cdt)).reshape(1) if reduction == "mean" else \
-                torch.ones(1, dtype=cdt, device=h.device)
+            count = (t != ignore).sum()
+            scale = (1 / count.to(cdt)).reshape(1) if reduction == "mean" else torch.ones(1, dtype=cdt, device=h.device)
             grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(tuple(h.shape[:-1])), feats)
-            loss, _ = _linear_loss(args, h, w, b, reduction, odt, scale, grads)
+            loss, _ = _linear_loss(args, h, w, b, reduction, odt, scale, grads, count)
             ctx.grads = _bias_dtype(grads, b)
             return loss
 
@@ -500,6 +501,6 @@ def _new_grads(torch, need, h, w, b, rows, feats):
     """(dh [rows, features] in h's dtype, dw in w's, db in float32 zeros) where ``need`` says."""
     gh = torch.empty((rows, feats), dtype=h.dtype, device=h.device) if need[0] else None
     gw = torch.empty_like(w) if need[1] else None
-    gb = torch.zeros(w.shape[0], dtype=torch.float32 if b is None or b.dtype != torch.float64 else torch.float64,
+    gb = torch.zeros(w.shape[0], dtype=torch.float64 if b.dtype == torch.float64 else torch.float32,
                      device=w.device) if b is not None and need[2] else None
     return gh, gw, gb
