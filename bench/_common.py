@@ -132,3 +132,39 @@ def event_median(fn, reps=30, inner=1, warmup=3):
         b.synchronize()
         ts.append(a.elapsed_time(b) * 1e3 / inner)
     return statistics.median(ts)
+
+
+class FileSummary:
+    """A benchmark file's own summary: ``lines()`` printed after conftest's
+    (trylast; registered by ``register_summary`` once a benchmark runs on a
+    GPU) under ``title``, and ``files(lines)`` ({name: text}) saved in
+    .benchmarks beside pytest-benchmark's own files."""
+
+    def __init__(self, title, lines, files):
+        self.title, self.lines, self.files = title, lines, files
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
+        from pathlib import Path
+        lines = self.lines()
+        if not lines:
+            return
+        terminalreporter.section(self.title)
+        for line in lines:
+            terminalreporter.write_line(line)
+        try:
+            d = Path(config.rootpath) / ".benchmarks"
+            d.mkdir(exist_ok=True)
+            files = self.files(lines)
+            for name, text in files.items():
+                (d / name).write_text(text)
+            terminalreporter.write_line("(saved: " + ", ".join(str(d / n) for n in files) + ")")
+        except OSError as e:
+            terminalreporter.write_line(f"(could not write the {self.title}: {e})")
+
+
+def register_summary(pytestconfig, name, title, lines, files):
+    """Registers a ``FileSummary`` under the plugin ``name``, once per session."""
+    pm = pytestconfig.pluginmanager
+    if pm.get_plugin(name) is None:
+        pm.register(FileSummary(title, lines, files), name)

@@ -292,33 +292,11 @@ def fuse_summary_lines() -> list[str]:
     return out
 
 
-class _FuseSummary:
-    """Prints this file's tables after conftest's summary (trylast, registered later)."""
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
-        lines = fuse_summary_lines()
-        if not lines:
-            return
-        terminalreporter.section("cufuse.fuse benchmark summary")
-        for line in lines:
-            terminalreporter.write_line(line)
-        try:
-            d = Path(config.rootpath) / ".benchmarks"
-            d.mkdir(exist_ok=True)
-            (d / "cufuse-fuse-summary.json").write_text(json.dumps(
-                {"targets": _judged(), "rows": FUSE_ROWS}, indent=1, default=str))
-            terminalreporter.write_line(f"(raw rows: {d / 'cufuse-fuse-summary.json'})")
-        except OSError as e:
-            terminalreporter.write_line(f"(could not write the cufuse.fuse summary: {e})")
-
-
 @pytest.fixture
 def fuse_report(gpu, pytestconfig):
     """Registers the summary plugin once (only when a benchmark really runs on a GPU)."""
-    pm = pytestconfig.pluginmanager
-    if pm.get_plugin(_PLUGIN) is None:
-        pm.register(_FuseSummary(), _PLUGIN)
+    _common.register_summary(pytestconfig, _PLUGIN, "cufuse.fuse benchmark summary", fuse_summary_lines, lambda lines: {
+        "cufuse-fuse-summary.json": json.dumps({"targets": _judged(), "rows": FUSE_ROWS}, indent=1, default=str)})
     _STATE["gpu"] = gpu
     return gpu
 

@@ -28,7 +28,6 @@ Run from the repository root:  PYTHONPATH=$PWD python3 -m pytest bench/test_benc
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,31 +277,10 @@ def image_summary_lines() -> list[str]:
     return out
 
 
-class _ImageSummary:
-    """Prints this file's tables after conftest's summary (trylast, registered later)."""
-
-    @pytest.hookimpl(trylast=True)
-    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
-        lines = image_summary_lines()
-        if not lines:
-            return
-        terminalreporter.section("cufuse.image benchmark summary")
-        for line in lines:
-            terminalreporter.write_line(line)
-        try:
-            d = Path(config.rootpath) / ".benchmarks"
-            d.mkdir(exist_ok=True)
-            (d / "cufuse-image-summary.json").write_text(json.dumps(
-                {"targets": IMAGE_TARGETS, "rows": IMAGE_ROWS}, indent=1, default=str))
-        except OSError as e:
-            terminalreporter.write_line(f"(could not write the cufuse.image summary: {e})")
-
-
 @pytest.fixture
 def image_report(gpu, pytestconfig):
     """Registers the summary plugin once (only when a benchmark really runs on a GPU)."""
-    pm = pytestconfig.pluginmanager
-    if pm.get_plugin(_PLUGIN) is None:
-        pm.register(_ImageSummary(), _PLUGIN)
+    _common.register_summary(pytestconfig, _PLUGIN, "cufuse.image benchmark summary", image_summary_lines, lambda lines: {
+        "cufuse-image-summary.json": json.dumps({"targets": IMAGE_TARGETS, "rows": IMAGE_ROWS}, indent=1, default=str)})
     _STATE["gpu"] = gpu
     return gpu

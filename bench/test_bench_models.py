@@ -23,8 +23,6 @@ Run from the repository root:  PYTHONPATH=$PWD python3 -m pytest bench/test_benc
 from __future__ import annotations
 
 import json
-from pathlib import Path
-
 import pytest
 
 import cufuse
@@ -43,9 +41,9 @@ _PLUGIN = "cufuse-bench-models-summary"
 
 @pytest.fixture
 def models_report(gpu, pytestconfig):
-    pm = pytestconfig.pluginmanager
-    if pm.get_plugin(_PLUGIN) is None:
-        pm.register(_Summary(), _PLUGIN)
+    _common.register_summary(pytestconfig, _PLUGIN, "cufuse model benchmarks summary", summary_lines, lambda lines: {
+        "cufuse-models.md": "\n".join(lines) + "\n",
+        "cufuse-models.json": json.dumps({"models": MODEL_ROWS, "cross_entropy": CE_ROWS}, indent=1, default=str)})
     if TORCH_REASON:
         gpu.skip("torch", TORCH_REASON)
     return gpu
@@ -190,22 +188,3 @@ def summary_lines():
         out += _table(["vocab", "impl", "peak / logits", "target"], rows, "rlrl")
     return out
 
-
-class _Summary:
-    @pytest.hookimpl(trylast=True)
-    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
-        lines = summary_lines()
-        if not lines:
-            return
-        terminalreporter.section("cufuse model benchmarks summary")
-        for line in lines:
-            terminalreporter.write_line(line)
-        try:
-            d = Path(config.rootpath) / ".benchmarks"
-            d.mkdir(exist_ok=True)
-            (d / "cufuse-models.md").write_text("\n".join(lines) + "\n")
-            (d / "cufuse-models.json").write_text(json.dumps({"models": MODEL_ROWS, "cross_entropy": CE_ROWS},
-                                                             indent=1, default=str))
-            terminalreporter.write_line(f"(table: {d / 'cufuse-models.md'})")
-        except OSError as e:
-            terminalreporter.write_line(f"(could not write the model summary: {e})")

@@ -19,7 +19,6 @@ Run from the repository root:
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -109,9 +108,8 @@ def _out_like(res):
 
 @pytest.fixture
 def overhead_report(gpu, pytestconfig):
-    pm = pytestconfig.pluginmanager
-    if pm.get_plugin(_PLUGIN) is None:
-        pm.register(_Summary(), _PLUGIN)
+    _common.register_summary(pytestconfig, _PLUGIN, "cufuse host overhead summary", summary_lines, lambda lines: {
+        "cufuse-overhead.md": "\n".join(lines) + "\n", "cufuse-overhead.json": json.dumps(ROWS, indent=1)})
     return gpu
 
 
@@ -199,21 +197,3 @@ def summary_lines():
     out.append(f"{met} of {total} rows meet all three targets.")
     return out
 
-
-class _Summary:
-    @pytest.hookimpl(trylast=True)
-    def pytest_terminal_summary(self, terminalreporter, exitstatus, config):
-        lines = summary_lines()
-        if not lines:
-            return
-        terminalreporter.section("cufuse host overhead summary")
-        for line in lines:
-            terminalreporter.write_line(line)
-        try:
-            d = Path(config.rootpath) / ".benchmarks"
-            d.mkdir(exist_ok=True)
-            (d / "cufuse-overhead.md").write_text("\n".join(lines) + "\n")
-            (d / "cufuse-overhead.json").write_text(json.dumps(ROWS, indent=1))
-            terminalreporter.write_line(f"(table: {d / 'cufuse-overhead.md'})")
-        except OSError as e:
-            terminalreporter.write_line(f"(could not write the overhead summary: {e})")
