@@ -61,11 +61,15 @@ template <typename C> __device__ __forceinline__ void block_merge(C& m, C& s, C&
     }
 }
 
-// f(k, pack) over this thread's packs of a row of `cols` elements at `row`;
-// a row that is not whole 16-byte packs (vec false) goes element by element.
+// f(k, pack) over this thread's packs of a row of `cols` elements at `row`:
+// whole 16-byte packs where the row starts on one (vec), the elements after
+// the last whole pack one by one (a row of an odd vocabulary in a buffer
+// whose rows are padded to packs); a row that does not start on a pack (vec
+// false) goes element by element.
 template <typename T, typename F>
 __device__ __forceinline__ void each_pack(const T* row, long long cols, bool vec, F f) {
     constexpr int V = 16 / sizeof(T);
+    long long done = 0;
     if (vec) {
         const Pack<T, V>* p = reinterpret_cast<const Pack<T, V>*>(row);
         for (long long k = threadIdx.x; k < cols / V; k += blockDim.x) {
@@ -73,12 +77,12 @@ __device__ __forceinline__ void each_pack(const T* row, long long cols, bool vec
             unpack(load_pack(p + k), t);
             f(k * V, t, V);
         }
-    } else {
-        for (long long e = threadIdx.x; e < cols; e += blockDim.x) {
-            compute_t<T> t[V];
-            t[0] = to_compute<compute_t<T>>(row[e]);
-            f(e, t, 1);
-        }
+        done = cols / V * V;
+    }
+    for (long long e = done + threadIdx.x; e < cols; e += blockDim.x) {
+        compute_t<T> t[V];
+        t[0] = to_compute<compute_t<T>>(row[e]);
+        f(e, t, 1);
     }
 }
 

@@ -352,15 +352,18 @@ def test_linear_loss_empty_and_errors(backend):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_linear_gradient_against_torch(device, reduction):
+@pytest.mark.parametrize("classes", [97, 16, 3], ids=str)
+def test_linear_gradient_against_torch(device, reduction, classes):
     """Gradients of hidden, weight and bias against torch's autograd of the
     float64 logits and loss, in chunks of 4 rows (a tail of 1); only the
-    inputs that require grad get one; every row ignored gives zero gradients."""
+    inputs that require grad get one; every row ignored gives zero gradients.
+    The classes: whole 16-byte packs and a tail (97: the GPU's logits rows
+    padded to 104), packs only (16), a tail only (3)."""
     g = torch.Generator().manual_seed(31)
     h0 = torch.randn(3, 5, 40, generator=g, dtype=torch.float64)
-    w0 = torch.randn(97, 40, generator=g, dtype=torch.float64) * 0.3
-    b0 = torch.randn(97, generator=g, dtype=torch.float64)
-    t = torch.randint(0, 97, (3, 5), generator=g)
+    w0 = torch.randn(classes, 40, generator=g, dtype=torch.float64) * 0.3
+    b0 = torch.randn(classes, generator=g, dtype=torch.float64)
+    t = torch.randint(0, classes, (3, 5), generator=g)
     t[0, 1] = t[2, 4] = IGNORE
     up = torch.randn(3, 5, generator=g, dtype=torch.float64) if reduction == "none" else torch.tensor(
         0.7, dtype=torch.float64)
@@ -373,7 +376,7 @@ def test_linear_gradient_against_torch(device, reduction):
             loss = cufuse.linear_cross_entropy(ours[0], ours[1], t.to(device), bias=ours[2], label_smoothing=0.1,
                                                z_loss=1e-2, reduction=reduction, chunk_rows=4)
             lr = torch.nn.functional.linear(*(r.cpu() + (v - v.detach()) for r, v in zip(rnd, ref)))
-            want = _torch_loss(lr.reshape(-1, 97), t.reshape(-1), 0.1, 1e-2, reduction)
+            want = _torch_loss(lr.reshape(-1, classes), t.reshape(-1), 0.1, 1e-2, reduction)
             want = want.reshape(3, 5) if reduction == "none" else want
             tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}[dt]
             torch.testing.assert_close(loss.double().cpu(), want, rtol=tol, atol=tol * 10)

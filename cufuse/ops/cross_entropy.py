@@ -118,17 +118,28 @@ def _np_backward(x, t, lse, scale, ignore, eps, z):
     return np.where((t != ignore)[:, None], d, 0).astype(x.dtype)
 
 
-def _vec(dt, cols, *views):
-    """Whether every row of the (pointer, row stride) views is whole 16-byte packs."""
+def _vec(dt, *views):
+    """Whether every row of the (pointer, row stride) views starts on a 16-byte
+    pack (the kernels read whole packs, then the elements after the last one)."""
     v = 16 // dt.itemsize
-    return cols % v == 0 and all(p % 16 == 0 and ld % v == 0 for p, ld in views)
+    return all(p % 16 == 0 and ld % v == 0 for p, ld in views)
+
+
+def _launcher(kind, dev, expr):
+    """The kernel of ``expr`` as a call ``go(rows, args)`` on the caller's
+    stream, looked up once for many launches (inside ``Device(dev)``)."""
+    fn = R.get_function(FAMILY, expr, dev)
+    blocks = R.sm_count(dev) * (2048 // _THREADS) * 4
+    stream = D.stream_for(kind, dev)
+
+    def go(rows, args):
+        fn((max(1, min(rows, blocks)),), (_THREADS,), args, stream=stream)
+    return go
 
 
 def _launch(kind, dev, expr, rows, args):
-    fn = R.get_function(FAMILY, expr, dev)
-    grid = max(1, min(rows, R.sm_count(dev) * (2048 // _THREADS) * 4))
     with R._cp.cuda.Device(dev):
-        fn((grid,), (_THREADS,), args, stream=D.stream_for(kind, dev))
+        _launcher(kind, dev, expr)(rows, args)
 
 
 def _rows_of(x, kind):
@@ -156,7 +167,7 @@ def _forward(kind, dt, dev, x, t, ignore, eps, z):
         _launch(kind, dev, _EXPRS[(dt, "forward")], rows,
                 (A.pointer_of(loss, kind), A.pointer_of(lse, kind), px, A.pointer_of(t, kind), np.int64(rows),
                  np.int64(cols), np.int64(ld), np.int64(ignore), np.float64(eps), np.float64(z),
-                 np.bool_(_vec(dt, cols, (px, ld)))))
+                 np.bool_(_vec(dt, (px, ld)))))
     return loss, lse
 
 
@@ -184,7 +195,7 @@ def _backward(kind, dt, dev, x, t, lse, scale, ignore, eps, z, inplace=False):
                 (pd, px, A.pointer_of(t, kind), A.pointer_of(lse, kind), A.pointer_of(scale, kind),
                  np.int64(1 if A.count(tuple(scale.shape)) > 1 else 0), np.int64(rows), np.int64(cols),
                  np.int64(ldx), np.int64(ldd), np.int64(ignore), np.float64(eps), np.float64(z),
-                 np.bool_(_vec(dt, cols, (px, ldx), (pd, ldd)))))
+                 np.bool_(_vec(dt, (px, ldx), (pd, ldd)))))
     return dx
 
 
@@ -333,12 +344,14 @@ def _linear_args(name, hidden, weight, bias, target, ignore_index, label_smoothi
 
 
 def _chunk_rows(rows, feats, classes):
-    """Rows of logits made at a time: no more elements than the hidden states
-    hold (so the loss adds no more memory than they take), or 2**22 (8 MiB of
-    bfloat16) where they are smaller; a multiple of 64 rows above 64 (the
-    matrix products' tiles)."""
-    c = max(1, min(rows, max(rows * feats, 1 << 22) // classes))
-    return c - c % 64 if c > 64 else c
+    """Rows of logits made at a time: as many elements as the hidden states
+    hold (so the loss adds about as much memory as they take), and at least
+    1024 rows: each chunk reads and writes the weight's whole gradient once,
+    and below about 1024 rows that traffic (and the host cost per chunk)
+    becomes a large share of the matrix products' time; a multiple of 64
+    rows (the products' tiles) unless one chunk takes every row."""
+    c = max(1024, rows * feats // max(classes, 1))
+    return max(rows, 1) if c >= rows else c - c % 64
 
 
 def _linear_chunks(kind, dt, dev, h2, w, b, t, ignore, eps, z, per, scale=None, grads=(None, None, None)):
@@ -347,44 +360,106 @@ def _linear_chunks(kind, dt, dev, h2, w, b, t, ignore, eps, z, per, scale=None, 
     also each chunk's logits gradient, in place, and from it, into ``grads``
     (dh rows, dw, db in float32; None: not wanted), the gradients of h2, w
     and b: written (dh), the first chunk's product (dw) or added (db)."""
-    torch_kind = kind in (A.TORCH_CPU, A.TORCH_CUDA)
-    gh, gw, gb = grads
+    if kind == A.TORCH_CUDA:
+        return _cuda_chunks(dt, dev, h2, w, b, t, ignore, eps, z, per, scale, grads)
+    torch_kind = kind == A.TORCH_CPU
     if not torch_kind:  # NumPy and CuPy: products in the compute dtype, logits rounded once to dt (as torch's)
         cdt = A.compute_dtype(dt)
         w = w.astype(cdt, copy=False)
         b = None if b is None else b.astype(cdt, copy=False)
-    else:
-        mm, addmm = A.torch().mm, A.torch().addmm
     losses = []
     for s in range(0, max(1, h2.shape[0]), per):  # (no rows: one empty chunk, for the empty results)
         e = min(h2.shape[0], s + per)
         hc, tc = h2[s:e], t[s:e]
         if torch_kind:
-            logits = mm(hc, w.t()) if b is None else addmm(b, hc, w.t())
+            logits = A.torch().mm(hc, w.t()) if b is None else A.torch().addmm(b, hc, w.t())
         else:
             logits = hc.astype(cdt, copy=False) @ w.T
             logits = (logits if b is None else logits + b).astype(dt, copy=False)
         loss, lse = _forward(kind, dt, dev, logits, tc, ignore, eps, z)
         losses.append(loss)
-        if scale is None:
-            continue
-        d = _backward(kind, dt, dev, logits, tc, lse, scale if A.count(tuple(scale.shape)) == 1 else scale[s:e],
-                      ignore, eps, z, inplace=True)
-        del logits
-        if gh is not None:
-            mm(d, w, out=gh[s:e])
-        if gw is not None:
-            if s:
-                gw.addmm_(d.t(), hc)
-            else:
-                mm(d.t(), hc, out=gw)
-        if gb is not None:
-            gb += d.sum(0, dtype=gb.dtype)
+        if scale is not None:
+            d = _backward(kind, dt, dev, logits, tc, lse, scale if A.count(tuple(scale.shape)) == 1 else scale[s:e],
+                          ignore, eps, z, inplace=True)
+            del logits
+            _chunk_grads(d, hc, w, grads, s, e)
     if len(losses) == 1:
         return losses[0]
     if torch_kind:
         return A.torch().cat(losses)
     return (R._cp if kind == A.CUPY else np).concatenate(losses)
+
+
+def _chunk_grads(d, hc, w, grads, s, e):
+    """A chunk's share of (dh, dw, db) from its logits gradient ``d``: torch tensors."""
+    gh, gw, gb = grads
+    torch = A.torch()
+    if gh is not None:
+        torch.mm(d, w, out=gh[s:e])
+    if gw is not None:
+        if s:
+            gw.addmm_(d.t(), hc)
+        else:
+            torch.mm(d.t(), hc, out=gw)
+    if gb is not None:
+        gb += d.sum(0, dtype=gb.dtype)
+
+
+def _cuda_chunks(dt, dev, h2, w, b, t, ignore, eps, z, per, scale, grads):
+    """``_linear_chunks`` of torch CUDA tensors. A vocabulary that is not a
+    multiple of 8 (GPT-2's 50257) is padded with zero rows of the weight (a
+    copy for the call): cuBLAS's fast kernels want every dimension 16-byte
+    aligned, and each product is 5-7x slower without it; the loss kernels
+    read the first ``classes`` of each padded row, and the padded rows of the
+    weight's and bias's gradients are dropped at the end. Each chunk's logits
+    go into one buffer; the kernels are looked up once and launched on
+    pointers into it (no per-chunk arrays): the host cost per chunk is the
+    matrix products' and two launches."""
+    torch = A.torch()
+    kind, rows, (classes, feats) = A.TORCH_CUDA, h2.shape[0], tuple(w.shape)
+    cdt = A.compute_dtype(dt)
+    loss = D.empty((rows,), cdt, kind, dev)
+    if not rows:
+        return loss
+    per, ld = min(per, rows), -(-classes // 8) * 8
+    gh, gw, gb = grads
+    if ld != classes:
+        F = torch.nn.functional
+        w = F.pad(w, (0, 0, 0, ld - classes))
+        b = None if b is None else F.pad(b, (0, ld - classes))
+        grads = (gh, None if gw is None else torch.empty_like(w), None if gb is None else F.pad(gb, (0, ld - classes)))
+    buf = torch.empty((per, ld), dtype=h2.dtype, device=h2.device)
+    lse = D.empty((per,), cdt, kind, dev)
+    t = D.contiguous(t, kind)
+    pb, pl, pt, pll = buf.data_ptr(), loss.data_ptr(), t.data_ptr(), lse.data_ptr()
+    csize = cdt.itemsize
+    fixed = (np.int64(classes), np.int64(ld))
+    opts = (np.int64(ignore), np.float64(eps), np.float64(z), np.bool_(_vec(dt, (pb, ld))))
+    if scale is not None:
+        scale = scale.contiguous()
+        sstride = 1 if A.count(tuple(scale.shape)) > 1 else 0
+        psc = scale.data_ptr()
+    with R._cp.cuda.Device(dev):
+        fwd = _launcher(kind, dev, _EXPRS[(dt, "forward")])
+        bwd = _launcher(kind, dev, _EXPRS[(dt, "backward")]) if scale is not None else None
+        for s in range(0, rows, per):
+            e = min(rows, s + per)
+            n, hc, logits = np.int64(e - s), h2[s:e], buf[:e - s]
+            if b is None:
+                torch.mm(hc, w.t(), out=logits)
+            else:
+                torch.addmm(b, hc, w.t(), out=logits)
+            fwd(e - s, (pl + s * csize, pll, pb, pt + 8 * s, n) + fixed + opts)
+            if bwd is None:
+                continue
+            bwd(e - s, (pb, pb, pt + 8 * s, pll, psc + s * sstride * csize, np.int64(sstride), n) + fixed
+                + (np.int64(ld),) + opts)
+            _chunk_grads(logits, hc, w, grads, s, e)  # (the padded columns: 0, times the weight's zero rows)
+    if ld != classes:
+        for mine, padded in zip((gw, gb), grads[1:]):
+            if mine is not None:
+                mine.copy_(padded[:classes])
+    return loss
 
 
 def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias: Array | None = None,
@@ -393,7 +468,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     """``cross_entropy(hidden @ weight.T + bias, target)`` without the logits:
     a language model's head and loss in one call, made ``chunk_rows`` rows
     of logits at a time (default: as many elements as ``hidden`` holds, at
-    least 2**22). ``hidden`` is [..., features], ``weight``
+    least 1024 rows). ``hidden`` is [..., features], ``weight``
     [classes, features] (an ``nn.Linear``'s), ``bias`` [classes] or None,
     ``target`` hidden's leading shape; the other arguments as
     ``cufuse.cross_entropy`` ("none" gives one loss per row of hidden's
