@@ -78,6 +78,7 @@ def test_views_misaligned_strided_broadcast(backend):
     src = backend.asarray(base)
     cases = {  # name: (the view on the backend, the same values in NumPy)
         "offset": (src[:, 1:cols + 1], base[:, 1:cols + 1]),
+        "rows on packs, a tail": (src[:, :cols], base[:, :cols]),  # row stride 72: 16 packs and 3 more
         "columns strided": (src[:, : 2 * (cols // 2): 2], base[:, : 2 * (cols // 2): 2]),
         "column-major": (backend.asarray(np.ascontiguousarray(base[:, :cols].T)).T, base[:, :cols]),
     }
@@ -139,7 +140,11 @@ def _torch_loss(x, t, eps, z, reduction):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_gradient_against_torch(device, reduction):
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "rows-on-packs"])
+def test_gradient_against_torch(device, reduction, padded):
+    """The logits an intermediate [13, 513]: dense (rows of 513, element by
+    element on the GPU), or the first 513 columns of a [13, 520] one (rows
+    on 16-byte packs: whole packs, then a tail, written in place)."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(24, 16, generator=g, dtype=torch.float64)
     h0 = torch.randn(13, 24, generator=g, dtype=torch.float64)
@@ -147,14 +152,14 @@ def test_gradient_against_torch(device, reduction):
     t[4] = IGNORE
     up = torch.randn(13, dtype=torch.float64, generator=g) if reduction == "none" else torch.tensor(0.7,
                                                                                                     dtype=torch.float64)
-    proj = torch.randn(16, 513, generator=g, dtype=torch.float64)
+    proj = torch.randn(16, 520 if padded else 513, generator=g, dtype=torch.float64)
     for dt in ([torch.float32, torch.float64] + ([torch.float16, torch.bfloat16] if device == "cuda" else [])):
         for eps, z in ((0.0, 0.0), (0.1, 1e-2)):
             ours, ref = [h0.clone().to(device, dt).requires_grad_(True) for _ in range(2)]
             # logits as an intermediate (an lm_head's output): the gradient in place. The reference
             # takes the same logits (the same matmuls in dt) into float64: only the losses differ
-            lo = (ours @ w.to(device, dt)) @ proj.to(device, dt)
-            lr = ((ref @ w.to(device, dt)) @ proj.to(device, dt)).double()
+            lo = ((ours @ w.to(device, dt)) @ proj.to(device, dt))[:, :513]
+            lr = ((ref @ w.to(device, dt)) @ proj.to(device, dt))[:, :513].double()
             seen = {}
             lo.register_hook(lambda gr: seen.update(ptr=gr.data_ptr()))
             loss = cufuse.cross_entropy(lo, t.to(device), label_smoothing=eps, z_loss=z, reduction=reduction)
@@ -393,6 +398,26 @@ def test_linear_gradient_against_torch(device, reduction, classes):
     cufuse.linear_cross_entropy(hidden, w0.to(device), torch.full((3, 5), IGNORE, device=device),
                                 reduction="sum").backward()
     assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("classes", [97, 96], ids=str)
+def test_linear_no_rows_gives_zero_gradients(device, classes):
+    """No hidden rows: the loss of nothing, and zero weight and bias
+    gradients (not whatever memory the allocator handed back: NaN is freed
+    just before), for every reduction."""
+    for reduction in ("mean", "sum", "none"):
+        dirty = torch.full((classes + 8, 24), float("nan"), device=device)
+        del dirty
+        h = torch.zeros(0, 24, device=device, requires_grad=True)
+        w = torch.randn(classes, 24, device=device, requires_grad=True)
+        b = torch.randn(classes, device=device, requires_grad=True)
+        loss = cufuse.linear_cross_entropy(h, w, torch.zeros(0, dtype=torch.int64, device=device), bias=b,
+                                           reduction=reduction)
+        (loss.sum() if reduction == "none" else loss.nan_to_num()).backward()
+        for name, p in (("weight", w), ("bias", b)):
+            assert p.grad is not None and p.grad.shape == p.shape, name
+            assert torch.equal(p.grad, torch.zeros_like(p)), (reduction, name)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -406,28 +406,29 @@ def _chunk_grads(d, hc, w, grads, s, e):
 
 
 def _cuda_chunks(dt, dev, h2, w, b, t, ignore, eps, z, per, scale, grads):
-    """``_linear_chunks`` of torch CUDA tensors. A vocabulary that is not a
-    multiple of 8 (GPT-2's 50257) is padded with zero rows of the weight (a
-    copy for the call): cuBLAS's fast kernels want every dimension 16-byte
-    aligned, and each product is 5-7x slower without it; the loss kernels
-    read the first ``classes`` of each padded row, and the padded rows of the
-    weight's and bias's gradients are dropped at the end. Each chunk's logits
-    go into one buffer; the kernels are looked up once and launched on
-    pointers into it (no per-chunk arrays): the host cost per chunk is the
-    matrix products' and two launches."""
+    """``_linear_chunks`` of torch CUDA tensors. The weight (and bias) get
+    zero rows up to ``_padded_classes`` (a copy for the call, where the
+    vocabulary is not a multiple of 8), so that every product has aligned
+    dimensions; the loss kernels read the first ``classes`` of each padded
+    row of logits, and the padded ones (0) meet only the weight's zero rows
+    and the gradients' padded rows, which ``_new_grads`` made and
+    ``_final_grads`` drops. Each chunk's logits go into one buffer; the
+    kernels are looked up once and launched on pointers into it (no
+    per-chunk arrays): the host cost per chunk is the products' and two
+    launches."""
     torch = A.torch()
     kind, rows, (classes, feats) = A.TORCH_CUDA, h2.shape[0], tuple(w.shape)
     cdt = A.compute_dtype(dt)
     loss = D.empty((rows,), cdt, kind, dev)
-    if not rows:
+    if not rows:  # no products: the weight's gradient (made by the first chunk's) is zero
+        if grads[1] is not None:
+            grads[1].zero_()
         return loss
-    per, ld = min(per, rows), -(-classes // 8) * 8
-    gh, gw, gb = grads
+    per, ld = min(per, rows), _padded_classes(classes)
     if ld != classes:
         F = torch.nn.functional
         w = F.pad(w, (0, 0, 0, ld - classes))
         b = None if b is None else F.pad(b, (0, ld - classes))
-        grads = (gh, None if gw is None else torch.empty_like(w), None if gb is None else F.pad(gb, (0, ld - classes)))
     buf = torch.empty((per, ld), dtype=h2.dtype, device=h2.device)
     lse = D.empty((per,), cdt, kind, dev)
     t = D.contiguous(t, kind)
@@ -454,11 +455,7 @@ def _cuda_chunks(dt, dev, h2, w, b, t, ignore, eps, z, per, scale, grads):
                 continue
             bwd(e - s, (pb, pb, pt + 8 * s, pll, psc + s * sstride * csize, np.int64(sstride), n) + fixed
                 + (np.int64(ld),) + opts)
-            _chunk_grads(logits, hc, w, grads, s, e)  # (the padded columns: 0, times the weight's zero rows)
-    if ld != classes:
-        for mine, padded in zip((gw, gb), grads[1:]):
-            if mine is not None:
-                mine.copy_(padded[:classes])
+            _chunk_grads(logits, hc, w, grads, s, e)
     return loss
 
 
@@ -537,7 +534,7 @@ def _linear_function(torch):
             scale = (1 / count.to(cdt)).reshape(1) if reduction == "mean" else torch.ones(1, dtype=cdt, device=h.device)
             grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(tuple(h.shape[:-1])), feats)
             loss, _ = _linear_loss(args, h, w, b, reduction, odt, scale, grads, count)
-            ctx.grads = _bias_dtype(grads, b)
+            ctx.grads = _final_grads(grads, w, b)
             return loss
 
         @staticmethod
@@ -559,23 +556,36 @@ def _linear_function(torch):
                     scale = scale / ctx.count.to(cdt)
                 grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(ctx.shape[:-1]), feats)
                 _linear_loss(ctx.args, h, w, b, "none", ctx.odt, scale, grads)
-                grads = _bias_dtype(grads, b)
+                grads = _final_grads(grads, w, b)
             gh, gw, gb = grads
             return None if gh is None else gh.reshape(ctx.shape), gw, gb, None, None, None
 
     return LinearCrossEntropyFn
 
 
-def _bias_dtype(grads, b):
-    """The gradients with the bias's (summed in float32 or float64) in the bias's dtype."""
+def _final_grads(grads, w, b):
+    """The gradients as autograd takes them: the weight's and bias's first
+    ``classes`` rows (``_new_grads`` may pad them), the bias's (summed in
+    float32 or float64) in the bias's dtype."""
     gh, gw, gb = grads
-    return gh, gw, None if gb is None else gb.to(b.dtype)
+    classes = w.shape[0]
+    return gh, None if gw is None else gw[:classes], None if gb is None else gb[:classes].to(b.dtype)
 
 
 def _new_grads(torch, need, h, w, b, rows, feats):
-    """(dh [rows, features] in h's dtype, dw in w's, db in float32 zeros) where ``need`` says."""
+    """(dh [rows, features] in h's dtype, dw in w's, db in float32 zeros) where
+    ``need`` says; on CUDA dw and db have the padded classes' rows
+    (``_padded_classes``) that ``_cuda_chunks`` makes its products with."""
+    classes = _padded_classes(w.shape[0]) if w.is_cuda else w.shape[0]
     gh = torch.empty((rows, feats), dtype=h.dtype, device=h.device) if need[0] else None
-    gw = torch.empty_like(w) if need[1] else None
-    gb = torch.zeros(w.shape[0], dtype=torch.float64 if b.dtype == torch.float64 else torch.float32,
+    gw = torch.empty((classes, feats), dtype=w.dtype, device=w.device) if need[1] else None
+    gb = torch.zeros(classes, dtype=torch.float64 if b.dtype == torch.float64 else torch.float32,
                      device=w.device) if b is not None and need[2] else None
     return gh, gw, gb
+
+
+def _padded_classes(classes):
+    """The weight's rows in ``_cuda_chunks``' products: a multiple of 8, since
+    cuBLAS's fast kernels want every dimension 16-byte aligned (each product
+    of GPT-2's 50257 classes is 5-7x slower than of 50264)."""
+    return -(-classes // 8) * 8
