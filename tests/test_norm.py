@@ -21,7 +21,7 @@ import pytest
 import cufuse
 from cufuse import _driver as D
 
-from _reference import DTYPES, Backend, check_kind, gpu_count, rand
+from _reference import DTYPES, Backend, check_kind, cpu_runs_one, gpu_count, rand
 from _reference_norm import (F16, F32, F64, NORM_REF, NORM_TOL_OFFSET, OFFSET, SOFTMAX_REF, assert_close, check,
                              layer_norm_ref, one_pass_layer_norm, raises_each, tol)
 
@@ -280,13 +280,6 @@ def test_norm_pipe_rows(backend, op, rows, n, which, launches):
     check_pipe_taken(backend, launches, op, F32)
 
 
-def cpu_runs_one(backend, first):
-    """Cases that choose among GPU kernels (row lengths, splits, pipes): the
-    CPU backends, whose NumPy path is the same at every length, run one."""
-    if not backend.gpu and not first:
-        pytest.skip("a case for the GPU kernels' choice: the CPU backends run one of these")
-
-
 def check_pipe_taken(backend, launches, op, dtype):
     if backend.gpu:
         import cupy as cp
@@ -334,6 +327,7 @@ def split_case(backend, dtype, rows, n, offset, seed, scale=1.0):
 @norm_param
 @pytest.mark.parametrize("dtype, rows, n, offset", SPLIT_CASES, ids=str)
 def test_norm_split_rows(backend, op, dtype, rows, n, offset):
+    cpu_runs_one(backend, (dtype, rows, n, offset) == SPLIT_CASES[2])
     x, nx, out = split_case(backend, dtype, rows, n, offset, 1450 + n)
     w, b, nw, nb = affine(backend, op, full_affine(op), (n,), dtype, 1451)
     normalize(backend, op, x, nx, n, w, b, nw, nb, out=out)
@@ -351,6 +345,7 @@ def test_norm_split_rows(backend, op, dtype, rows, n, offset):
 @pytest.mark.parametrize("x_offset, p_offset", [(0, 0), (3, 3), (0, 1)], ids=str)
 @pytest.mark.parametrize("which", ["w", "b", "wb"])
 def test_norm_split_rows_affine_views(backend, op, dtype, n, x_offset, p_offset, which):
+    cpu_runs_one(backend, dtype == F32 and n == 32768)  # (every view of x and the parameters)
     if "w" not in which and not has_bias(op):
         pytest.skip("rms_norm has no bias")
     x, nx, out = split_case(backend, dtype, 2, n, x_offset, 1460 + n)
@@ -504,6 +499,7 @@ def test_split_rows_one_statistic_per_row(backend, op, dtype, n, peak):
     that all but one part of a softmax row have a lower local maximum.
     Whole packs only: an element of a partial pack is computed by other code
     (per element), which may round differently."""
+    cpu_runs_one(backend, dtype == F32 and n == 300000 and peak)
     rng = np.random.default_rng(3900 + n)
     vals = rng.standard_normal(8).astype(dtype)
     idx = rng.integers(0, 8, (4, n))
@@ -1010,6 +1006,7 @@ def test_softmax_long_rows_other_dtypes(backend, op, dtype, n):
 @softmax_param
 @pytest.mark.parametrize("dtype, rows, n, offset", SPLIT_CASES, ids=str)
 def test_softmax_split_rows(backend, op, dtype, rows, n, offset):
+    cpu_runs_one(backend, (dtype, rows, n, offset) == SPLIT_CASES[2])
     x, nx, out = split_case(backend, dtype, rows, n, offset, 3240 + n, 3.0)
     soft(backend, op, x, nx, out=out)
 
