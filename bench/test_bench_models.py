@@ -118,8 +118,8 @@ def test_cross_entropy_memory(benchmark, models_report, vocab):
     fns = {"cufuse": lambda x, t: cufuse.cross_entropy(x, t),
            "torch (float32 logits)": lambda x, t: torch.nn.functional.cross_entropy(x.float(), t)}
     try:
-        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
-        fns["Liger-Kernel"] = lambda x, t: LigerCrossEntropyFunction.apply(x, t)[0]
+        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss  # (its Function's arguments moved)
+        fns["Liger-Kernel"] = LigerCrossEntropyLoss()
     except Exception:  # not installed
         pass
     ratios = {}
