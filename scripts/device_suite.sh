@@ -8,6 +8,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the examples the tests run as subprocesses import cufuse from here
 OUT=${OUT:-/tmp/suite}; mkdir -p "$OUT"
+# without a usable GPU the tests marked cuda are deselected (tests/conftest.py): say so and stop
+python3 -c "import sys, cufuse; sys.exit(0 if cufuse.CUDA_AVAILABLE else 'cufuse.CUDA_AVAILABLE is False: no GPU tests would run')" || exit 1
 SHARDS=(
   "tests/test_fuse.py"
   "tests/test_norm.py"

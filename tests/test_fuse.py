@@ -9,7 +9,7 @@ never zeros, in domains where each function is well conditioned; ``out=``
 arrays are poisoned (NaN / a sentinel) before a call.
 
 Each test body runs on the backends numpy and torch_cpu (NumPy fallback) and
-cupy and torch_cuda (marked ``cuda``; skipped without a GPU). Views are made
+cupy and torch_cuda (marked ``cuda``; deselected without a GPU). Views are made
 in the backend's own kind, so the kernels see non-contiguous, misaligned and
 broadcast (stride 0) memory.
 """
