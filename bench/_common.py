@@ -114,6 +114,17 @@ def max_errors(got, ref, floor=0.0):
     return float(d.max()), float((d / np.maximum(np.abs(r[ok]), max(floor, 1e-300))).max())
 
 
+def optional_liger(module, cls, **kw):
+    """Liger-Kernel's ``liger_kernel.transformers.<module>.<cls>(**kw)``, or
+    None (printed why) where it does not import: the standalone probes' peer."""
+    import importlib
+    try:
+        return getattr(importlib.import_module(f"liger_kernel.transformers.{module}"), cls)(**kw)
+    except Exception as e:
+        print("Liger-Kernel not importable:", e)
+        return None
+
+
 def event_median(fn, reps=30, inner=1, warmup=3):
     """Median over ``reps`` of the µs per call of ``inner`` back-to-back calls
     of ``fn`` between two CUDA events on torch's current stream, after

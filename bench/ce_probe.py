@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import cufuse
-from _common import event_median
+from _common import event_median, optional_liger
 
 SHAPES = [(4096, 32000), (8192, 32000), (4096, 128256)]
 
@@ -25,12 +25,7 @@ SHAPES = [(4096, 32000), (8192, 32000), (4096, 128256)]
 def main():
     dt = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, dt)
-    try:
-        from liger_kernel.transformers.cross_entropy import LigerCrossEntropyLoss
-        liger = LigerCrossEntropyLoss(ignore_index=-100)
-    except Exception as e:
-        print("Liger-Kernel not importable:", e)
-        liger = None
+    liger = optional_liger("cross_entropy", "LigerCrossEntropyLoss", ignore_index=-100)
     impls = {"cufuse": lambda x, t: cufuse.cross_entropy(x, t),
              "eager": lambda x, t: F.cross_entropy(x, t)}
     print(f"{'shape':14} {'impl':8} {'us/step':>9} {'% copy':>7} {'peak MiB':>9} {'loss':>10}")

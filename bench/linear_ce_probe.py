@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import cufuse
-from _common import event_median
+from _common import event_median, optional_liger
 
 SHAPES = [(8184, 768, 50257), (4092, 2048, 32000), (4096, 4096, 128256)]  # GPT-2, the Llama, Llama-3
 
@@ -26,12 +26,7 @@ SHAPES = [(8184, 768, 50257), (4092, 2048, 32000), (4096, 4096, 128256)]  # GPT-
 def main():
     dt = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
     print(torch.cuda.get_device_name(), "torch", torch.__version__, dt)
-    try:
-        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
-        liger = LigerFusedLinearCrossEntropyLoss(ignore_index=-100)
-    except Exception as e:
-        print("Liger-Kernel not importable:", e)
-        liger = None
+    liger = optional_liger("fused_linear_cross_entropy", "LigerFusedLinearCrossEntropyLoss", ignore_index=-100)
     print(f"{'shape':20} {'impl':12} {'us/step':>9} {'host us':>8} {'peak MiB':>9} {'loss':>10}")
     for rows, feats, vocab in SHAPES:
         g = torch.Generator(device="cuda").manual_seed(rows + vocab)

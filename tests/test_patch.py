@@ -154,21 +154,31 @@ def _same_gradients(loss, ref_loss, model, ref, tol, family):
     ref.zero_grad()
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_patched_causal_lm_loss(family, device):
-    """The causal-LM loss through cufuse.cross_entropy: the same loss and
-    gradients as transformers' own, with and without num_items_in_batch."""
+def _patched_pair(family, device, train):
+    """(a patched causal LM of ``family``, its unpatched twin, input ids,
+    labels with one ignored, rtol): float64 on the CPU, float32 on the GPU;
+    in eval mode, or in training mode with dropout off (gradients flow in both)."""
     make, inputs, _ = MODELS[family]
     torch.manual_seed(0)
     dtype = torch.float64 if device == "cpu" else torch.float32
-    model = make().to(device=device, dtype=dtype).eval()  # (eval: GPT-2's dropout off, gradients still flow)
+    model = make().to(device=device, dtype=dtype).train(train)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
     ref = copy.deepcopy(model)
     cufuse.patch(model)
     ids = inputs()["input_ids"].to(device)
     labels = ids.clone()
     labels[0, 3] = -100
-    rtol = 1e-6 if dtype == torch.float64 else 1e-4
+    return model, ref, ids, labels, 1e-6 if dtype == torch.float64 else 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_patched_causal_lm_loss(family, device):
+    """The causal-LM loss through cufuse.cross_entropy: the same loss and
+    gradients as transformers' own, with and without num_items_in_batch."""
+    model, ref, ids, labels, rtol = _patched_pair(family, device, train=False)
     for extra in ({}, {"num_items_in_batch": torch.tensor(11, device=device)}):
         a, b = model(input_ids=ids, labels=labels, **extra), ref(input_ids=ids, labels=labels, **extra)
         assert a.loss.dtype == b.loss.dtype
@@ -184,19 +194,8 @@ def test_patched_training_loss_skips_the_logits(family, device):
     (with and without num_items_in_batch, return_dict=False too), no logits
     in the output; a deepcopy keeps the patch on its own weights; eval mode,
     no labels and linear_loss=False give the logits as before."""
-    make, inputs, _ = MODELS[family]
-    torch.manual_seed(0)
-    dtype = torch.float64 if device == "cpu" else torch.float32
-    model = make().to(device=device, dtype=dtype).train()
-    for m in model.modules():  # dropout off, training mode kept
-        if isinstance(m, torch.nn.Dropout):
-            m.p = 0.0
-    ref = copy.deepcopy(model)
-    cufuse.patch(model)
-    ids = inputs()["input_ids"].to(device)
-    labels = ids.clone()
-    labels[0, 3] = -100
-    rtol = 1e-6 if dtype == torch.float64 else 1e-4
+    model, ref, ids, labels, rtol = _patched_pair(family, device, train=True)
+    make, dtype = MODELS[family][0], next(model.parameters()).dtype
     for extra in ({}, {"num_items_in_batch": torch.tensor(11, device=device)}, {"return_dict": False}):
         a, b = model(input_ids=ids, labels=labels, **extra), ref(input_ids=ids, labels=labels, **extra)
         if extra.get("return_dict") is False:
