@@ -762,6 +762,7 @@ class Recipe(NamedTuple):
     like: bool = False    # output 0 may be empty_like(the call's first argument) (build's like)
     temp_offsets: tuple = ()  # per temporary: its byte offset in the call's one allocation of them
     temp_bytes: int = 0       # that allocation's size
+    flat: list | None = None  # [its flat launcher (``_flat``), None before one is made, or False: none]
 
 
 class RecipeBuilder:
@@ -837,7 +838,7 @@ class RecipeBuilder:
             end += -(-n // 128) * 128
         return Recipe(self.kind, self.device, tuple(outs), tuple(self.temps), tuple(steps), self.nout, self.nin,
                       tuple(out_spans), tuple(in_spans), tuple(same_ok), tuple(self.sbufs), extra, like_ok,
-                      tuple(offsets), end)
+                      tuple(offsets), end, [None])
 
 
 def output(shape, dtype, kind, strides=None):
@@ -864,11 +865,24 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
     ``in_ptrs`` the inputs' addresses, ``values`` the per-call values,
     ``like`` the call's first argument (a torch result is allocated as
     ``empty_like`` of it where the recipe says it may: half the host time of
-    ``torch.empty``). Returns the outputs (a list)."""
+    ``torch.empty``). Returns the outputs (a list). Through the recipe's
+    flat launcher once it has one (``_flat``)."""
+    f = rec.flat[0]
+    if f:
+        res = f(outs, in_ptrs, values, like)
+        if res is not None:
+            return res
+    elif f is None:
+        rec.flat[0] = _flat(rec)
+    return _execute(rec, outs, in_ptrs, values, like)
+
+
+def _execute(rec, outs, in_ptrs, values, like):
+    """``execute`` for every recipe, step by step."""
     kind, dev = rec.kind, rec.device
     if dev != get_device():
         with _cp.cuda.Device(dev):
-            return execute(rec, outs, in_ptrs, values, like)
+            return _execute(rec, outs, in_ptrs, values, like)
     if kind == A.TORCH_CUDA:
         T = TORCH if TORCH.Tensor is not None else torch_api()
         if outs is None:
@@ -961,13 +975,84 @@ def _queue(rec, vals, kind, dev, sptr):
                 continue
             except Exception:  # a value that does not pack, or no context on this thread: as below
                 pass
-        args = st.get(st.consts + vals)
-        st.fn(st.grid, st.block, args, st.shared, _stream_object(kind, dev, sptr))
+        args = _launch_fn(st, vals, kind, dev, sptr)
         if p is None:
             try:
                 st.packed[0] = Packed(st, args) if type(st.fn) is _Function else False
             except TypeError:
                 st.packed[0] = False
+
+
+def _launch_fn(st, vals, kind, dev, sptr):
+    """Launch ``st`` through its CuPy function (which makes the device's
+    context current and converts each argument); returns the arguments."""
+    args = st.get(st.consts + vals)
+    st.fn(st.grid, st.block, args, st.shared, _stream_object(kind, dev, sptr))
+    return args
+
+
+def _flat(rec):
+    """A launcher doing ``execute``'s work for ``rec`` with everything that
+    does not change between calls bound once: for a recipe of one packed
+    launch and no temporaries or stream buffers (most ops' forward), the
+    per-call work is the outputs' allocation, the stream and the launch.
+    None while the launch is not packed yet (its first run packs it),
+    False for recipes that need ``_execute``'s general steps. The launcher
+    returns None off the recipe's device (the caller runs ``_execute``); it
+    holds no reference to the recipe, which holds it (no cycle to collect)."""
+    steps = rec.steps
+    if len(steps) != 1 or type(steps[0]) is not Launch or rec.temps or rec.sbufs:
+        return False
+    st = steps[0]
+    p = st.packed[0]
+    if not p:
+        return p
+    kind, dev, specs = rec.kind, rec.device, rec.outs
+    one = len(specs) == 1
+    pack, buf, lock, get, consts = p.struct.pack_into, p.buf, p.lock, st.get, p.consts
+    gx, gy, gz, bx, by, bz, shared = p.dims
+    fptr, params, launch, current = p.fptr, p.params_ptr, _launch_kernel, get_device
+
+    def queue(vals, sptr):
+        try:
+            with lock:
+                pack(buf, 0, *get(consts + vals))
+                launch(fptr, gx, gy, gz, bx, by, bz, shared, sptr, params, 0)
+        except Exception:  # a value that does not pack, or no context on this thread
+            _launch_fn(st, vals, kind, dev, sptr)
+
+    if kind == A.TORCH_CUDA:
+        T = torch_api()
+        raw, empty_like, like_ok = T.raw_stream, T.empty_like, rec.like
+
+        def run(outs, in_ptrs, values, like):
+            if current() != dev:
+                return None
+            if outs is None:
+                if like_ok and like is not None:
+                    outs = [empty_like(like)] if one else [empty_like(like), *_torch_outs(T, specs[1:], dev)]
+                else:
+                    outs = _torch_outs(T, specs, dev)
+            if one:
+                queue((outs[0].data_ptr(), *in_ptrs, *values), raw(dev))
+            else:
+                queue((*[o.data_ptr() for o in outs], *in_ptrs, *values), raw(dev))
+            return outs
+    else:
+        new, stream = _cp.ndarray, _cp.cuda.get_current_stream
+
+        def run(outs, in_ptrs, values, like):
+            if current() != dev:
+                return None
+            if outs is None:
+                outs = [new(o.shape, o.dtype) if o.strides is None else empty_dense(o.shape, o.dtype, kind, dev, o.strides)
+                        for o in specs]
+            if one:
+                queue((outs[0].data.ptr, *in_ptrs, *values), stream().ptr)
+            else:
+                queue((*[o.data.ptr for o in outs], *in_ptrs, *values), stream().ptr)
+            return outs
+    return run
 
 
 _U8 = np.dtype(np.uint8)
@@ -1067,10 +1152,18 @@ class FastPath:
         """The call's outputs if its signature has a recipe (``lookup``), else
         None; ``out``: None or a tuple of output arrays; ``like``: the call's
         first argument (``execute``)."""
-        rec = self.lookup(key, ptrs, nin, out)
-        if rec is None:
+        rec = self.recipes.get(key)
+        if rec is None or (out is not None and not apart(rec, ptrs[nin:], ptrs[:nin])):
+            self.misses += 1
             return None
-        return execute(rec, out, ptrs[:nin] if len(ptrs) > nin else ptrs, values, like)
+        self.hits += 1
+        ins = ptrs[:nin] if len(ptrs) > nin else ptrs
+        f = rec.flat[0]
+        if f:  # execute's first lines, here: one Python frame less per call
+            res = f(out, ins, values, like)
+            if res is not None:
+                return res
+        return execute(rec, out, ins, values, like)
 
 
 def fast_paths():
