@@ -503,3 +503,20 @@ def test_backward_takes_the_fast_path():
             r.backward(g if r.dim() == 2 else g[:, 0])
             assert x.grad is not None
         assert sum(fp.misses for fp in D.fast_paths()) == misses, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["add_relu", "layer_norm", "softmax"])
+def test_first_gradient_with_create_graph_and_no_second(name, device):
+    """create_graph=True gives the same first gradient; differentiating it again
+    raises (the backward kernels are not differentiable), never a silent zero."""
+    calls = {"add_relu": CASES["add_relu"][0], "layer_norm": lambda x, w: cufuse.layer_norm(x, 33, w),
+             "softmax": lambda x, w: cufuse.softmax(x * w)}
+    x, w = _inputs([(7, 33), (33,)], torch.float32, device, 5)
+    g = torch.randn(7, 33, generator=torch.Generator().manual_seed(6)).to(device).requires_grad_(True)
+    plain = torch.autograd.grad(calls[name](x, w), (x, w), g)
+    graph = torch.autograd.grad(calls[name](x, w), (x, w), g, create_graph=True)
+    for p, q in zip(plain, graph):
+        torch.testing.assert_close(q, p, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="twice"):
+        graph[0].sum().backward()

@@ -481,7 +481,7 @@ def attention(q: Array, k: Array, v: Array, /, *, causal: bool = False, scale: f
         return _compiled(q, k, v, causal, scale, return_lse)
     kind, dt, dev, q4, k4, v4, scale, causal, three = _args(name, q, k, v, causal, scale)
     if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((q, k, v)):
-        o, lse = AG._function_class("attention", _function).apply(q4, k4, v4, scale, causal)
+        o, lse = AG.apply("attention", _function, q4, k4, v4, scale, causal)
     else:
         if kind in (A.TORCH_CPU, A.TORCH_CUDA):
             q4, k4, v4 = (x.detach() for x in (q4, k4, v4))
@@ -606,7 +606,7 @@ def attention_score(q: Array, k: Array, /, *, scale: float | None = None, mask: 
         return _score_compiled(q, k, scale, mask)
     kind, dt, dev, q4, k4, scale, mask, three = _score_args(name, q, k, scale, mask)
     if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((q, k)):
-        s = AG._function_class("attention_score", _score_function).apply(q4, k4, scale, mask)
+        s = AG.apply("attention_score", _score_function, q4, k4, scale, mask)
     else:
         if kind in (A.TORCH_CPU, A.TORCH_CUDA):
             q4, k4 = q4.detach(), k4.detach()
@@ -679,7 +679,7 @@ def _score_function(torch):
             return scores(kind, dt, dev, q.detach(), k.detach(), scale, mask)
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        @AG.once_differentiable
         def backward(ctx, g):
             q, k = ctx.saved_tensors
             dq, dk = score_backward(g, q, k, ctx.scale, ctx.mask, *ctx.needs_input_grad[:2])
@@ -755,7 +755,7 @@ def _function(torch):
             return o, lse
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        @AG.once_differentiable
         def backward(ctx, go, glse):
             q, k, v, o, lse = ctx.saved_tensors
             dq, dk, dv = backward_tensors(q, k, v, o, lse, go.contiguous(), ctx.scale, ctx.causal)

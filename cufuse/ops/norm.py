@@ -699,7 +699,7 @@ def _add_norm(name, x, residual, normalized_shape, weight, bias, eps):
     kind = A.array_kind(name, x, "x")
     if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((x, residual, weight, bias)):
         ns = _normalized_shape(name, x, normalized_shape)
-        return AG._function_class(name, _add_norm_function).apply(x, residual, weight, bias, name, ns,
+        return AG.apply(name, _add_norm_function, x, residual, weight, bias, name, ns,
                                                                    _eps(name, eps))
     return _add_norm_values(name, x, residual, normalized_shape, weight, bias, eps, key)
 
@@ -788,7 +788,7 @@ def _add_norm_function(torch):
             return y, h
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        @AG.once_differentiable
         def backward(ctx, gy, gh):
             h, w, b = ctx.saved_tensors
             dh, dw, db = AG.norm_backward(ctx.kind, gy, h, ctx.n, w, b, ctx.eps, gadd=gh)

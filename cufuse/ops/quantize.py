@@ -473,7 +473,7 @@ def fake_quantize_int8(x: Array, /, scale: Operand, zero_point: Operand = 0.0, a
         s, z = _fq_params_traced(name, x, scale, zero_point, axis)
         TO.register()  # (its Function class with the operators)
         if x.requires_grad:
-            return AG._function_class("fake_quantize", _fq_function).apply(x, s, z)
+            return AG.apply("fake_quantize", _fq_function, x, s, z)
         return _FQ(x, s, z)
     if DK.is_dask(x):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported; use quantize_int8 and dequantize_int8")
@@ -483,7 +483,7 @@ def fake_quantize_int8(x: Array, /, scale: Operand, zero_point: Operand = 0.0, a
     grad = AG.wants_grad((x,))
     s, z = _fq_params(name, x.detach() if grad else x, kind, scale, zero_point, axis)
     if grad:
-        return AG._function_class("fake_quantize", _fq_function).apply(x, s, z)
+        return AG.apply("fake_quantize", _fq_function, x, s, z)
     return _FQ(x, s, z)
 
 
@@ -495,7 +495,7 @@ def _fq_function(torch):
             return _FQ(x.detach(), s, z)
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        @AG.once_differentiable
         def backward(ctx, g):
             x, s, z = ctx.saved_tensors
             return _FQ_GRAD(g, x.detach(), s, z), None, None

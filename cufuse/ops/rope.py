@@ -335,7 +335,7 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
                              f"against {what}'s rows {tuple(x.shape[:-1])}")
     interleaved = bool(interleaved)
     if grad and AG.wants_grad((q, k)):
-        return AG._function_class("rope", _function).apply(q, k, cos, sin, r, interleaved)
+        return AG.apply("rope", _function, q, k, cos, sin, r, interleaved)
     res = rotate([q] if k is None else [q, k], cos, sin, r, interleaved, False, kind, dt, dev, also=top)
     return res[0], (None if k is None else res[1])
 
@@ -391,7 +391,7 @@ def _function(torch):
             return res[0], (None if k is None else res[1])
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        @AG.once_differentiable
         def backward(ctx, gq, gk):
             cos, sin = ctx.saved_tensors
             want = [i for i, (g, needed) in enumerate(((gq, ctx.needs_input_grad[0]), (gk, ctx.needs_input_grad[1])))

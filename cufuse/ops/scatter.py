@@ -169,7 +169,7 @@ def scatter_add(values: Array, index: Array, dim_size: int, *, activation: str |
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
     kind = A.array_kind(name, values, "values")
     if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((values,)):
-        return AG._function_class(name, _function).apply(values, index, dim_size, activation)
+        return AG.apply(name, _function, values, index, dim_size, activation)
     kind, dt, dev, idx = _check(name, values, index, dim_size, activation)
     return _forward(kind, dt, dev, values, idx, dim_size, activation)
 
@@ -198,7 +198,7 @@ def _function(torch):
             return _forward(kind, dt, dev, values, idx, dim_size, activation)
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        @AG.once_differentiable
         def backward(ctx, g):
             values, idx = ctx.saved_tensors
             kind, dt, dev, activation = ctx.args
