@@ -639,10 +639,11 @@ def signature(items):
             torch_api()
             return signature(items)
         elif Tensor is not None and isinstance(a, Tensor):  # a subclass (nn.Parameter): as a tensor
-            if not a.is_cuda or a.requires_grad and TORCH.grad_enabled():
+            d = a.get_device()
+            if d < 0 or a.requires_grad and TORCH.grad_enabled():
                 return None
             p = a.data_ptr()
-            key.append((t, a.dtype, a.shape, a.stride(), p & 15, a.get_device()))
+            key.append((t, a.dtype, a.shape, a.stride(), p & 15, d))
             ptrs.append(p)
         else:
             return None  # NumPy arrays, CuPy subclasses, anything to be rejected: the general path

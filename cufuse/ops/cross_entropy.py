@@ -248,7 +248,7 @@ def cross_entropy(logits: Array, target: Array, /, *, ignore_index: int = -100, 
         # slice of a leaf (user data, a Parameter) is never overwritten
         root = logits._base if logits._is_view() else logits
         inplace = bool(inplace_backward) and not root.is_leaf
-        return AG._function_class("cross_entropy", _function).apply(logits, args, reduction, odt, inplace)
+        return AG.apply("cross_entropy", _function, logits, args, reduction, odt, inplace)
     kind, dt, dev, rows, cols, t, ignore, eps, z = _args(name, logits, target, ignore_index, label_smoothing,
                                                          z_loss, reduction)
     odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
@@ -287,7 +287,7 @@ def _function(torch):
             return res
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        @AG.once_differentiable
         def backward(ctx, g):
             logits, lse, count = ctx.saved_tensors
             kind, dt, dev, rows, cols, t, ignore, eps, z = ctx.args
@@ -346,11 +346,12 @@ def _linear_args(name, hidden, weight, bias, target, ignore_index, label_smoothi
 def _chunk_rows(rows, feats, classes):
     """Rows of logits made at a time: as many elements as the hidden states
     hold (so the loss adds about as much memory as they take), and at least
-    1024 rows: each chunk reads and writes the weight's whole gradient once,
-    and below about 1024 rows that traffic (and the host cost per chunk)
-    becomes a large share of the matrix products' time; a multiple of 64
-    rows (the products' tiles) unless one chunk takes every row."""
-    c = max(1024, rows * feats // max(classes, 1))
+    512 rows: each chunk reads and writes the weight's whole gradient once,
+    and below about 512 rows that traffic (and the host cost per chunk)
+    becomes a large share of the matrix products' time (1024 rows are 7-11%
+    faster again, for twice the chunk's memory: bench/NOTES.md); a multiple
+    of 64 rows (the products' tiles) unless one chunk takes every row."""
+    c = max(512, rows * feats // max(classes, 1))
     return max(rows, 1) if c >= rows else c - c % 64
 
 
@@ -496,7 +497,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     kind, dt = args[0], args[1]
     odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
     if grad:
-        return AG._function_class("linear_cross_entropy", _linear_function).apply(hidden, weight, bias, args,
+        return AG.apply("linear_cross_entropy", _linear_function, hidden, weight, bias, args,
                                                                                    reduction, odt)
     h, w, b = given
     loss, _ = _linear_loss(args, h, w, b, reduction, odt)
@@ -538,7 +539,7 @@ def _linear_function(torch):
             return loss
 
         @staticmethod
-        @torch.autograd.function.once_differentiable
+        @AG.once_differentiable
         def backward(ctx, g):
             if ctx.reduction != "none" and ctx.args[1] != np.float16:  # the forward's, scaled: handed over once
                 if ctx.grads is None:
