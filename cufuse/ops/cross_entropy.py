@@ -466,7 +466,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     """``cross_entropy(hidden @ weight.T + bias, target)`` without the logits:
     a language model's head and loss in one call, made ``chunk_rows`` rows
     of logits at a time (default: as many elements as ``hidden`` holds, at
-    least 1024 rows). ``hidden`` is [..., features], ``weight``
+    least 512 rows). ``hidden`` is [..., features], ``weight``
     [classes, features] (an ``nn.Linear``'s), ``bias`` [classes] or None,
     ``target`` hidden's leading shape; the other arguments as
     ``cufuse.cross_entropy`` ("none" gives one loss per row of hidden's
@@ -497,8 +497,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     kind, dt = args[0], args[1]
     odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
     if grad:
-        return AG.apply("linear_cross_entropy", _linear_function, hidden, weight, bias, args,
-                                                                                   reduction, odt)
+        return AG.apply("linear_cross_entropy", _linear_function, hidden, weight, bias, args, reduction, odt)
     h, w, b = given
     loss, _ = _linear_loss(args, h, w, b, reduction, odt)
     return loss

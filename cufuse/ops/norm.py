@@ -699,8 +699,7 @@ def _add_norm(name, x, residual, normalized_shape, weight, bias, eps):
     kind = A.array_kind(name, x, "x")
     if kind in (A.TORCH_CPU, A.TORCH_CUDA) and AG.wants_grad((x, residual, weight, bias)):
         ns = _normalized_shape(name, x, normalized_shape)
-        return AG.apply(name, _add_norm_function, x, residual, weight, bias, name, ns,
-                                                                   _eps(name, eps))
+        return AG.apply(name, _add_norm_function, x, residual, weight, bias, name, ns, _eps(name, eps))
     return _add_norm_values(name, x, residual, normalized_shape, weight, bias, eps, key)
 
 
