@@ -868,13 +868,14 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
     ``empty_like`` of it where the recipe says it may: half the host time of
     ``torch.empty``). Returns the outputs (a list). Through the recipe's
     flat launcher once it has one (``_flat``)."""
-    f = rec.flat[0]
+    fl = rec.flat
+    f = fl[0] if fl else False  # (a Recipe made other than by RecipeBuilder.build has no slot for one)
     if f:
         res = f(outs, in_ptrs, values, like)
         if res is not None:
             return res
     elif f is None:
-        rec.flat[0] = _flat(rec)
+        fl[0] = _flat(rec)
     return _execute(rec, outs, in_ptrs, values, like)
 
 
@@ -1153,18 +1154,10 @@ class FastPath:
         """The call's outputs if its signature has a recipe (``lookup``), else
         None; ``out``: None or a tuple of output arrays; ``like``: the call's
         first argument (``execute``)."""
-        rec = self.recipes.get(key)
-        if rec is None or (out is not None and not apart(rec, ptrs[nin:], ptrs[:nin])):
-            self.misses += 1
+        rec = self.lookup(key, ptrs, nin, out)
+        if rec is None:
             return None
-        self.hits += 1
-        ins = ptrs[:nin] if len(ptrs) > nin else ptrs
-        f = rec.flat[0]
-        if f:  # execute's first lines, here: one Python frame less per call
-            res = f(out, ins, values, like)
-            if res is not None:
-                return res
-        return execute(rec, out, ins, values, like)
+        return execute(rec, out, ptrs[:nin] if len(ptrs) > nin else ptrs, values, like)
 
 
 def fast_paths():
