@@ -2,7 +2,8 @@
 (python3 scripts/backward_host.py): wall time of back-to-back calls of
 layer_norm forward + backward (torch's and cufuse's, with torch's autograd
 engine on its worker thread and on the calling thread), of the pieces alone,
-and the time inside a few cufuse functions by thread: torch runs a CUDA
+the pieces of a cufuse call alone (allocation, stream, device, launch) on
+each thread, and the time inside a few cufuse functions by thread: torch runs a CUDA
 backward on its device thread, where the same Python was measured ~2x slower
 (bench/NOTES.md, session 53)."""
 from __future__ import annotations
@@ -59,9 +60,41 @@ def busy():
     e[1] += 1
 
 
+PRIMS: dict = {}  # name -> a call timed by ``prims`` on the thread that runs it
+
+
+def make_prims():
+    """The pieces of a cufuse call, each alone: which of them is slower on the autograd thread."""
+    a = torch.randn(256, 768, device="cuda", dtype=torch.float16)
+    bb = torch.randn_like(a)
+    dev = torch.device("cuda", 0)
+    cufuse.add_relu(a, bb)  # its recipe kept: the next calls are the fast path
+    PRIMS.update({
+        "data_ptr": a.data_ptr, "get_device": a.get_device, "shape": lambda: a.shape, "stride()": a.stride,
+        "torch.empty_like": lambda: torch.empty_like(a),
+        "torch.empty(s, dtype, device)": lambda: torch.empty((768,), dtype=a.dtype, device=dev),
+        "cudaGetDevice (CuPy)": D.get_device, "raw stream": lambda: D.TORCH.raw_stream(0),
+        "torch.cuda.current_stream": torch.cuda.current_stream,
+        "signature (3 arrays)": lambda: D.signature((a, bb, None)),
+        "cufuse.add_relu": lambda: cufuse.add_relu(a, bb), "torch.add": lambda: torch.add(a, bb),
+    })
+
+
+def prims(n=200):
+    """Each of PRIMS ``n`` times, timed into SPENT by the thread that runs them."""
+    main = threading.current_thread() is threading.main_thread()
+    for name, f in PRIMS.items():
+        t0 = time.perf_counter()
+        for _ in range(n):
+            f()
+        e = SPENT[(name, main)]
+        e[0] += time.perf_counter() - t0
+        e[1] += n
+
+
 class Trivial(torch.autograd.Function):
-    """A Python backward that does nothing (or ``busy``): the engine's own cost of one."""
-    work = False
+    """A Python backward that does nothing (or ``work``: busy or prims): the engine's own cost of one."""
+    work = None
 
     @staticmethod
     def forward(ctx, a):
@@ -70,7 +103,7 @@ class Trivial(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         if Trivial.work:
-            busy()
+            Trivial.work()
         return g
 
 
@@ -97,12 +130,23 @@ def main():
         for label in ("torch layer_norm fwd+bwd", "cufuse layer_norm fwd+bwd"):
             print(f"{str(shape):15} {label + ', one thread':30} {wall(cases[label]):7.1f} us/call")
         torch.autograd.set_multithreading_enabled(True)
-    Trivial.work = True
+    Trivial.work = busy
     x = torch.randn(64, 768, device="cuda", dtype=dt, requires_grad=True)
     for label, fn in (("pure Python on the autograd thread", lambda: Trivial.apply(x).backward(x)),
                       ("pure Python on the main thread", busy)):
         wall(fn)
         print(label, {("main" if k[1] else "autograd"): round(1e6 * t / n, 1) for k, (t, n) in SPENT.items()})
+    make_prims()
+    Trivial.work = prims
+    spent = {}
+    for fn in (lambda: Trivial.apply(x).backward(x), prims):
+        wall(fn, n=20)
+        spent.update(SPENT)
+    print("the pieces alone, us per call, autograd thread / main thread:")
+    for name in PRIMS:
+        t = [1e6 * spent[(name, m)][0] / spent[(name, m)][1] for m in (False, True)]
+        print(f"     {name:30} {t[0]:7.2f} {t[1]:7.2f}")
+    Trivial.work = None
     for mod, name in ((AG, "norm_backward"), (N, "_bwd_run"), (D, "signature"), (D, "execute")):
         timed_fn(mod, name)
     # the packed launch (cuLaunchKernel) raises where the thread has no current CUDA context, and
