@@ -856,9 +856,48 @@ def view_span(shape, strides, itemsize):
 
 def _torch_outs(T, specs, dev):
     """New torch tensors for the Outputs ``specs`` on GPU ``dev`` (C order, or their strides)."""
-    tdev = T.devices.get(dev) or torch_device(dev)
-    return [T.empty(o.shape, dtype=o.dtype, device=tdev) if o.strides is None else
-            T.empty_strided(o.shape, o.strides, dtype=o.dtype, device=tdev) for o in specs]
+    return [torch_empty(T, o.shape, o.dtype, dev) if o.strides is None else
+            T.empty_strided(o.shape, o.strides, dtype=o.dtype, device=T.devices.get(dev) or torch_device(dev))
+            for o in specs]
+
+
+_TEMPLATES: dict = {}  # (shape, torch dtype, device) -> torch_empty's template, or False: none
+_TEMPLATES_MAX = 4096
+
+
+def torch_empty(T, shape, dtype, dev):
+    """A new C-order torch tensor of ``shape`` and torch ``dtype`` on GPU
+    ``dev``: ``empty_like`` of a template (one element expanded to the
+    shape, kept per shape, dtype and device), which costs about half of
+    ``torch.empty(shape, dtype=, device=)``: no keywords to parse."""
+    k = (shape, dtype, dev)
+    t = _TEMPLATES.get(k)
+    if t is None:
+        if len(_TEMPLATES) >= _TEMPLATES_MAX:
+            _TEMPLATES.clear()
+        t = _TEMPLATES[k] = _template(T, shape, dtype, T.devices.get(dev) or torch_device(dev))
+    if t is False:
+        return T.empty(shape, dtype=dtype, device=T.devices.get(dev) or torch_device(dev))
+    return T.empty_like(t)
+
+
+def _template(T, shape, dtype, tdev):
+    """The template of ``torch_empty``: one element of ``dtype`` on ``tdev``
+    viewed as ``shape`` with stride 0 on every dim longer than 1 (so it
+    overlaps itself and ``empty_like`` lays its result out in C order) and
+    torch.empty's stride on the others; False where, checked once against
+    ``torch.empty``, its ``empty_like`` would differ in shape, strides, dtype
+    or device (zero-size shapes, whose empty_like keeps the strides)."""
+    try:
+        ref = T.empty(shape, dtype=dtype, device=tdev)
+        t = T.empty((1,), dtype=dtype, device=tdev).as_strided(
+            shape, tuple(0 if n > 1 else s for n, s in zip(ref.shape, ref.stride())))
+        y = T.empty_like(t)
+    except Exception:  # (a shape torch rejects: torch.empty says so at the call)
+        return False
+    same = (y.shape == ref.shape and y.stride() == ref.stride() and y.dtype == ref.dtype
+            and y.device == ref.device and y.is_contiguous())
+    return t if same else False
 
 
 def execute(rec, outs, in_ptrs, values=(), like=None):
@@ -898,8 +937,7 @@ def _execute(rec, outs, in_ptrs, values, like):
         sptr = T.raw_stream(dev)  # torch's current stream
         temps = tptrs = ()
         if rec.temps:
-            tdev = T.devices.get(dev) or torch_device(dev)
-            temps = T.empty((rec.temp_bytes,), dtype=T.np_dtypes[_U8], device=tdev)
+            temps = torch_empty(T, (rec.temp_bytes,), T.np_dtypes[_U8], dev)
             t0 = temps.data_ptr()
             tptrs = [t0 + o for o in rec.temp_offsets]
     else:
@@ -1026,15 +1064,30 @@ def _flat(rec):
     if kind == A.TORCH_CUDA:
         T = torch_api()
         raw, empty_like, like_ok = T.raw_stream, T.empty_like, rec.like
+        # each output as empty_like of its template (torch_empty), or None: torch.empty / empty_strided
+        tdev = T.devices.get(dev) or torch_device(dev)
+        tmpls = [None if o.strides is not None else _template(T, o.shape, o.dtype, tdev) for o in specs]
+        tmpls = [None if t is False else t for t in tmpls]
+        rest = tmpls[1:] if all(t is not None for t in tmpls[1:]) else None
 
         def run(outs, in_ptrs, values, like):
             if current() != dev:
                 return None
             if outs is None:
                 if like_ok and like is not None:
-                    outs = [empty_like(like)] if one else [empty_like(like), *_torch_outs(T, specs[1:], dev)]
+                    first = empty_like(like)
+                elif tmpls[0] is not None:
+                    first = empty_like(tmpls[0])
                 else:
+                    first = None
+                if first is None:
                     outs = _torch_outs(T, specs, dev)
+                elif one:
+                    outs = [first]
+                elif rest is not None:
+                    outs = [first, *[empty_like(t) for t in rest]]
+                else:
+                    outs = [first, *_torch_outs(T, specs[1:], dev)]
             if one:
                 queue((outs[0].data_ptr(), *in_ptrs, *values), raw(dev))
             else:

@@ -1013,3 +1013,24 @@ def test_evicted_upload_outlives_queued_kernel():
     want = cufuse.quantize_int8(x, scale0, axis=-1)
     np.testing.assert_array_equal(cp.asnumpy(got), cp.asnumpy(want))
     assert int(cp.count_nonzero(want)) > want.size // 2
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int8", "uint8"])
+def test_torch_outputs_from_templates_are_new_c_order_tensors(dtype):
+    """torch_empty's template (one element viewed as the shape): empty_like of it is a new
+    tensor with torch.empty's shape, strides, dtype and device, never the
+    template's memory; zero-size shapes (whose empty_like keeps the zero
+    strides) may have none and then take torch.empty."""
+    torch = pytest.importorskip("torch")
+    T, cpu, dt = D.torch_api(), torch.device("cpu"), getattr(torch, dtype)
+    for shape in [(), (1,), (5,), (1, 5), (7, 1), (4, 1, 768), (1, 1, 3), (2, 3, 4, 5), (1, 1), (0,), (3, 0, 2)]:
+        t = D._template(T, shape, dt, cpu)
+        ref = torch.empty(shape, dtype=dt)
+        if t is False:
+            assert ref.numel() == 0, shape
+            continue
+        a, b = T.empty_like(t), T.empty_like(t)
+        assert (a.shape, a.stride(), a.dtype, a.device) == (ref.shape, ref.stride(), dt, cpu), shape
+        if ref.numel():
+            assert len({a.data_ptr(), b.data_ptr(), t.data_ptr()}) == 3, shape
+    assert D._template(T, (-1,), dt, cpu) is False
