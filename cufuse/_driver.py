@@ -873,10 +873,12 @@ def torch_empty(T, shape, dtype, dev):
     k = (shape, dtype, dev)
     t = _TEMPLATES.get(k)
     if t is None:
-        if len(_TEMPLATES) >= _TEMPLATES_MAX:
-            _TEMPLATES.clear()
-        t = _TEMPLATES[k] = _template(T, shape, dtype, T.devices.get(dev) or torch_device(dev))
-    if t is False:
+        t = _template(T, shape, dtype, T.devices.get(dev) or torch_device(dev))
+        if t is not None:
+            if len(_TEMPLATES) >= _TEMPLATES_MAX:
+                _TEMPLATES.clear()
+            _TEMPLATES[k] = t
+    if t is None or t is False:
         return T.empty(shape, dtype=dtype, device=T.devices.get(dev) or torch_device(dev))
     return T.empty_like(t)
 
@@ -887,7 +889,12 @@ def _template(T, shape, dtype, tdev):
     overlaps itself and ``empty_like`` lays its result out in C order) and
     torch.empty's stride on the others; False where, checked once against
     ``torch.empty``, its ``empty_like`` would differ in shape, strides, dtype
-    or device (zero-size shapes, whose empty_like keeps the strides)."""
+    or device (zero-size shapes, whose empty_like keeps the strides). None
+    while torch's current stream is capturing a CUDA graph: a template made
+    then would come from the graph's memory pool and outlive the capture
+    (torch.compile's CUDA graph trees check that pool for such tensors)."""
+    if tdev.type == "cuda" and A.torch().cuda.is_current_stream_capturing():
+        return None
     try:
         ref = T.empty(shape, dtype=dtype, device=tdev)
         t = T.empty((1,), dtype=dtype, device=tdev).as_strided(
@@ -1036,8 +1043,9 @@ def _flat(rec):
     does not change between calls bound once: for a recipe of one packed
     launch and no temporaries or stream buffers (most ops' forward), the
     per-call work is the outputs' allocation, the stream and the launch.
-    None while the launch is not packed yet (its first run packs it),
-    False for recipes that need ``_execute``'s general steps. The launcher
+    None while the launch is not packed yet (its first run packs it) or a
+    CUDA graph is being captured (``_template``), False for recipes that
+    need ``_execute``'s general steps. The launcher
     returns None off the recipe's device (the caller runs ``_execute``); it
     holds no reference to the recipe, which holds it (no cycle to collect)."""
     steps = rec.steps
@@ -1064,9 +1072,11 @@ def _flat(rec):
     if kind == A.TORCH_CUDA:
         T = torch_api()
         raw, empty_like, like_ok = T.raw_stream, T.empty_like, rec.like
-        # each output as empty_like of its template (torch_empty), or None: torch.empty / empty_strided
+        # each output as empty_like of its template (torch_empty), or None there: _torch_outs
         tdev = T.devices.get(dev) or torch_device(dev)
-        tmpls = [None if o.strides is not None else _template(T, o.shape, o.dtype, tdev) for o in specs]
+        tmpls = [False if o.strides is not None else _template(T, o.shape, o.dtype, tdev) for o in specs]
+        if any(t is None for t in tmpls):
+            return None  # a CUDA graph being captured: made at a later call
         tmpls = [None if t is False else t for t in tmpls]
         rest = tmpls[1:] if all(t is not None for t in tmpls[1:]) else None
 

@@ -1034,3 +1034,15 @@ def test_torch_outputs_from_templates_are_new_c_order_tensors(dtype):
         if ref.numel():
             assert len({a.data_ptr(), b.data_ptr(), t.data_ptr()}) == 3, shape
     assert D._template(T, (-1,), dt, cpu) is False
+
+
+def test_no_template_is_made_during_a_graph_capture(monkeypatch):
+    """While torch's current stream captures a CUDA graph, _template makes
+    nothing (None: asked again later), so no tensor of the graph's memory
+    pool outlives the capture in the cache."""
+    torch = pytest.importorskip("torch")
+
+    class CudaDevice:  # what _template reads of a device: its type
+        type = "cuda"
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert D._template(D.torch_api(), (3, 4), torch.float32, CudaDevice()) is None
