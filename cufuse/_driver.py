@@ -863,13 +863,14 @@ def _torch_outs(T, specs, dev):
 
 _TEMPLATES: dict = {}  # (shape, torch dtype, device) -> torch_empty's template, or False: none
 _TEMPLATES_MAX = 4096
+_BASES: dict = {}  # torch device -> the 16 bytes every template of that device views
 
 
 def torch_empty(T, shape, dtype, dev):
     """A new C-order torch tensor of ``shape`` and torch ``dtype`` on GPU
-    ``dev``: ``empty_like`` of a template (one element expanded to the
-    shape, kept per shape, dtype and device), which costs about half of
-    ``torch.empty(shape, dtype=, device=)``: no keywords to parse."""
+    ``dev``: ``empty_like`` of a template (``_template``, kept per shape,
+    dtype and device), which costs about half of ``torch.empty(shape,
+    dtype=, device=)``: no keywords to parse."""
     k = (shape, dtype, dev)
     t = _TEMPLATES.get(k)
     if t is None:
@@ -884,27 +885,54 @@ def torch_empty(T, shape, dtype, dev):
 
 
 def _template(T, shape, dtype, tdev):
-    """The template of ``torch_empty``: one element of ``dtype`` on ``tdev``
-    viewed as ``shape`` with stride 0 on every dim longer than 1 (so it
-    overlaps itself and ``empty_like`` lays its result out in C order) and
-    torch.empty's stride on the others; False where, checked once against
-    ``torch.empty``, its ``empty_like`` would differ in shape, strides, dtype
-    or device (zero-size shapes, whose empty_like keeps the strides). None
-    while torch's current stream is capturing a CUDA graph: a template made
-    then would come from the graph's memory pool and outlive the capture
-    (torch.compile's CUDA graph trees check that pool for such tensors)."""
-    if tdev.type == "cuda" and A.torch().cuda.is_current_stream_capturing():
+    """The template of ``torch_empty``: the first element of ``tdev``'s base
+    viewed as ``dtype`` and ``shape``, with stride 0 on every dim longer than
+    1 (so it overlaps itself and ``empty_like`` lays its result out in C
+    order) and torch.empty's stride on the others. Its layout is checked
+    once on the meta device against ``torch.empty``'s (False where they
+    would differ). It holds no memory of torch's allocator (``_base``), whose
+    pools torch.compile's CUDA graphs check for tensors they do not know.
+    None where no base can be made now or a tensor mode is active (not
+    kept: asked again at a later call)."""
+    base = _base(T, tdev)
+    if base is None:
         return None
     try:
-        ref = T.empty(shape, dtype=dtype, device=tdev)
-        t = T.empty((1,), dtype=dtype, device=tdev).as_strided(
-            shape, tuple(0 if n > 1 else s for n, s in zip(ref.shape, ref.stride())))
-        y = T.empty_like(t)
-    except Exception:  # (a shape torch rejects: torch.empty says so at the call)
+        ref = T.empty(shape, dtype=dtype, device="meta")
+        if ref.numel() == 0:  # (empty_like of an empty view keeps its strides on some devices, not on meta)
+            return False
+        strides = tuple(0 if n > 1 else s for n, s in zip(ref.shape, ref.stride()))
+        y = T.empty_like(T.empty((1,), dtype=dtype, device="meta").as_strided(shape, strides))
+        if not (y.shape == ref.shape and y.stride() == ref.stride() and y.dtype == dtype and y.is_contiguous()):
+            return False
+        t = base.view(dtype)[:1].as_strided(shape, strides)
+    except Exception:  # (a shape torch rejects, or a dtype wider than the base: torch.empty at the call)
         return False
-    same = (y.shape == ref.shape and y.stride() == ref.stride() and y.dtype == ref.dtype
-            and y.device == ref.device and y.is_contiguous())
-    return t if same else False
+    return t if type(t) is T.Tensor else None
+
+
+def _base(T, tdev):
+    """16 bytes on ``tdev`` as a torch uint8 tensor, made once: on a GPU,
+    CuPy's memory (outside torch's allocator and its CUDA graph pools), made
+    when torch's stream there is not capturing a graph; None until then."""
+    b = _BASES.get(tdev)
+    if b is None:
+        if tdev.type != "cuda":
+            b = T.empty((16,), dtype=T.np_dtypes[_U8], device=tdev)
+        else:
+            if _torch_capturing(tdev):
+                return None
+            with _cp.cuda.Device(tdev.index):
+                b = A.torch().from_dlpack(_cp.empty(16, np.uint8))
+        b = _BASES[tdev] = b
+    return b
+
+
+def _torch_capturing(tdev):
+    """Whether torch's current stream on the GPU ``tdev`` is capturing a CUDA graph."""
+    torch = A.torch()
+    with torch.cuda.device(tdev):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def execute(rec, outs, in_ptrs, values=(), like=None):

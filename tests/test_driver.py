@@ -1017,13 +1017,14 @@ def test_evicted_upload_outlives_queued_kernel():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64", "int8", "uint8"])
 def test_torch_outputs_from_templates_are_new_c_order_tensors(dtype):
-    """torch_empty's template (one element viewed as the shape): empty_like of it is a new
-    tensor with torch.empty's shape, strides, dtype and device, never the
-    template's memory; zero-size shapes (whose empty_like keeps the zero
-    strides) may have none and then take torch.empty."""
+    """torch_empty's template (one element of the device's base viewed as the
+    shape): empty_like of it is a new tensor with torch.empty's shape,
+    strides, dtype and device, never the template's memory; a shape whose
+    layout could differ (zero-size ones) has none and takes torch.empty."""
     torch = pytest.importorskip("torch")
     T, cpu, dt = D.torch_api(), torch.device("cpu"), getattr(torch, dtype)
-    for shape in [(), (1,), (5,), (1, 5), (7, 1), (4, 1, 768), (1, 1, 3), (2, 3, 4, 5), (1, 1), (0,), (3, 0, 2)]:
+    for shape in [(), (1,), (5,), (1, 5), (7, 1), (4, 1, 768), (1, 1, 3), (2, 3, 4, 5), (1, 1), (0,), (3, 0, 2),
+                  (2, 1, 1, 5), (8, 4, 1, 1)]:
         t = D._template(T, shape, dt, cpu)
         ref = torch.empty(shape, dtype=dt)
         if t is False:
@@ -1037,12 +1038,14 @@ def test_torch_outputs_from_templates_are_new_c_order_tensors(dtype):
 
 
 def test_no_template_is_made_during_a_graph_capture(monkeypatch):
-    """While torch's current stream captures a CUDA graph, _template makes
-    nothing (None: asked again later), so no tensor of the graph's memory
-    pool outlives the capture in the cache."""
+    """A GPU's templates view a base of CuPy memory (outside torch's pools),
+    made when torch's stream there is not capturing a CUDA graph: while it
+    is, _template makes nothing (None: asked again later) and keeps nothing."""
     torch = pytest.importorskip("torch")
 
-    class CudaDevice:  # what _template reads of a device: its type
+    class CudaDevice:  # what _base reads of a device: its type
         type = "cuda"
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    assert D._template(D.torch_api(), (3, 4), torch.float32, CudaDevice()) is None
+    dev = CudaDevice()
+    monkeypatch.setattr(D, "_torch_capturing", lambda tdev: True)
+    assert D._template(D.torch_api(), (3, 4), torch.float32, dev) is None
+    assert dev not in D._BASES
