@@ -1049,3 +1049,27 @@ def test_no_template_is_made_during_a_graph_capture(monkeypatch):
     monkeypatch.setattr(D, "_torch_capturing", lambda tdev: True)
     assert D._template(D.torch_api(), (3, 4), torch.float32, dev) is None
     assert dev not in D._BASES
+
+
+@pytest.mark.cuda
+def test_reduce_overhead_compile_matches_eager_on_new_data():
+    """torch.compile(mode="reduce-overhead") over cufuse ops: CUDA graph trees
+    warm up and capture with their own memory pool and check it for tensors
+    they do not know of (a cached template or buffer made from it would trip
+    that). Results made like the input (layer_norm, add_relu, softmax) and
+    not (sum_squared's rows); each call on new data gives eager's results."""
+    torch = pytest.importorskip("torch")
+
+    def f(x, w, b):
+        y = cufuse.layer_norm(x, 64, w, b)
+        return cufuse.add_relu(y, x), cufuse.sum_squared(y), cufuse.softmax(y)
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w = torch.randn(64, device="cuda", generator=gen)
+    b = torch.randn(64, device="cuda", generator=gen)
+    compiled = torch.compile(f, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):  # warm-up, recording, then replays
+        x = torch.randn(24, 64, device="cuda", generator=gen)
+        got = [t.clone() for t in compiled(x, w, b)]  # (a replay's outputs are overwritten by the next)
+        for g, e in zip(got, f(x, w, b)):
+            torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
