@@ -1071,9 +1071,8 @@ def _flat(rec):
     does not change between calls bound once: for a recipe of one packed
     launch and no temporaries or stream buffers (most ops' forward), the
     per-call work is the outputs' allocation, the stream and the launch.
-    None while the launch is not packed yet (its first run packs it) or a
-    CUDA graph is being captured (``_template``), False for recipes that
-    need ``_execute``'s general steps. The launcher
+    None while the launch is not packed yet (its first run packs it),
+    False for recipes that need ``_execute``'s general steps. The launcher
     returns None off the recipe's device (the caller runs ``_execute``); it
     holds no reference to the recipe, which holds it (no cycle to collect)."""
     steps = rec.steps
@@ -1100,32 +1099,15 @@ def _flat(rec):
     if kind == A.TORCH_CUDA:
         T = torch_api()
         raw, empty_like, like_ok = T.raw_stream, T.empty_like, rec.like
-        # each output as empty_like of its template (torch_empty), or None there: _torch_outs
-        tdev = T.devices.get(dev) or torch_device(dev)
-        tmpls = [False if o.strides is not None else _template(T, o.shape, o.dtype, tdev) for o in specs]
-        if any(t is None for t in tmpls):
-            return None  # a CUDA graph being captured: made at a later call
-        tmpls = [None if t is False else t for t in tmpls]
-        rest = tmpls[1:] if all(t is not None for t in tmpls[1:]) else None
 
         def run(outs, in_ptrs, values, like):
             if current() != dev:
                 return None
             if outs is None:
                 if like_ok and like is not None:
-                    first = empty_like(like)
-                elif tmpls[0] is not None:
-                    first = empty_like(tmpls[0])
+                    outs = [empty_like(like)] if one else [empty_like(like), *_torch_outs(T, specs[1:], dev)]
                 else:
-                    first = None
-                if first is None:
                     outs = _torch_outs(T, specs, dev)
-                elif one:
-                    outs = [first]
-                elif rest is not None:
-                    outs = [first, *[empty_like(t) for t in rest]]
-                else:
-                    outs = [first, *_torch_outs(T, specs[1:], dev)]
             if one:
                 queue((outs[0].data_ptr(), *in_ptrs, *values), raw(dev))
             else:
