@@ -376,6 +376,32 @@ def test_views_and_offsets(backend):
         assert_pipeline_close(got, ref, F32, 255.0)
 
 
+@pytest.mark.parametrize("interp", ["bilinear", "nearest"])
+def test_odd_offsets_and_downscales(backend, interp):
+    """Interleaved uint8 sources at an odd byte offset with rows of 609 bytes (neither the image's
+    first byte nor its rows 16-byte aligned), every downscale from 1x to 6x, output widths that
+    leave a warp's last lanes idle, a flipped crop, letterbox padding beside sampled columns, and a
+    mirrored view (a negative column stride) where the kind has them."""
+    rng = np.random.default_rng(36)
+    big = make_image(rng, (40, 210, 3), U8)
+    x = backend.asarray(big)
+    view, ref_img = x[2:39, 1:204], big[2:39, 1:204].astype(np.float64)
+    for ow in (203, 101, 81, 67, 34):
+        got = backend.to_numpy(I.process(view, None, size=(9, ow), interpolation=interp))
+        assert_pipeline_close(got, ref_pipeline([ref_img], [(0, 0, 203, 37)], [0], (9, ow), interp=interp), F32, 255.0)
+    rects = [(0, 0, 203, 37), (5, 3, 150, 30)]
+    got = backend.to_numpy(I.process(view, rects, size=(7, 90), interpolation=interp, hflip=[True, False]))
+    ref = ref_pipeline([ref_img], rects, [0, 0], (7, 90), interp=interp, hflip=[True, False])
+    assert_pipeline_close(got, ref, F32, 255.0)
+    got = backend.to_numpy(I.process(view, [(0, 0, 203, 18)], size=(20, 75), interpolation=interp, letterbox=True))
+    ref = ref_pipeline([ref_img], [(0, 0, 203, 18)], [0], (20, 75), interp=interp, letterbox=True)
+    assert_pipeline_close(got, ref, F32, 255.0)
+    if backend.negative_strides:
+        got = backend.to_numpy(I.process(view[:, ::-1], None, size=(9, 81), interpolation=interp))
+        ref = ref_pipeline([ref_img[:, ::-1]], [(0, 0, 203, 37)], [0], (9, 81), interp=interp)
+        assert_pipeline_close(got, ref, F32, 255.0)
+
+
 def test_planar_split(backend):
     """out= one [N, H, W] array per output channel (separate arrays, or views of one), poisoned first."""
     rng = np.random.default_rng(24)
