@@ -164,32 +164,58 @@ def _dropout_class(torch):
 _TENSOR = object()  # where an argument was a tensor (saved for backward)
 
 
-def fused_apply(fused, args):
+def fused_apply(fused, args, into_inputs=False):
     """A ``cufuse.fuse`` call recorded for autograd: the forward is the fused
     function itself on detached tensors; the backward ONE generated kernel
     per signature that recomputes the forward and writes the gradient of
-    every argument that needs one (Fused._backward). Saved: the arguments."""
-    return apply("fuse", _fused_class, fused, *args)
+    every argument that needs one (Fused._backward). Saved: the arguments.
+    ``into_inputs``: the backward writes each gradient into its argument's
+    own memory where that is a CUDA intermediate of the graph (not a leaf nor
+    a view of one) of the gradient's shape and dtype, as cross_entropy's
+    in-place backward: the arguments then hold their gradients (for callers
+    that made them and hand them to nothing else: cufuse.nn.SwiGLU)."""
+    return apply("fuse", _fused_class, fused, into_inputs, *args)
+
+
+def _keep_graph(torch) -> bool:
+    """The running backward keeps the graph (retain_graph, create_graph); True where torch cannot say."""
+    return getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", lambda: True)()
+
+
+def _intermediate(t) -> bool:
+    """A CUDA tensor that autograd made: neither a leaf nor a view of one (its memory is no user's data)."""
+    root = t._base if t._is_view() else t
+    return t.is_cuda and not root.is_leaf
 
 
 def _fused_class(torch):
     class FusedFn(torch.autograd.Function):
         @staticmethod
-        def forward(ctx, fused, *args):
+        def forward(ctx, fused, into_inputs, *args):
             tensors = [a for a in args if A.is_torch_tensor(a)]
             ctx.fused = fused
             ctx.args = [_TENSOR if A.is_torch_tensor(a) else a for a in args]
+            ctx.into = into_inputs and all(_intermediate(t) for t in tensors if t.requires_grad)
             ctx.save_for_backward(*tensors)
             return fused(*[a.detach() if A.is_torch_tensor(a) else a for a in args])
 
         @staticmethod
         @once_differentiable
         def backward(ctx, *gouts):
-            it = iter(ctx.saved_tensors)
+            saved = ctx.saved_tensors
+            it = iter(saved)
             args = [next(it).detach() if a is _TENSOR else a for a in ctx.args]
-            need = [i for i, r in enumerate(ctx.needs_input_grad[1:]) if r and ctx.args[i] is _TENSOR]
-            grads = ctx.fused._backward(args, gouts, need)
-            return (None, *[grads.get(i) for i in range(len(args))])
+            need = [i for i, r in enumerate(ctx.needs_input_grad[2:]) if r and ctx.args[i] is _TENSOR]
+            # not where the graph is kept for another backward (retain_graph): that one reads the arguments
+            into = ctx.into and not _keep_graph(torch)
+            grads = ctx.fused._backward(args, gouts, need, into)
+            if into:  # arguments that now hold their gradients: a backward that saved them raises
+                it = iter(saved)
+                for i, a in enumerate(ctx.args):
+                    t = next(it) if a is _TENSOR else None
+                    if t is not None and grads.get(i) is args[i]:
+                        torch.autograd.graph.increment_version(t)
+            return (None, None, *[grads.get(i) for i in range(len(args))])
 
     return FusedFn
 

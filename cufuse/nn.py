@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import _autograd as AG
+from . import _torch_ops as TO
 from . import ops as _ops
 from ._fuse import functions as _F
 from ._fuse.api import fuse as _fuse
@@ -130,33 +132,45 @@ class SwiGLU(nn.Module):
     """The gated MLP of Llama-family models: down_proj(act(gate_proj(x)) *
     up_proj(x)), with parameter names of Hugging Face's ``LlamaMLP``;
     ``activation`` "silu" (SwiGLU), "gelu" or "gelu_tanh" (GeGLU, as
-    Gemma's), the gate one fused kernel forward and one backward."""
+    Gemma's), the gate one fused kernel forward and one backward.
+
+    ``inplace_backward`` (default True): on CUDA the gate's backward writes
+    the gradients of gate_proj's and up_proj's outputs into those outputs'
+    own memory (two intermediate-sized buffers fewer at the backward's peak),
+    as Liger-Kernel's SwiGLU does. Those outputs are made and used here
+    only; a forward hook that keeps them sees them hold their gradients
+    after the backward (and a backward through something else that saved
+    them raises torch's in-place error)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None,
-                 activation: str = "silu"):
+                 activation: str = "silu", inplace_backward: bool = True):
         super().__init__()
         if activation not in _GATES:
             raise ValueError(f"cufuse.nn.{type(self).__name__}: activation must be one of {tuple(_GATES)}, "
                              f"got {activation!r}")
         kw = {"bias": bias, "device": device, "dtype": dtype}
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
+        self.inplace_backward = bool(inplace_backward)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, **kw)
 
     def forward(self, x):
-        return self.down_proj(_GATES[self.activation](self.gate_proj(x), self.up_proj(x)))
+        fn, gate, up = _GATES[self.activation], self.gate_proj(x), self.up_proj(x)
+        if self.inplace_backward and not TO.compiling() and AG.wants_grad((gate, up)):
+            return self.down_proj(fn._recorded((gate, up), into_inputs=True))
+        return self.down_proj(fn(gate, up))
 
     def extra_repr(self):
-        return f"activation={self.activation!r}"
+        return f"activation={self.activation!r}" + ("" if self.inplace_backward else ", inplace_backward=False")
 
 
 class GeGLU(SwiGLU):
     """``SwiGLU`` with a GELU gate (``activation`` "gelu" or "gelu_tanh")."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None,
-                 activation: str = "gelu"):
-        super().__init__(hidden_size, intermediate_size, bias, device, dtype, activation)
+                 activation: str = "gelu", inplace_backward: bool = True):
+        super().__init__(hidden_size, intermediate_size, bias, device, dtype, activation, inplace_backward)
 
 
 class CrossEntropyLoss(nn.Module):

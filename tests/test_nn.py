@@ -192,3 +192,71 @@ def test_gated_from_one_projection(device, activation):
         cnn.gated(x0[..., :5])
     with pytest.raises(ValueError, match="activation"):
         cnn.gated(x0, "relu")
+
+
+@pytest.mark.cuda
+def test_swiglu_backward_into_the_projections_outputs():
+    """SwiGLU(inplace_backward=True) (the default) writes the gradients of
+    gate_proj's and up_proj's outputs into those outputs (as gate_proj's
+    backward hook sees: the same address), with gradients bit-for-bit those
+    of inplace_backward=False, a lower peak, and not where the graph is
+    kept (retain_graph: a second backward gives the same gradients again)."""
+    dt, dev = torch.float16, "cuda"
+    g = torch.Generator().manual_seed(41)
+    ours = cnn.SwiGLU(256, 4096, device=dev, dtype=dt)
+    plain = cnn.SwiGLU(256, 4096, device=dev, dtype=dt, inplace_backward=False)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.copy_(torch.randn(p.shape, generator=g).to(dt) * 0.05)
+    plain.load_state_dict(ours.state_dict())
+    assert "inplace_backward=False" in repr(plain) and "inplace_backward" not in repr(ours)
+    x0 = torch.randn(2048, 256, generator=g).to(dev, dt)
+    dy = torch.randn(2048, 256, generator=g).to(dev, dt)
+
+    def step(m, retain=False):
+        seen = {}
+        hooks = [m.gate_proj.register_forward_hook(lambda mod, i, o: seen.__setitem__("out", o.data_ptr())),
+                 m.gate_proj.register_full_backward_hook(lambda mod, gi, go: seen.setdefault("grad", []).append(
+                     go[0].data_ptr()))]
+        for p in m.parameters():
+            p.grad = None
+        x = x0.clone().requires_grad_(True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        y = m(x)
+        y.backward(dy, retain_graph=retain)
+        if retain:
+            y.backward(dy)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        for h in hooks:
+            h.remove()
+        return x.grad, [p.grad.clone() for p in m.parameters()], [q == seen["out"] for q in seen["grad"]], peak
+
+    gx, gp, into, peak = step(ours)
+    hx, hp, into_plain, peak_plain = step(plain)
+    assert into == [True] and into_plain == [False]
+    assert torch.equal(gx, hx) and all(torch.equal(a, b) for a, b in zip(gp, hp))
+    inter = 2048 * 4096 * 2  # bytes of gate_proj's output
+    assert peak_plain - peak >= inter // 2, (peak, peak_plain)
+    kx, kp, into_kept, _ = step(ours, retain=True)
+    assert into_kept == [False, True]  # the kept graph's backward, then the last one
+    torch.testing.assert_close(kx, 2 * gx, rtol=1e-3, atol=1e-3)
+    for a, b in zip(kp, gp):
+        torch.testing.assert_close(a, 2 * b, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.cuda
+def test_functional_swiglu_leaves_its_arguments_alone():
+    """cufuse.nn.swiglu called on a caller's tensors (intermediates too) never
+    writes gradients into them: only the module, which made them, does."""
+    g = torch.Generator().manual_seed(42)
+    a = torch.randn(64, 96, generator=g).cuda().requires_grad_(True)
+    b = torch.randn(64, 96, generator=g).cuda().requires_grad_(True)
+    gate, up = a * 1.5, b * 0.5
+    before = gate.detach().clone(), up.detach().clone()
+    cnn.swiglu(gate, up).sum().backward()
+    assert torch.equal(gate.detach(), before[0]) and torch.equal(up.detach(), before[1])
+    ref = torch.nn.functional.silu(before[0]) * before[1]
+    torch.testing.assert_close(cnn.swiglu(before[0], before[1]), ref, rtol=1e-5, atol=1e-5)

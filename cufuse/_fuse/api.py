@@ -134,6 +134,7 @@ class _BackwardPlan(NamedTuple):
     wrt: tuple         # the argument positions it writes gradients of
     n: float           # the last dim of the broadcast shape (the backward's row length argument)
     unsqueeze: tuple   # per output: its incoming gradient gets a trailing 1 (a reduction without keepdims)
+    into: bool         # each gradient may be written into its argument (CUDA tensors of its shape and dtype)
 
 
 class Fused:
@@ -316,8 +317,7 @@ class Fused:
             return self._dask(args, out)
         if AG.wants_grad(args):  # recorded for backward: cufuse/_autograd.py fused_apply
             AG.no_out(self._name, out)
-            self._differentiable([a.detach() if A.is_torch_tensor(a) else a for a in args])
-            return AG.fused_apply(self, args)
+            return self._recorded(args)
         kind, spec, arrays, device = self._classify(args)
         sig = self._signature(spec, len(args), kind)
         shape, out_shapes = self._shapes(arrays, sig)
@@ -339,24 +339,34 @@ class Fused:
         return list(zip(shapes, sig.out_dtypes)), sig.graph.tuple_out
 
     # ------------------------------------------------------------ autograd
+    def _recorded(self, args, into_inputs=False):
+        """The call recorded for autograd (cufuse/_autograd.py fused_apply);
+        ``into_inputs``: its backward writes each gradient into its argument's
+        memory where it can."""
+        self._differentiable([a.detach() if A.is_torch_tensor(a) else a for a in args])
+        return AG.fused_apply(self, args, into_inputs)
+
     def _differentiable(self, args):
         """NotImplementedError where the function of these argument types has
         no gradient (max / min reductions), before anything runs."""
         kind, spec, _, _ = self._classify(args)
         grad.differentiable_inputs(self._signature(spec, len(args), kind).graph)
 
-    def _backward(self, args, gouts, need):
+    def _backward(self, args, gouts, need, into_inputs=False):
         """{argument position: gradient} for the positions in ``need`` that
         the outputs depend on, from the incoming gradients ``gouts`` (one per
         output): ONE generated kernel per signature (cufuse/_fuse/grad.py)
         that recomputes the forward, then each gradient summed down to its
         argument's shape (torch's sum_to_size) where it was broadcast. What
-        the arguments' classification decides is kept per call signature."""
+        the arguments' classification decides is kept per call signature.
+        ``into_inputs``: the gradients go into the arguments themselves where
+        each has its gradient's shape and dtype (``_BackwardPlan.into``; the
+        kernel reads an element's arguments before it writes its gradients)."""
         s = D.signature((*args, *gouts))
         key = None if s is None else (s[0], tuple(need))
         plan = self._bwd_plans.get(key) if key is not None else None
         if plan is None:
-            plan = self._backward_plan(args, need)
+            plan = self._backward_plan(args, need, gouts)
             if key is not None:
                 if len(self._bwd_plans) >= D.FastPath.MAX:
                     self._bwd_plans.clear()
@@ -364,25 +374,34 @@ class Fused:
         if plan.fn is None:
             return {}
         gl = [go.unsqueeze(-1) if u else go for u, go in zip(plan.unsqueeze, gouts)]
-        res = plan.fn(*gl, plan.n, *args)
+        into = into_inputs and plan.into and all(not D.overlaps(args[p], a, A.TORCH_CUDA) for p in plan.wrt
+                                                 for a in args if a is not args[p] and A.is_torch_tensor(a))
+        res = plan.fn(*gl, plan.n, *args, out=tuple(args[p] for p in plan.wrt) if into else None)
         res = res if isinstance(res, tuple) else (res,)
         return {p: r if tuple(r.shape) == tuple(args[p].shape) else r.sum_to_size(args[p].shape)
                 for p, r in zip(plan.wrt, res)}
 
-    def _backward_plan(self, args, need):
+    def _backward_plan(self, args, need, gouts):
         """The ``_BackwardPlan`` of a backward call: the classification of ``args``."""
         kind, spec, arrays, _ = self._classify(args)
         sig = self._signature(spec, len(args), kind)
         g = sig.graph
         wrt = tuple(p for p in grad.differentiable_inputs(g) if p in need)
         if not wrt:
-            return _BackwardPlan(None, (), 1.0, ())
+            return _BackwardPlan(None, (), 1.0, (), False)
         bwd = sig.backwards.get(wrt)
         if bwd is None:
             bwd = sig.backwards[wrt] = Fused(grad.backward_function(g, wrt), name=f"{self.__name__}_backward")
         shape = tuple(np.broadcast_shapes(*[tuple(x.shape) for _, x in arrays]))
-        return _BackwardPlan(bwd, wrt, float(shape[-1]) if shape else 1.0,
-                             tuple(red is not None and not keep for (_, red, keep, _) in g.outputs))
+        unsqueeze = tuple(red is not None and not keep for (_, red, keep, _) in g.outputs)
+        # the gradients can go into the arguments: CUDA tensors, each of its gradient's shape and dtype
+        into = kind == A.TORCH_CUDA and len(set(wrt)) == len(wrt)
+        if into:
+            gl = [go.unsqueeze(-1) if u else go for u, go in zip(unsqueeze, gouts)]
+            meta, _ = bwd._result_meta((*gl, float(shape[-1]) if shape else 1.0, *args))
+            into = all(A.is_torch_tensor(args[p]) and (tuple(args[p].shape), A.torch_to_numpy_dtype(args[p].dtype))
+                       == (tuple(s), dt) for p, (s, dt) in zip(wrt, meta))
+        return _BackwardPlan(bwd, wrt, float(shape[-1]) if shape else 1.0, unsqueeze, into)
 
     # ------------------------------------------------------------ Dask
     def _dask(self, args, out):
