@@ -106,6 +106,7 @@ def run(base, ids, reps=10, rounds=3, only=None, decode=False, log=print):
     if only:
         chosen = {k: v for k, v in chosen.items() if k in only}
     built = {}
+    clean = dict(vars(module))
     for label, make in chosen.items():  # every variant built first, then timed in interleaved rounds
         if original is not None:
             module.apply_rotary_pos_emb = original
@@ -114,6 +115,15 @@ def run(base, ids, reps=10, rounds=3, only=None, decode=False, log=print):
         except Exception as e:  # a variant that fails says so and the others run
             log(f"{label:16} failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}")
             continue
+        finally:
+            # Liger's patch also swaps the modeling module's classes (LlamaRMSNorm, LlamaMLP): every model
+            # built after it in this process (the next dtype's) would be made of Liger's modules. Its
+            # instance keeps what it swapped; the rope function, looked up at each call, goes with each
+            # variant below.
+            rope = getattr(module, "apply_rotary_pos_emb", None)
+            vars(module).update(clean)
+            if rope is not None:
+                module.apply_rotary_pos_emb = rope
         built[label] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
                         "rope": getattr(module, "apply_rotary_pos_emb", None), "ms": [], "fwd": [], "dec": [],
                         "first": None, "peak": float("nan")}

@@ -195,7 +195,8 @@ def _fused_class(torch):
             tensors = [a for a in args if A.is_torch_tensor(a)]
             ctx.fused = fused
             ctx.args = [_TENSOR if A.is_torch_tensor(a) else a for a in args]
-            ctx.into = into_inputs and all(_intermediate(t) for t in tensors if t.requires_grad)
+            ctx.into = (into_inputs and not torch._C._are_functorch_transforms_active()  # (no storage there)
+                        and all(_intermediate(t) for t in tensors if t.requires_grad))
             ctx.save_for_backward(*tensors)
             return fused(*[a.detach() if A.is_torch_tensor(a) else a for a in args])
 
