@@ -211,10 +211,8 @@ def _fused_class(torch):
             into = ctx.into and not _keep_graph(torch)
             grads = ctx.fused._backward(args, gouts, need, into)
             if into:  # arguments that now hold their gradients: a backward that saved them raises
-                it = iter(saved)
-                for i, a in enumerate(ctx.args):
-                    t = next(it) if a is _TENSOR else None
-                    if t is not None and grads.get(i) is args[i]:
+                for t, i in zip(saved, [i for i, a in enumerate(ctx.args) if a is _TENSOR]):
+                    if grads.get(i) is args[i]:
                         torch.autograd.graph.increment_version(t)
             return (None, None, *[grads.get(i) for i in range(len(args))])
 

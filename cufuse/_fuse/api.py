@@ -395,7 +395,7 @@ class Fused:
         shape = tuple(np.broadcast_shapes(*[tuple(x.shape) for _, x in arrays]))
         unsqueeze = tuple(red is not None and not keep for (_, red, keep, _) in g.outputs)
         # the gradients can go into the arguments: CUDA tensors, each of its gradient's shape and dtype
-        into = kind == A.TORCH_CUDA and len(set(wrt)) == len(wrt)
+        into = kind == A.TORCH_CUDA
         if into:
             gl = [go.unsqueeze(-1) if u else go for u, go in zip(unsqueeze, gouts)]
             meta, _ = bwd._result_meta((*gl, float(shape[-1]) if shape else 1.0, *args))
