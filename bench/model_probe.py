@@ -105,6 +105,16 @@ def run(base, ids, reps=10, rounds=3, only=None, decode=False, log=print):
     chosen = variants(base)
     if only:
         chosen = {k: v for k, v in chosen.items() if k in only}
+    # a fresh start for torch.compile: what earlier calls compiled counts toward Dynamo's limit of
+    # recompilations per function, past which it runs the function eagerly without saying so in the results
+    # (a second dtype's compiled Llama ran as eager: the same peak, the same times)
+    torch._dynamo.reset()
+    # and room for every variant's graphs: two compiled models, training and no-grad forwards, a prompt and a
+    # decode step recompile the same functions more than the default 8 times
+    for limit in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, limit):
+            setattr(torch._dynamo.config, limit, max(64, getattr(torch._dynamo.config, limit)))
+            break
     built = {}
     clean = dict(vars(module))
     for label, make in chosen.items():  # every variant built first, then timed in interleaved rounds
