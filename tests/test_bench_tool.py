@@ -274,3 +274,42 @@ def test_profile_model_peak_memory_on_the_gpu():
     assert rows["0.1"]["peak_mib"] >= 64 and rows["0"]["peak_mib"] >= 64 and p.totals["peak_mib"] >= 64
     assert rows["0.0"]["peak_mib"] < 1 and rows["1"]["peak_mib"] < 1
     assert p.device.startswith("NVIDIA") and rows["0.1"]["forward_ms"] > 0
+
+
+def test_model_probe_variants_leave_transformers_as_they_found_it(monkeypatch):
+    """bench/model_probe.py's run: a variant whose patch swaps the modeling module's classes and rope
+    function (as Liger-Kernel's does) keeps its own rope for its steps, and models built after the run
+    are transformers' own (a second dtype's base model was once made of Liger's modules)."""
+    torch = pytest.importorskip("torch")
+    T = pytest.importorskip("transformers")
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "bench"))
+    try:
+        import model_probe as MP
+    finally:
+        sys.path.pop(0)
+    import transformers.models.llama.modeling_llama as L
+    norm, rope = L.LlamaRMSNorm, L.apply_rotary_pos_emb
+    monkeypatch.setattr(L, "LlamaRMSNorm", norm)  # put back after the test whatever run leaves
+    monkeypatch.setattr(L, "apply_rotary_pos_emb", rope)
+    seen = []
+
+    class Swapped(norm):
+        pass
+
+    def swapped_rope(*a, **k):
+        seen.append(1)
+        return rope(*a, **k)
+
+    def patching():
+        m = T.LlamaForCausalLM(MP.config(True))
+        L.LlamaRMSNorm, L.apply_rotary_pos_emb = Swapped, swapped_rope
+        return m
+
+    monkeypatch.setattr(MP, "variants", lambda base: {"eager": lambda: base, "patching": patching})
+    torch.manual_seed(0)
+    base = T.LlamaForCausalLM(MP.config(True))
+    ids = torch.randint(0, 512, (1, 8))
+    res = MP.run(base, ids, reps=1, rounds=1, log=print)
+    assert set(res) == {"eager", "patching"} and seen  # the patching variant ran with its own rope
+    assert L.LlamaRMSNorm is norm and L.apply_rotary_pos_emb is rope
+    assert type(T.LlamaForCausalLM(MP.config(True)).model.norm) is norm
