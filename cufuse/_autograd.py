@@ -171,9 +171,12 @@ def fused_apply(fused, args, into_inputs=False):
     every argument that needs one (Fused._backward). Saved: the arguments.
     ``into_inputs``: the backward writes each gradient into its argument's
     own memory where that is a CUDA intermediate of the graph (not a leaf nor
-    a view of one) of the gradient's shape and dtype, as cross_entropy's
-    in-place backward: the arguments then hold their gradients (for callers
-    that made them and hand them to nothing else: cufuse.nn.SwiGLU)."""
+    a view of one), contiguous, of the gradient's shape and dtype, as
+    cross_entropy's in-place backward: the arguments then hold their
+    gradients. Being no leaf does not make a tensor private (autocast's
+    cached casts, DataParallel's replicated parameters are intermediates
+    too): only for callers that made the arguments and hand them to nothing
+    else (cufuse.nn.SwiGLU)."""
     return apply("fuse", _fused_class, fused, into_inputs, *args)
 
 
@@ -195,8 +198,7 @@ def _fused_class(torch):
             tensors = [a for a in args if A.is_torch_tensor(a)]
             ctx.fused = fused
             ctx.args = [_TENSOR if A.is_torch_tensor(a) else a for a in args]
-            ctx.into = (into_inputs and not torch._C._are_functorch_transforms_active()  # (no storage there)
-                        and all(_intermediate(t) for t in tensors if t.requires_grad))
+            ctx.into = into_inputs and all(_intermediate(t) for t in tensors if t.requires_grad)
             ctx.save_for_backward(*tensors)
             return fused(*[a.detach() if A.is_torch_tensor(a) else a for a in args])
 

@@ -137,10 +137,16 @@ class SwiGLU(nn.Module):
     ``inplace_backward`` (default True): on CUDA the gate's backward writes
     the gradients of gate_proj's and up_proj's outputs into those outputs'
     own memory (two intermediate-sized buffers fewer at the backward's peak),
-    as Liger-Kernel's SwiGLU does. Those outputs are made and used here
-    only; a forward hook that keeps them sees them hold their gradients
-    after the backward (and a backward through something else that saved
-    them raises torch's in-place error)."""
+    as Liger-Kernel's SwiGLU does, except under ``retain_graph``. Those
+    outputs are made and used here only. A forward hook on gate_proj or
+    up_proj sees them: one that keeps them finds them holding their
+    gradients after the backward, and a backward through something it made
+    of them raises torch's in-place error. Where saved-tensor hooks are
+    active (non-reentrant checkpointing, ``saved_tensors_hooks``), which
+    turn that error's check off, a forward hook on either (or a global one)
+    keeps the gradients apart."""
+
+    inplace_backward = True  # (modules pickled before the option had none)
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, device=None, dtype=None,
                  activation: str = "silu", inplace_backward: bool = True):
@@ -157,9 +163,19 @@ class SwiGLU(nn.Module):
 
     def forward(self, x):
         fn, gate, up = _GATES[self.activation], self.gate_proj(x), self.up_proj(x)
-        if self.inplace_backward and not TO.compiling() and AG.wants_grad((gate, up)):
+        if self._into() and AG.wants_grad((gate, up)):
             return self.down_proj(fn._recorded((gate, up), into_inputs=True))
         return self.down_proj(fn(gate, up))
+
+    def _into(self) -> bool:
+        """The gate's backward may write into gate_proj's and up_proj's outputs: asked for, not
+        under torch.compile, and not where a forward hook could have kept them while saved-tensor
+        hooks turn off torch's check of saved tensors changed in place."""
+        if not self.inplace_backward or TO.compiling():
+            return False
+        seen = nn.modules.module._global_forward_hooks or self.gate_proj._forward_hooks or self.up_proj._forward_hooks
+        top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+        return not seen or (top is not None and top(True) is None)
 
     def extra_repr(self):
         return f"activation={self.activation!r}" + ("" if self.inplace_backward else ", inplace_backward=False")

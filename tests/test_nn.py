@@ -262,3 +262,27 @@ def test_functional_swiglu_leaves_its_arguments_alone():
     assert torch.equal(gate.detach(), before[0]) and torch.equal(up.detach(), before[1])
     ref = torch.nn.functional.silu(before[0]) * before[1]
     torch.testing.assert_close(cnn.swiglu(before[0], before[1]), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_swiglu_when_its_backward_may_write_in_place():
+    """SwiGLU._into: asked for, and not where a forward hook on a projection (or a global one) could
+    keep the outputs while saved-tensor hooks turn off torch's check of tensors changed in place; a
+    module pickled before the option had it on (the class's default)."""
+    m = cnn.SwiGLU(8, 16)
+    saved_hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    assert m._into()
+    with saved_hooks:
+        assert m._into()  # nothing else sees the outputs: non-reentrant checkpointing keeps it
+    for where in (m.gate_proj, m.up_proj, None):
+        h = (where.register_forward_hook(lambda *a: None) if where is not None
+             else torch.nn.modules.module.register_module_forward_hook(lambda *a: None))
+        try:
+            assert m._into()  # the version check stands: an in-place error, not a wrong gradient
+            with saved_hooks:
+                assert not m._into()
+        finally:
+            h.remove()
+    assert not cnn.SwiGLU(8, 16, inplace_backward=False)._into()
+    old = cnn.SwiGLU(8, 16)
+    del old.__dict__["inplace_backward"]
+    assert old._into() and "inplace_backward" not in repr(old)

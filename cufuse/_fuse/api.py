@@ -134,7 +134,7 @@ class _BackwardPlan(NamedTuple):
     wrt: tuple         # the argument positions it writes gradients of
     n: float           # the last dim of the broadcast shape (the backward's row length argument)
     unsqueeze: tuple   # per output: its incoming gradient gets a trailing 1 (a reduction without keepdims)
-    into: bool         # each gradient may be written into its argument (CUDA tensors of its shape and dtype)
+    into: bool         # each gradient may be written into its argument (contiguous CUDA tensors of its shape, dtype)
 
 
 class Fused:
@@ -394,13 +394,14 @@ class Fused:
             bwd = sig.backwards[wrt] = Fused(grad.backward_function(g, wrt), name=f"{self.__name__}_backward")
         shape = tuple(np.broadcast_shapes(*[tuple(x.shape) for _, x in arrays]))
         unsqueeze = tuple(red is not None and not keep for (_, red, keep, _) in g.outputs)
-        # the gradients can go into the arguments: CUDA tensors, each of its gradient's shape and dtype
-        into = kind == A.TORCH_CUDA
+        # the gradients can go into the arguments: contiguous CUDA tensors (no element twice), each of its
+        # gradient's shape and dtype
+        into = kind == A.TORCH_CUDA and all(A.is_torch_tensor(args[p]) and args[p].is_contiguous() for p in wrt)
         if into:
             gl = [go.unsqueeze(-1) if u else go for u, go in zip(unsqueeze, gouts)]
             meta, _ = bwd._result_meta((*gl, float(shape[-1]) if shape else 1.0, *args))
-            into = all(A.is_torch_tensor(args[p]) and (tuple(args[p].shape), A.torch_to_numpy_dtype(args[p].dtype))
-                       == (tuple(s), dt) for p, (s, dt) in zip(wrt, meta))
+            into = all((tuple(args[p].shape), A.torch_to_numpy_dtype(args[p].dtype)) == (tuple(s), dt)
+                       for p, (s, dt) in zip(wrt, meta))
         return _BackwardPlan(bwd, wrt, float(shape[-1]) if shape else 1.0, unsqueeze, into)
 
     # ------------------------------------------------------------ Dask
