@@ -346,12 +346,13 @@ def _linear_args(name, hidden, weight, bias, target, ignore_index, label_smoothi
 def _chunk_rows(rows, feats, classes):
     """Rows of logits made at a time: as many elements as the hidden states
     hold (so the loss adds about as much memory as they take), and at least
-    1024 rows: each chunk reads and writes the weight's whole gradient once,
-    and below about 1024 rows that traffic (and the host cost per chunk)
-    becomes a large share of the matrix products' time (512 rows: 7-11%
-    slower, half the chunk's memory: bench/NOTES.md); a multiple of 64
-    rows (the products' tiles) unless one chunk takes every row."""
-    c = max(1024, rows * feats // max(classes, 1))
+    512 rows: each chunk reads and writes the weight's whole gradient once,
+    and below that the traffic (and the host cost per chunk) becomes a large
+    share of the matrix products' time (512 rows: 7-11% slower than 1024,
+    but a Llama training step's peak no higher than Liger-Kernel's, whose
+    chunks are smaller still: bench/NOTES.md); a multiple of 64 rows (the
+    products' tiles) unless one chunk takes every row."""
+    c = max(512, rows * feats // max(classes, 1))
     return max(rows, 1) if c >= rows else c - c % 64
 
 
@@ -466,7 +467,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     """``cross_entropy(hidden @ weight.T + bias, target)`` without the logits:
     a language model's head and loss in one call, made ``chunk_rows`` rows
     of logits at a time (default: as many elements as ``hidden`` holds, at
-    least 1024 rows). ``hidden`` is [..., features], ``weight``
+    least 512 rows). ``hidden`` is [..., features], ``weight``
     [classes, features] (an ``nn.Linear``'s), ``bias`` [classes] or None,
     ``target`` hidden's leading shape; the other arguments as
     ``cufuse.cross_entropy`` ("none" gives one loss per row of hidden's
