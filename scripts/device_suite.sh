@@ -3,7 +3,9 @@
 # (one GPU is shared; 16 cores). Logs go to $OUT/suite-<n>.log; prints each
 # shard's summary line, every FAILED/ERROR line and the skip reasons counted;
 # the shard logs are joined into $OUT/suite.log (the device tool brings back
-# only a few files). Exit status 1 if any shard failed. Usage: bash scripts/device_suite.sh [extra pytest args]
+# only a few files), each with its slowest tests (--durations), by which the
+# shards are balanced. Exit status 1 if any shard failed.
+# Usage: bash scripts/device_suite.sh [extra pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the examples the tests run as subprocesses import cufuse from here
@@ -13,8 +15,10 @@ python3 -c "import sys, cufuse; sys.exit(0 if cufuse.CUDA_AVAILABLE else 'cufuse
 SHARDS=(
   "tests/test_fuse.py"
   "tests/test_norm.py"
-  "tests/test_autograd.py tests/test_driver.py tests/test_cross_entropy.py tests/test_rope.py"
-  "tests/test_fake_quantize.py tests/test_fuse_autograd.py tests/test_nn.py tests/test_patch.py tests/test_distributed.py"
+  "tests/test_autograd.py"
+  "tests/test_driver.py tests/test_cross_entropy.py tests/test_rope.py"
+  "tests/test_fake_quantize.py tests/test_fuse_autograd.py"
+  "tests/test_nn.py tests/test_patch.py tests/test_distributed.py"
   "tests/test_errors.py tests/test_quantize.py"
   "tests/test_elementwise.py tests/test_interop.py"
   "tests/test_reduction.py tests/test_dropout.py tests/test_tiles.py tests/test_bfloat16.py tests/test_gelu.py"
@@ -27,7 +31,7 @@ for f in tests/test_*.py; do
 done
 pids=()
 for i in "${!SHARDS[@]}"; do
-  python3 -m pytest -q -rfEs --maxfail=10 -p no:cacheprovider ${SHARDS[$i]} "$@" >"$OUT/suite-$i.log" 2>&1 &
+  python3 -m pytest -q -rfEs --durations=8 --maxfail=10 -p no:cacheprovider ${SHARDS[$i]} "$@" >"$OUT/suite-$i.log" 2>&1 &
   pids+=($!)
 done
 fail=0
