@@ -67,6 +67,20 @@ def timed(fn, reps, device):
     return statistics.median(ts)
 
 
+def issue_time(fn, device):
+    """ms the host takes to queue one call of ``fn`` (the GPU idle before it,
+    no synchronization inside): near the whole step's time, the step is
+    host-bound (the GPU waits for Python); well below it, GPU-bound."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    ms = 1e3 * (time.perf_counter() - t0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return ms
+
+
 def variants(base):
     out = {"eager": lambda: copy.deepcopy(base)}
 
@@ -94,8 +108,9 @@ def variants(base):
 def run(base, ids, reps=10, rounds=3, only=None, decode=False, log=print):
     """Every variant of ``base`` (``variants``; ``only``: a subset) built
     first, then timed in ``rounds`` interleaved rounds on ``ids`` (the labels
-    too). Returns {variant: {"train_ms", "tokens_s", "peak_mib", "first_loss",
-    "forward_ms", "rounds_ms"[, "decode_ms"]}}; a variant that fails is
+    too). Returns {variant: {"train_ms", "tokens_s", "peak_mib", "issue_ms" (one
+    step's ``issue_time`` a round, median), "first_loss", "forward_ms",
+    "rounds_ms"[, "decode_ms"]}}; a variant that fails is
     reported through ``log`` and left out. ``decode``: also one token of batch
     1 after a 128-token prompt, with the KV cache (no grad)."""
     import sys
@@ -135,7 +150,7 @@ def run(base, ids, reps=10, rounds=3, only=None, decode=False, log=print):
             if rope is not None:
                 module.apply_rotary_pos_emb = rope
         built[label] = {"model": model, "opt": torch.optim.AdamW(model.parameters(), lr=1e-5),
-                        "rope": getattr(module, "apply_rotary_pos_emb", None), "ms": [], "fwd": [], "dec": [],
+                        "rope": getattr(module, "apply_rotary_pos_emb", None), "ms": [], "fwd": [], "dec": [], "issue": [],
                         "first": None, "peak": float("nan")}
     prompt = ids[:1, :128]
     for rnd in range(rounds):
@@ -158,6 +173,7 @@ def run(base, ids, reps=10, rounds=3, only=None, decode=False, log=print):
                 v["ms"].append(timed(step, reps, device))
                 if device == "cuda" and rnd == 0:
                     v["peak"] = (torch.cuda.max_memory_allocated() - before) / 2 ** 20
+                v["issue"].append(issue_time(step, device))
                 with torch.no_grad():
                     v["fwd"].append(timed(lambda v=v: v["model"](input_ids=ids), reps, device))
                     if decode:  # (transformers 5 names the KV cache ``cache``, 4 ``past_key_values``)
@@ -175,6 +191,7 @@ def run(base, ids, reps=10, rounds=3, only=None, decode=False, log=print):
     for label, v in built.items():
         ms = statistics.median(v["ms"])
         out[label] = {"train_ms": ms, "tokens_s": ids.numel() / ms * 1e3, "peak_mib": v["peak"],
+                      "issue_ms": statistics.median(v["issue"]),
                       "first_loss": v["first"], "forward_ms": statistics.median(v["fwd"]),
                       "rounds_ms": (min(v["ms"]), max(v["ms"]))}
         if decode:
@@ -203,12 +220,12 @@ def main():
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}, {a.dtype}, {a.model} {base.config.num_hidden_layers} x "
           f"{base.config.hidden_size}, {batch} x {seq} tokens")
-    print(f"{'variant':16} {'train ms':>9} {'tokens/s':>10} {'peak MiB':>9} {'first loss':>11} {'forward ms':>11} "
+    print(f"{'variant':16} {'train ms':>9} {'issue ms':>9} {'tokens/s':>10} {'peak MiB':>9} {'first loss':>11} {'forward ms':>11} "
           f"{'rounds ms':>14}" + (f" {'decode ms':>10}" if a.decode else ""))
     res = run(base, ids, a.reps, a.rounds, a.variants.split(",") if a.variants else None, a.decode)
     for label, r in res.items():
         lo, hi = r["rounds_ms"]
-        print(f"{label:16} {r['train_ms']:9.2f} {r['tokens_s']:10.0f} {r['peak_mib']:9.0f} {r['first_loss']:11.5f} "
+        print(f"{label:16} {r['train_ms']:9.2f} {r['issue_ms']:9.2f} {r['tokens_s']:10.0f} {r['peak_mib']:9.0f} {r['first_loss']:11.5f} "
               f"{r['forward_ms']:11.2f} {lo:8.2f}-{hi:.2f}" + (f" {r['decode_ms']:10.3f}" if a.decode else ""))
 
 

@@ -5,8 +5,9 @@
   inference forward, for torch eager, cufuse.patch, torch.compile of the plain model, cufuse
   under torch.compile and Liger-Kernel's patch (where it has the model), built first and
   timed in interleaved rounds (bench/model_probe.py's ``run``: CUDA events, median of 10
-  steps per round, median of 3 rounds); the peak memory a training step allocates; a
-  one-token decode step (batch 1, KV cache of a 128-token prompt). Before timing, the
+  steps per round, median of 3 rounds); the host's time to queue one step (a step whose
+  queueing takes about as long as the step is host-bound); the peak memory a training
+  step allocates; a one-token decode step (batch 1, KV cache of a 128-token prompt). Before timing, the
   patched model's eval logits are compared with the unpatched model's (the largest
   difference is reported, relative to the largest logit).
 * test_cross_entropy_memory: loss + backward of the cross entropy over 4096 rows of 32000 and
@@ -145,14 +146,16 @@ def summary_lines():
     out = []
     if MODEL_ROWS:
         out.append("Training step (4 x 1024 tokens, AdamW) and inference, ms (median of 3 interleaved rounds of "
-                   "10 steps); peak MiB a training step allocates; decode: one token, batch 1.")
+                   "10 steps); issue ms: the host's time to queue one step (near train ms: host-bound); peak MiB a "
+                   "training step allocates; decode: one token, batch 1.")
         rows = []
         for r in MODEL_ROWS:
             for label, v in r["variants"].items():
-                rows.append([r["model"], r["dtype"], label, f"{v['train_ms']:.2f}", f"{v['tokens_s']:.0f}",
-                             f"{v['peak_mib']:.0f}", f"{v['forward_ms']:.2f}", _fmt(v.get("decode_ms"), ".3f")])
-        out += _table(["model", "dtype", "variant", "train ms", "tokens/s", "peak MiB", "forward ms", "decode ms"],
-                      rows, "lllrrrrr")
+                rows.append([r["model"], r["dtype"], label, f"{v['train_ms']:.2f}", _fmt(v.get("issue_ms")),
+                             f"{v['tokens_s']:.0f}", f"{v['peak_mib']:.0f}", f"{v['forward_ms']:.2f}",
+                             _fmt(v.get("decode_ms"), ".3f")])
+        out += _table(["model", "dtype", "variant", "train ms", "issue ms", "tokens/s", "peak MiB", "forward ms",
+                       "decode ms"], rows, "lllrrrrrr")
         out.append("")
         out.append(f"Targets: tokens/s >= {T_LIGER_SPEED:g}x Liger and peak <= Liger's; training and forward >= "
                    f"{T_COMPILE:g}x torch.compile; decode <= eager.")

@@ -311,5 +311,6 @@ def test_model_probe_variants_leave_transformers_as_they_found_it(monkeypatch):
     ids = torch.randint(0, 512, (1, 8))
     res = MP.run(base, ids, reps=1, rounds=1, log=print)
     assert set(res) == {"eager", "patching"} and seen  # the patching variant ran with its own rope
+    assert all(r["issue_ms"] > 0 for r in res.values())  # (the host's time to queue a step)
     assert L.LlamaRMSNorm is norm and L.apply_rotary_pos_emb is rope
     assert type(T.LlamaForCausalLM(MP.config(True)).model.norm) is norm
