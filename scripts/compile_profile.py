@@ -52,7 +52,7 @@ def main():
         model = makers[label]().train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
-        def step():
+        def step(model=model, opt=opt):
             model(input_ids=ids, labels=ids).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -99,7 +99,7 @@ def main():
         print("   host ops by self time, two steps:")
         for e in host[:a.top]:
             print(f"   {e.self_cpu_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:100]}")
-        del model, opt
+        del model, opt, step
 
 
 if __name__ == "__main__":
