@@ -197,15 +197,15 @@ def _fused_forward(fwd):
     (``_cufuse_linear_loss``), called in training with ``labels=`` and grad
     mode on, runs ``fwd`` with its ``LMHead`` handing the hidden states to
     ``causal_lm_loss`` (no logits; the output's ``logits`` is None, as
-    Liger-Kernel's). Any other call, any other model of the class, or one
-    under torch.compile or autocast, is ``fwd`` itself."""
-    from ._torch_ops import compiling
+    Liger-Kernel's; under torch.compile too, through the registered
+    operator). Any other call, any other model of the class, or one under
+    autocast, is ``fwd`` itself."""
 
     @functools.wraps(fwd)
     def forward(self, *args, **kwargs):
         head = self.get_output_embeddings() if self.__dict__.get("_cufuse_linear_loss") else None
         if head is None or type(head) is not LMHead or kwargs.get("labels") is None or not self.training or \
-                not torch.is_grad_enabled() or _autocast() or compiling() or \
+                not torch.is_grad_enabled() or _autocast() or \
                 head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook") or \
                 self.loss_function is not causal_lm_loss or getattr(_DEFER, "head", None) is not None:
             return fwd(self, *args, **kwargs)

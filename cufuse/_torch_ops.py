@@ -237,6 +237,7 @@ def register():
     _register_reductions(torch)
     _register_fused(torch)
     _register_cross_entropy(torch)
+    _register_linear_cross_entropy(torch)
     _register_rope(torch)
     _register_scatter(torch)
     _register_attention(torch)
@@ -607,6 +608,102 @@ def _register_cross_entropy(torch):
 
     ce.register_autograd(grad, setup_context=setup)
     _OPS["cross_entropy"] = ce
+
+
+def linear_cross_entropy(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction, dtype,
+                         chunk_rows):
+    """cufuse.linear_cross_entropy through its registered operator
+    (torch.compile): checked with torch's attributes only (Dynamo traces
+    this), then the operator. No logits outlive a chunk, as in eager mode:
+    the gradients autograd will want (of the operands that require grad,
+    grad mode on, decided when traced) are made by the operator's forward
+    where the eager call makes them there too, else by its backward."""
+    import torch
+    name = "cufuse.linear_cross_entropy"
+    if not all(isinstance(a, torch.Tensor) for a in (hidden, weight, target)) or \
+            not (bias is None or isinstance(bias, torch.Tensor)):
+        raise TypeError(f"{name}: under torch.compile, hidden, weight, bias and target must be torch tensors")
+    if hidden.dtype not in A.torch_floats() or weight.dtype != hidden.dtype or \
+            (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(f"{name}: hidden, weight and bias must share a float dtype of {A.torch_floats()}; got "
+                        f"{hidden.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}")
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name}: target must hold int64 (or int32) class indices, got dtype {target.dtype}")
+    if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1] or weight.shape[0] == 0 or \
+            (bias is not None and tuple(bias.shape) != tuple(weight.shape[:1])) or \
+            tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{name}: hidden [..., features], weight [classes, features], bias [classes] and target "
+                         f"hidden's leading shape; got {tuple(hidden.shape)}, {tuple(weight.shape)}, "
+                         f"{None if bias is None else tuple(bias.shape)} and {tuple(target.shape)}")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"{name}: reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
+    if dtype is not None and dtype not in A.torch_floats():
+        raise TypeError(f"{name}: under torch.compile, dtype must be a torch float dtype, got {dtype!r}")
+    if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
+        raise ValueError(f"{name}: chunk_rows must be an int >= 1 or None, got {chunk_rows!r}")
+    grad = torch.is_grad_enabled()
+    need = [grad and a is not None and a.requires_grad for a in (hidden, weight, bias)]
+    register()
+    return _OPS["linear_cross_entropy"](hidden, weight, bias, target.to(torch.int64), int(ignore_index),
+                                        float(label_smoothing), float(z_loss), reduction, dtype, chunk_rows or 0,
+                                        need)[0]
+
+
+def _register_linear_cross_entropy(torch):
+    from .ops.cross_entropy import grads_in_forward, linear_backward_rows, linear_forward_rows
+
+    @torch.library.custom_op("cufuse::linear_cross_entropy", mutates_args=(),
+                             schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore, "
+                                    "float eps, float z, str reduction, ScalarType? dtype, int chunk_rows, "
+                                    "bool[] need) -> Tensor[]")
+    def lce(hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need):
+        return linear_forward_rows(hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need)
+
+    def made(hidden, reduction, need):
+        return grads_in_forward(reduction, hidden.dtype == torch.float16) and any(need)
+
+    def grads_like(hidden, weight, bias, need):
+        return [torch.empty_like(a, memory_format=torch.contiguous_format) if n else hidden.new_empty((0,))
+                for a, n in zip((hidden, weight, bias), need)]
+
+    @lce.register_fake
+    def _(hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need):
+        loss = hidden.new_empty(tuple(hidden.shape[:-1]) if reduction == "none" else (), dtype=dtype or hidden.dtype)
+        grads = grads_like(hidden, weight, bias, need if made(hidden, reduction, need) else [False] * 3)
+        return [loss, target.new_empty(())] + grads
+
+    @torch.library.custom_op("cufuse::linear_cross_entropy_backward", mutates_args=(),
+                             schema="(Tensor g, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+                                    "Tensor count, int ignore, float eps, float z, str reduction, int chunk_rows, "
+                                    "bool[] need) -> Tensor[]")
+    def lce_backward(g, hidden, weight, bias, target, count, ignore, eps, z, reduction, chunk_rows, need):
+        return linear_backward_rows(g, hidden, weight, bias, target, count, ignore, eps, z, reduction, chunk_rows,
+                                    need)
+
+    lce_backward.register_fake(lambda g, hidden, weight, bias, target, count, ignore, eps, z, reduction, chunk_rows,
+                               need: grads_like(hidden, weight, bias, need))
+
+    def setup(ctx, inputs, output):
+        hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need = inputs
+        ctx.made, ctx.need = made(hidden, reduction, need), list(need)
+        ctx.args = (ignore, eps, z, reduction, chunk_rows, list(need))
+        ctx.mark_non_differentiable(*output[1:])
+        if ctx.made:  # the gradients for an incoming 1, scaled by the backward (out of place: a graph may be kept)
+            ctx.save_for_backward(*output[2:])
+        else:
+            ctx.save_for_backward(hidden, weight, bias, target, output[1])
+
+    def grad(ctx, gouts):
+        g = gouts[0]
+        if ctx.made:
+            grads = [d * g for d in ctx.saved_tensors]
+        else:
+            hidden, weight, bias, target, count = ctx.saved_tensors
+            grads = lce_backward(g, hidden, weight, bias, target, count, *ctx.args)
+        return tuple(d if n else None for d, n in zip(grads, ctx.need)) + (None,) * 8
+
+    lce.register_autograd(grad, setup_context=setup)
+    _OPS["linear_cross_entropy"] = lce
 
 
 # ------------------------------------------------------------ rotary embedding

@@ -421,6 +421,68 @@ def test_linear_no_rows_gives_zero_gradients(device, classes):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_linear_under_compile_makes_no_logits(device):
+    """Under torch.compile(fullgraph=True) linear_cross_entropy is the
+    registered operator cufuse::linear_cross_entropy (no [rows, classes]
+    product in the traced graph), with loss and gradients equal to eager's
+    for every reduction, the gradients of the operands that require grad only
+    (made in the forward for a mean or sum, else in the backward), a kept
+    graph backpropagated twice, opcheck of both operators, and bad input
+    said before anything runs."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    from cufuse import _torch_ops
+    _torch_ops.register()
+    g = torch.Generator().manual_seed(33)
+    h0 = torch.randn(3, 7, 24, generator=g)
+    w0 = torch.randn(37, 24, generator=g) * 0.3
+    b0 = torch.randn(37, generator=g)
+    t = torch.randint(0, 37, (3, 7), generator=g)
+    t[1, 2] = IGNORE
+    t, up = t.to(device), torch.randn(3, 7, generator=g).to(device)
+    cases = [(torch.float32, red, grads) for red in ("mean", "sum", "none") for grads in ("hwb", "w")]
+    cases += [(torch.float64, "mean", "hwb"), (torch.float64, "none", "w")]
+    if device == "cuda":  # (float16's mean: gradients made in the backward)
+        cases += [(torch.bfloat16, "mean", "hwb"), (torch.bfloat16, "none", "hwb"), (torch.float16, "mean", "hwb"),
+                  (torch.float16, "sum", "w")]
+    for dt, reduction, grads in cases:
+        tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dt]
+        def f(x, weight, bias):
+            loss = cufuse.linear_cross_entropy(x * 1.5, weight, t, bias=bias, label_smoothing=0.1,
+                                               z_loss=1e-3, reduction=reduction, chunk_rows=8,
+                                               dtype=None if dt == torch.float64 else torch.float32)
+            return (loss * up).sum() if reduction == "none" else loss
+        torch._dynamo.reset()
+        args = [v.to(device, dt, copy=True).requires_grad_(k in grads) for k, v in zip("hwb", (h0, w0, b0))]
+        got = compiled_matches_eager(f, args, tol, tol, grad_rtol=tol * 4, grad_atol=tol * 4)
+        assert [a.grad is not None for a in got] == [k in grads for k in "hwb"], (dt, reduction, grads)
+    rec = EagerAndRecordGraphs()
+    torch._dynamo.reset()
+    hw = [v.to(device, copy=True).requires_grad_(True) for v in (h0, w0)]
+    loss = torch.compile(lambda x, w: cufuse.linear_cross_entropy(x, w, t, chunk_rows=8), backend=rec,
+                         fullgraph=True)(*hw)
+    code = "\n".join(gm.code for gm in rec.graphs)
+    assert "cufuse.linear_cross_entropy" in code and "linear(" not in code and "matmul" not in code, code
+    loss.backward(retain_graph=True)  # the forward's gradients, scaled out of place: a second backward adds them
+    first = [a.grad.clone() for a in hw]
+    loss.backward()
+    for a, once in zip(hw, first):
+        torch.testing.assert_close(a.grad, 2 * once)
+    h, w, b, tt = h0[0].to(device), w0.to(device), b0.to(device), t[0]
+    for need, red in (([True, True, True], "mean"), ([False, True, False], "sum"), ([True, True, True], "none")):
+        args = (h.clone().requires_grad_(need[0]), w.clone().requires_grad_(need[1]), b.clone().requires_grad_(need[2]),
+                tt, IGNORE, 0.1, 0.0, red, None, 4, need)
+        torch.library.opcheck(torch.ops.cufuse.linear_cross_entropy, args)
+    torch.library.opcheck(torch.ops.cufuse.linear_cross_entropy_backward,
+                          (torch.randn(7, device=device), h, w, None, tt, (tt != IGNORE).sum(), IGNORE, 0.0, 0.0,
+                           "none", 0, [True, True, False]))
+    with pytest.raises(Exception, match="weight \\[classes, features\\]"):
+        torch.compile(lambda x: cufuse.linear_cross_entropy(x, w, tt), fullgraph=True)(h[:, :5])
+    with pytest.raises(Exception, match="share a float dtype"):
+        torch.compile(lambda x: cufuse.linear_cross_entropy(x, w, tt), fullgraph=True)(h.double())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_linear_gradcheck_and_compile(device):
     """gradcheck (float64, chunks of 2); under torch.compile(fullgraph=True)
     the loss and gradients equal eager's."""

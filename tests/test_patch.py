@@ -297,9 +297,9 @@ def test_patched_rotary_matches_transformers(device, _original_rotary):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_patched_llama_compiles_whole(device):
-    """A patched Llama (norms, gated MLPs, rotary embedding, loss: every one a
-    registered operator) compiles with fullgraph=True, forward and backward
-    equal to the eager patched model."""
+    """A patched Llama (norms, gated MLPs, rotary embedding, the fused head
+    and loss: every one a registered operator) compiles with fullgraph=True,
+    forward and backward equal to the eager patched model."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     dtype = torch.float64 if device == "cpu" else torch.float32
@@ -310,7 +310,9 @@ def test_patched_llama_compiles_whole(device):
     cufuse.patch(model)
     twin = copy.deepcopy(model)
     ids = _text()["input_ids"].to(device)
-    a = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids).loss
+    out = torch.compile(model, fullgraph=True)(input_ids=ids, labels=ids)
+    assert out.logits is None  # the fused head and loss, compiled: no logits made
+    a = out.loss
     b = twin(input_ids=ids, labels=ids).loss
     rtol = 1e-9 if dtype == torch.float64 else 1e-4
     torch.testing.assert_close(a, b, rtol=rtol, atol=rtol)

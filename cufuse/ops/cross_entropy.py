@@ -481,16 +481,13 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     over the chunks in its own dtype (one rounding per chunk). With
     "none", and for float16 (whose logits gradient, scaled by 1 / rows before
     the loss scale of a GradScaler comes, would lose its small terms), the
-    backward makes the chunks again. Under torch.compile it is
-    ``cross_entropy(torch.nn.functional.linear(hidden, weight, bias), target)``.
+    backward makes the chunks again. Under torch.compile it is a registered
+    operator that does the same (no logits outlive a chunk).
     """
     name = "linear_cross_entropy"
-    if TO.compiling():
-        F = A.torch().nn.functional
-        loss = cross_entropy(F.linear(hidden, weight, bias).reshape(-1, weight.shape[0]), target.reshape(-1),
-                             ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss,
-                             reduction=reduction, dtype=dtype)
-        return loss.reshape(hidden.shape[:-1]) if reduction == "none" else loss
+    if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
+        return TO.linear_cross_entropy(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction,
+                                       dtype, chunk_rows)
     grad = AG.wants_grad((hidden, weight, bias))
     given = [a.detach() if grad and a is not None and A.is_torch_tensor(a) else a for a in (hidden, weight, bias)]
     args = _linear_args(name, given[0], given[1], given[2], target, ignore_index, label_smoothing, z_loss, reduction,
@@ -515,62 +512,117 @@ def _linear_loss(args, h, w, b, reduction, odt, scale=None, grads=(None, None, N
     return (res.reshape(tuple(h.shape[:-1])) if reduction == "none" else res), count
 
 
+def grads_in_forward(reduction, float16):
+    """Whether a differentiable linear_cross_entropy makes its gradients in
+    the forward: a loss of one value (mean or sum) of other than float16 data
+    (float16's logits gradient, scaled by 1 / rows before a GradScaler's loss
+    scale comes, would lose its small terms; its backward makes the chunks
+    again)."""
+    return reduction != "none" and not float16
+
+
+def _linear_forward(args, h, w, b, reduction, odt, need):
+    """(loss, count, gradients or None) of a differentiable call on torch
+    tensors (detached). Where ``grads_in_forward`` and a gradient is needed
+    (``need``: of h, w, b), (dh in h's shape, dw, db; None where not needed)
+    for an incoming gradient of 1, made chunk by chunk as the loss is: the
+    forward's logits chunks are the only ones made, and nothing is saved (not
+    even the hidden states, whose memory the layer before may then free)."""
+    torch = A.torch()
+    dt, feats, t, ignore = args[1], args[3], args[5], args[6]
+    if not (grads_in_forward(reduction, dt == np.float16) and any(need)):
+        loss, count = _linear_loss(args, h, w, b, reduction, odt)
+        return loss, count, None
+    cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
+    count = (t != ignore).sum()
+    scale = (1 / count.to(cdt)).reshape(1) if reduction == "mean" else torch.ones(1, dtype=cdt, device=h.device)
+    grads = _new_grads(torch, need, h, w, b, A.count(tuple(h.shape[:-1])), feats)
+    loss, _ = _linear_loss(args, h, w, b, reduction, odt, scale, grads, count)
+    return loss, count, _final_grads(grads, w, b, tuple(h.shape))
+
+
+def _linear_backward(args, h, w, b, reduction, odt, g, count, need):
+    """(dh, dw, db; None where not ``need``ed) of a call whose forward made
+    none: the chunks made again, each row's gradient scaled by its incoming
+    one ``g`` (a mean's over ``count``)."""
+    cdt = A.numpy_to_torch_dtype(A.compute_dtype(args[1]))
+    scale = g.to(cdt).reshape(-1).contiguous()
+    if reduction == "mean":
+        scale = scale / count.to(cdt)
+    grads = _new_grads(A.torch(), need, h, w, b, A.count(tuple(h.shape[:-1])), args[3])
+    _linear_loss(args, h, w, b, "none", odt, scale, grads)
+    return _final_grads(grads, w, b, tuple(h.shape))
+
+
+def linear_forward_rows(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction, dtype,
+                        chunk_rows, need):
+    """The registered operator's forward (torch tensors; ``dtype`` a torch
+    dtype or None, ``chunk_rows`` 0: the default): [loss, count, dh, dw, db],
+    the gradients as ``_linear_forward`` makes them, empty where not made."""
+    h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
+    args = _linear_args("linear_cross_entropy", h, w, b, target, ignore_index, label_smoothing, z_loss, reduction,
+                        chunk_rows or None)
+    odt = args[1] if dtype is None else A.torch_to_numpy_dtype(dtype)
+    loss, count, grads = _linear_forward(args, h, w, b, reduction, odt, need)
+    return [loss, count] + _or_empty(h, grads or (None, None, None))
+
+
+def linear_backward_rows(g, hidden, weight, bias, target, count, ignore_index, label_smoothing, z_loss, reduction,
+                         chunk_rows, need):
+    """The registered operator's backward where its forward made no
+    gradients: [dh, dw, db], empty where not ``need``ed."""
+    h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
+    args = _linear_args("linear_cross_entropy", h, w, b, target, ignore_index, label_smoothing, z_loss, reduction,
+                        chunk_rows or None)
+    return _or_empty(h, _linear_backward(args, h, w, b, reduction, args[1], g, count, need))
+
+
+def _or_empty(h, grads):
+    """The gradients with an empty tensor (one each: an operator's results
+    may not alias one another) for each None."""
+    return [h.new_empty((0,)) if d is None else d for d in grads]
+
+
 def _linear_function(torch):
     class LinearCrossEntropyFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, hidden, weight, bias, args, reduction, odt):
-            kind, dt, dev, feats, classes, t, ignore = args[:7]
             h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
-            ctx.args, ctx.reduction, ctx.odt, ctx.shape = args, reduction, odt, tuple(hidden.shape)
-            ctx.grads = None
-            if reduction == "none" or dt == np.float16:  # the backward makes the chunks again, scaled there
+            ctx.args, ctx.reduction, ctx.odt = args, reduction, odt
+            loss, ctx.count, ctx.grads = _linear_forward(args, h, w, b, reduction, odt, ctx.needs_input_grad[:3])
+            ctx.made = ctx.grads is not None
+            if not ctx.made:
                 ctx.save_for_backward(h, w, b)
-                loss, ctx.count = _linear_loss(args, h, w, b, reduction, odt)
-                return loss
-            # the gradients of a loss of one value, made now and scaled by the backward: the forward's
-            # logits chunks are the only ones made, and nothing is saved (not even the hidden states, whose
-            # memory the layer before may then free)
-            cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
-            count = (t != ignore).sum()
-            scale = (1 / count.to(cdt)).reshape(1) if reduction == "mean" else torch.ones(1, dtype=cdt, device=h.device)
-            grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(tuple(h.shape[:-1])), feats)
-            loss, _ = _linear_loss(args, h, w, b, reduction, odt, scale, grads, count)
-            ctx.grads = _final_grads(grads, w, b)
             return loss
 
         @staticmethod
         @AG.once_differentiable
         def backward(ctx, g):
-            if ctx.reduction != "none" and ctx.args[1] != np.float16:  # the forward's, scaled: handed over once
+            if ctx.made:  # the forward's, scaled: handed over once
                 if ctx.grads is None:
                     raise RuntimeError("cufuse.linear_cross_entropy: a second backward through the same graph "
                                        "(retain_graph=True) of a mean or sum loss: its gradients were made in the "
                                        "forward and handed to the first one; use reduction='none' and reduce that")
                 grads, ctx.grads = ctx.grads, None
-                grads = [None if d is None else d.mul_(g) for d in grads]
-            else:  # the chunks again, each row's gradient scaled by its incoming one (a mean's over the count)
+                gh, gw, gb = [None if d is None else d.mul_(g) for d in grads]
+            else:
                 h, w, b = ctx.saved_tensors
-                kind, dt, dev, feats = ctx.args[:4]
-                cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
-                scale = g.to(cdt).reshape(-1).contiguous()
-                if ctx.reduction == "mean":
-                    scale = scale / ctx.count.to(cdt)
-                grads = _new_grads(torch, ctx.needs_input_grad[:3], h, w, b, A.count(ctx.shape[:-1]), feats)
-                _linear_loss(ctx.args, h, w, b, "none", ctx.odt, scale, grads)
-                grads = _final_grads(grads, w, b)
-            gh, gw, gb = grads
-            return None if gh is None else gh.reshape(ctx.shape), gw, gb, None, None, None
+                gh, gw, gb = _linear_backward(ctx.args, h, w, b, ctx.reduction, ctx.odt, g, ctx.count,
+                                              ctx.needs_input_grad[:3])
+            return gh, gw, gb, None, None, None
 
     return LinearCrossEntropyFn
 
 
-def _final_grads(grads, w, b):
-    """The gradients as autograd takes them: the weight's and bias's first
-    ``classes`` rows (``_new_grads`` may pad them), the bias's (summed in
-    float32 or float64) in the bias's dtype."""
+def _final_grads(grads, w, b, shape):
+    """The gradients as autograd takes them: the hidden states' in their
+    ``shape``, the weight's and bias's first ``classes`` rows (``_new_grads``
+    may pad them), the bias's (summed in float32 or float64) in the bias's
+    dtype."""
     gh, gw, gb = grads
     classes = w.shape[0]
-    return gh, None if gw is None else gw[:classes], None if gb is None else gb[:classes].to(b.dtype)
+    return (None if gh is None else gh.reshape(shape), None if gw is None else gw[:classes],
+            None if gb is None else gb[:classes].to(b.dtype))
 
 
 def _new_grads(torch, need, h, w, b, rows, feats):
