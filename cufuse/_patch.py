@@ -131,7 +131,7 @@ def causal_lm_loss(logits, labels, vocab_size, num_items_in_batch=None, ignore_i
     loss. Inside a fused training forward (``_fused_forward``) ``logits``
     are the head's input and the loss is ``cufuse.linear_cross_entropy``."""
     from .ops.cross_entropy import cross_entropy, linear_cross_entropy
-    head = getattr(_DEFER, "head", None)
+    head = _DEFER.head
     if head is None:
         x = logits.reshape(-1, vocab_size)
         return _shifted(x, labels, num_items_in_batch, ignore_index, shift_labels, lambda t, reduction: cross_entropy(
@@ -162,7 +162,16 @@ def _shifted(x, labels, num_items_in_batch, ignore_index, shift_labels, loss):
 # Causal LMs whose forward is ``logits = lm_head(hidden)`` then ``loss_function(logits, labels, ...)``
 # with nothing done to the logits in between (the fused head needs exactly that)
 _FUSED_HEAD_MODELS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel"}
-_DEFER = threading.local()  # .head: the LM head standing aside in this thread's training forward
+class _Defer(threading.local):
+    """.head: the LM head standing aside in this thread's training forward
+    (None in every thread from the start: a missing attribute would make a
+    compiled model's guard fail once it is set, and compile it again)."""
+
+    def __init__(self):
+        self.head = None
+
+
+_DEFER = _Defer()
 
 
 class LMHead(nn.Linear):
@@ -172,7 +181,7 @@ class LMHead(nn.Linear):
     making the logits (``_fused_forward``)."""
 
     def forward(self, x):
-        if getattr(_DEFER, "head", None) is self:
+        if _DEFER.head is self:
             x = x.view_as(x)  # a view marked for causal_lm_loss: these are the hidden states, not logits
             x._cufuse_hidden = True
             return x
@@ -207,7 +216,7 @@ def _fused_forward(fwd):
         if head is None or type(head) is not LMHead or kwargs.get("labels") is None or not self.training or \
                 not torch.is_grad_enabled() or _autocast() or \
                 head._forward_hooks or head._forward_pre_hooks or hasattr(head, "_hf_hook") or \
-                self.loss_function is not causal_lm_loss or getattr(_DEFER, "head", None) is not None:
+                self.loss_function is not causal_lm_loss or _DEFER.head is not None:
             return fwd(self, *args, **kwargs)
         _DEFER.head = head
         try:

@@ -654,7 +654,7 @@ def _register_linear_cross_entropy(torch):
 
     @torch.library.custom_op("cufuse::linear_cross_entropy", mutates_args=(),
                              schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore, "
-                                    "float eps, float z, str reduction, ScalarType? dtype, int chunk_rows, "
+                                    "float eps, float z, str reduction, ScalarType? dtype, SymInt chunk_rows, "
                                     "bool[] need) -> Tensor[]")
     def lce(hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need):
         return linear_forward_rows(hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need)
@@ -674,7 +674,7 @@ def _register_linear_cross_entropy(torch):
 
     @torch.library.custom_op("cufuse::linear_cross_entropy_backward", mutates_args=(),
                              schema="(Tensor g, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
-                                    "Tensor count, int ignore, float eps, float z, str reduction, int chunk_rows, "
+                                    "Tensor count, int ignore, float eps, float z, str reduction, SymInt chunk_rows, "
                                     "bool[] need) -> Tensor[]")
     def lce_backward(g, hidden, weight, bias, target, count, ignore, eps, z, reduction, chunk_rows, need):
         return linear_backward_rows(g, hidden, weight, bias, target, count, ignore, eps, z, reduction, chunk_rows,
@@ -685,6 +685,9 @@ def _register_linear_cross_entropy(torch):
 
     def setup(ctx, inputs, output):
         hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need = inputs
+        if any(wanted and not n for wanted, n in zip(ctx.needs_input_grad[:3], need)):
+            raise RuntimeError(f"cufuse::linear_cross_entropy: need={list(need)} leaves out an operand that "
+                               f"requires grad ({list(ctx.needs_input_grad[:3])}): its gradient would be missing")
         ctx.made, ctx.need = made(hidden, reduction, need), list(need)
         ctx.args = (ignore, eps, z, reduction, chunk_rows, list(need))
         ctx.mark_non_differentiable(*output[1:])

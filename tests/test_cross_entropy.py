@@ -476,6 +476,14 @@ def test_linear_under_compile_makes_no_logits(device):
     torch.library.opcheck(torch.ops.cufuse.linear_cross_entropy_backward,
                           (torch.randn(7, device=device), h, w, None, tt, (tt != IGNORE).sum(), IGNORE, 0.0, 0.0,
                            "none", 0, [True, True, False]))
+    with pytest.raises(RuntimeError, match="leaves out an operand that requires grad"):  # (a direct call)
+        torch.ops.cufuse.linear_cross_entropy(h.clone().requires_grad_(True), w, None, tt, IGNORE, 0.0, 0.0, "mean",
+                                              None, 0, [False, False, False])
+    torch._dynamo.reset()  # a NumPy integer for chunk_rows, as eager mode takes
+    x, three = h.clone().requires_grad_(True), np.int64(3)
+    torch.testing.assert_close(
+        torch.compile(lambda a: cufuse.linear_cross_entropy(a, w, tt, chunk_rows=three), fullgraph=True)(x),
+        cufuse.linear_cross_entropy(x, w, tt, chunk_rows=3))
     with pytest.raises(Exception, match="weight \\[classes, features\\]"):
         torch.compile(lambda x: cufuse.linear_cross_entropy(x, w, tt), fullgraph=True)(h[:, :5])
     with pytest.raises(Exception, match="share a float dtype"):

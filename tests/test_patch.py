@@ -322,6 +322,35 @@ def test_patched_llama_compiles_whole(device):
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=k)
 
 
+def test_compiled_patched_model_compiles_once():
+    """The fused head's hand-over (a thread-local) and cufuse's compile
+    check are traced without a guard that the next call fails: the compiled
+    patched Llama is compiled once, for later steps and in another thread."""
+    import threading
+
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW, attn_implementation="eager"))
+    cufuse.patch(model)
+    compiled = torch.compile(model, fullgraph=True)
+    ids = _text()["input_ids"]
+    results = []
+
+    def step():
+        out = compiled(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append(out.logits is None)
+    for _ in range(3):
+        step()
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert results == [True] * 4
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
 ATTN_MODELS = ["llama", "qwen2", "gpt2", "bert", "vit"]
 
 

@@ -10,6 +10,7 @@ gradient on the device (no host synchronization, no extra pass).
 from __future__ import annotations
 
 import math
+import operator
 
 import numpy as np
 
@@ -487,7 +488,7 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     name = "linear_cross_entropy"
     if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
         return TO.linear_cross_entropy(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction,
-                                       dtype, chunk_rows)
+                                       dtype, chunk_rows if chunk_rows is None else operator.index(chunk_rows))
     grad = AG.wants_grad((hidden, weight, bias))
     given = [a.detach() if grad and a is not None and A.is_torch_tensor(a) else a for a in (hidden, weight, bias)]
     args = _linear_args(name, given[0], given[1], given[2], target, ignore_index, label_smoothing, z_loss, reduction,
