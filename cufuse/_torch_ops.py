@@ -660,7 +660,7 @@ def _register_linear_cross_entropy(torch):
         return linear_forward_rows(hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need)
 
     def made(hidden, reduction, need):
-        return grads_in_forward(reduction, hidden.dtype == torch.float16) and any(need)
+        return grads_in_forward(reduction, hidden.dtype == torch.float16, need)
 
     def grads_like(hidden, weight, bias, need):
         return [torch.empty_like(a, memory_format=torch.contiguous_format) if n else hidden.new_empty((0,))

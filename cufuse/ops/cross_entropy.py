@@ -513,13 +513,13 @@ def _linear_loss(args, h, w, b, reduction, odt, scale=None, grads=(None, None, N
     return (res.reshape(tuple(h.shape[:-1])) if reduction == "none" else res), count
 
 
-def grads_in_forward(reduction, float16):
+def grads_in_forward(reduction, float16, need):
     """Whether a differentiable linear_cross_entropy makes its gradients in
-    the forward: a loss of one value (mean or sum) of other than float16 data
-    (float16's logits gradient, scaled by 1 / rows before a GradScaler's loss
-    scale comes, would lose its small terms; its backward makes the chunks
-    again)."""
-    return reduction != "none" and not float16
+    the forward: some are needed (``need``: of hidden, weight, bias) of a
+    loss of one value (mean or sum) of other than float16 data (float16's
+    logits gradient, scaled by 1 / rows before a GradScaler's loss scale
+    comes, would lose its small terms; its backward makes the chunks again)."""
+    return reduction != "none" and not float16 and any(need)
 
 
 def _linear_forward(args, h, w, b, reduction, odt, need):
@@ -531,7 +531,7 @@ def _linear_forward(args, h, w, b, reduction, odt, need):
     even the hidden states, whose memory the layer before may then free)."""
     torch = A.torch()
     dt, feats, t, ignore = args[1], args[3], args[5], args[6]
-    if not (grads_in_forward(reduction, dt == np.float16) and any(need)):
+    if not grads_in_forward(reduction, dt == np.float16, need):
         loss, count = _linear_loss(args, h, w, b, reduction, odt)
         return loss, count, None
     cdt = A.numpy_to_torch_dtype(A.compute_dtype(dt))
@@ -560,9 +560,8 @@ def linear_forward_rows(hidden, weight, bias, target, ignore_index, label_smooth
     """The registered operator's forward (torch tensors; ``dtype`` a torch
     dtype or None, ``chunk_rows`` 0: the default): [loss, count, dh, dw, db],
     the gradients as ``_linear_forward`` makes them, empty where not made."""
-    h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
-    args = _linear_args("linear_cross_entropy", h, w, b, target, ignore_index, label_smoothing, z_loss, reduction,
-                        chunk_rows or None)
+    args, h, w, b = _op_args(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction,
+                             chunk_rows)
     odt = args[1] if dtype is None else A.torch_to_numpy_dtype(dtype)
     loss, count, grads = _linear_forward(args, h, w, b, reduction, odt, need)
     return [loss, count] + _or_empty(h, grads or (None, None, None))
@@ -572,10 +571,16 @@ def linear_backward_rows(g, hidden, weight, bias, target, count, ignore_index, l
                          chunk_rows, need):
     """The registered operator's backward where its forward made no
     gradients: [dh, dw, db], empty where not ``need``ed."""
-    h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
-    args = _linear_args("linear_cross_entropy", h, w, b, target, ignore_index, label_smoothing, z_loss, reduction,
-                        chunk_rows or None)
+    args, h, w, b = _op_args(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction,
+                             chunk_rows)
     return _or_empty(h, _linear_backward(args, h, w, b, reduction, args[1], g, count, need))
+
+
+def _op_args(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction, chunk_rows):
+    """(``_linear_args``, hidden, weight, bias detached) of the registered operators' arguments."""
+    h, w, b = hidden.detach(), weight.detach(), None if bias is None else bias.detach()
+    return (_linear_args("linear_cross_entropy", h, w, b, target, ignore_index, label_smoothing, z_loss, reduction,
+                         chunk_rows or None), h, w, b)
 
 
 def _or_empty(h, grads):
