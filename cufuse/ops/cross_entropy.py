@@ -10,7 +10,6 @@ gradient on the device (no host synchronization, no extra pass).
 from __future__ import annotations
 
 import math
-import operator
 
 import numpy as np
 
@@ -304,6 +303,15 @@ def _function(torch):
 
 
 # ------------------------------------------------- the loss of a linear layer
+def _traced_int(v):
+    """chunk_rows under torch.compile: a NumPy integer as an int (torch 2.11's Dynamo traces one as a
+    tensor and refuses operator.index on it, but int() works); anything else goes on as given, for
+    the registered operator's wrapper to check."""
+    if v is None or isinstance(v, (int, float, np.floating)):
+        return v
+    return int(v)
+
+
 def _linear_args(name, hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction, chunk_rows):
     """(kind, dtype, device, features, classes, target as int64, ignore, eps, z, rows per chunk)
     of linear_cross_entropy, or TypeError / ValueError (torch tensors given detached)."""
@@ -420,7 +428,7 @@ def _cuda_chunks(dt, dev, h2, w, b, t, ignore, eps, z, per, scale, grads):
     per-chunk arrays): the host cost per chunk is the products' and two
     launches."""
     torch = A.torch()
-    kind, rows, (classes, feats) = A.TORCH_CUDA, h2.shape[0], tuple(w.shape)
+    kind, rows, (classes, _) = A.TORCH_CUDA, h2.shape[0], tuple(w.shape)
     cdt = A.compute_dtype(dt)
     loss = D.empty((rows,), cdt, kind, dev)
     if not rows:  # no products: the weight's gradient (made by the first chunk's) is zero
@@ -488,12 +496,12 @@ def linear_cross_entropy(hidden: Array, weight: Array, target: Array, /, *, bias
     name = "linear_cross_entropy"
     if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
         return TO.linear_cross_entropy(hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction,
-                                       dtype, chunk_rows if chunk_rows is None else operator.index(chunk_rows))
+                                       dtype, _traced_int(chunk_rows))
     grad = AG.wants_grad((hidden, weight, bias))
     given = [a.detach() if grad and a is not None and A.is_torch_tensor(a) else a for a in (hidden, weight, bias)]
     args = _linear_args(name, given[0], given[1], given[2], target, ignore_index, label_smoothing, z_loss, reduction,
                         chunk_rows)
-    kind, dt = args[0], args[1]
+    dt = args[1]
     odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
     if grad:
         return AG.apply("linear_cross_entropy", _linear_function, hidden, weight, bias, args, reduction, odt)
