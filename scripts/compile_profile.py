@@ -48,7 +48,11 @@ def main():
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    module = sys.modules[type(base).__module__]
+    rope = getattr(module, "apply_rotary_pos_emb", None)  # cufuse.patch swaps it for every model of the module
     for label in a.variants.split(","):
+        if rope is not None:
+            module.apply_rotary_pos_emb = rope
         model = makers[label]().train()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 

@@ -336,6 +336,9 @@ def test_torch_compile(device):
         return cufuse.attention_score(q, k, mask=m).float().clamp(min=-1e4).square().sum() / 1000
 
     compiled_matches_eager(fs, [q, k], tol, tol)
+    # the registered operators: schema (no output aliases an input), fake kernel, autograd
+    torch.library.opcheck(torch.ops.cufuse.attention, (q, k, v, 0.125, True))
+    torch.library.opcheck(torch.ops.cufuse.attention_score, (q, k, 0.125, m))
 
 
 # ------------------------------------------------------------------- scores

@@ -484,6 +484,10 @@ def test_linear_under_compile_makes_no_logits(device):
     torch.testing.assert_close(
         torch.compile(lambda a: cufuse.linear_cross_entropy(a, w, tt, chunk_rows=three), fullgraph=True)(x),
         cufuse.linear_cross_entropy(x, w, tt, chunk_rows=3))
+    for bad in ("3", 2.5, True, 0):  # what eager mode refuses is refused while tracing too
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="chunk_rows must be an int >= 1"):
+            torch.compile(lambda a, bad=bad: cufuse.linear_cross_entropy(a, w, tt, chunk_rows=bad), fullgraph=True)(x)
     with pytest.raises(Exception, match="weight \\[classes, features\\]"):
         torch.compile(lambda x: cufuse.linear_cross_entropy(x, w, tt), fullgraph=True)(h[:, :5])
     with pytest.raises(Exception, match="share a float dtype"):

@@ -175,6 +175,8 @@ def test_under_compile(device):
     def f(v):
         return cufuse.scatter_add(v, index, 4, activation="silu").square().sum()
     compiled_matches_eager(f, [v.requires_grad_(True)], 1e-5, 1e-5)
+    # the registered operator: schema (no output aliases an input), fake kernel, autograd
+    torch.library.opcheck(torch.ops.cufuse.scatter_add, (v, index, 4, "silu"))
 
 
 def test_gnn_example():

@@ -305,9 +305,9 @@ def _function(torch):
 # ------------------------------------------------- the loss of a linear layer
 def _traced_int(v):
     """chunk_rows under torch.compile: a NumPy integer as an int (torch 2.11's Dynamo traces one as a
-    tensor and refuses operator.index on it, but int() works); anything else goes on as given, for
-    the registered operator's wrapper to check."""
-    if v is None or isinstance(v, (int, float, np.floating)):
+    tensor, refusing operator.index on it and answering False to isinstance(v, np.integer), but int()
+    works); anything without a dtype goes on as given, for the registered operator's wrapper to check."""
+    if v is None or isinstance(v, (int, float, np.floating)) or not hasattr(v, "dtype"):
         return v
     return int(v)
 
