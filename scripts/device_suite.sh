@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The whole test suite on the device machine in one call, as parallel shards
-# (one GPU is shared; 16 cores). Logs go to $OUT/suite-<n>.log; prints each
-# shard's summary line, every FAILED/ERROR line and the skip reasons counted;
-# the shard logs are joined into $OUT/suite.log (the device tool brings back
-# only a few files), each with its slowest tests (--durations), by which the
-# shards are balanced. Exit status 1 if any shard failed.
+# (one GPU is shared; 16 cores; about 280 s on an H200 machine). Each shard's
+# log goes to $LOGS/suite-<n>.log, and as each shard ends its summary line and
+# FAILED/ERROR lines are added to $OUT/summary.txt, so a call cut by its time
+# limit still brings back what finished (the device tool brings back only a
+# few files). At the end: prints the summaries, failures and skip reasons
+# counted, and joins the logs into $OUT/suite.log, each with its slowest tests
+# (--durations), by which the shards are balanced. Exit status 1 if any shard
+# failed.
 # Usage: bash scripts/device_suite.sh [extra pytest args]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the examples the tests run as subprocesses import cufuse from here
-OUT=${OUT:-/tmp/suite}; mkdir -p "$OUT"
+OUT=${OUT:-/tmp/suite}; LOGS=${LOGS:-/tmp/suite-logs}; mkdir -p "$OUT" "$LOGS"; : >"$OUT/summary.txt"
 # without a usable GPU the tests marked cuda are deselected (tests/conftest.py): say so and stop
 python3 -c "import sys, cufuse; sys.exit(0 if cufuse.CUDA_AVAILABLE else 'cufuse.CUDA_AVAILABLE is False: no GPU tests would run')" || exit 1
 SHARDS=(
@@ -32,17 +35,22 @@ for f in tests/test_*.py; do
 done
 pids=()
 for i in "${!SHARDS[@]}"; do
-  python3 -m pytest -q -rfEs --durations=8 --maxfail=10 -p no:cacheprovider ${SHARDS[$i]} "$@" >"$OUT/suite-$i.log" 2>&1 &
+  (
+    python3 -m pytest -q -rfEs --durations=8 --maxfail=10 -p no:cacheprovider ${SHARDS[$i]} "$@" >"$LOGS/suite-$i.log" 2>&1
+    rc=$?
+    { echo "shard $i (${SHARDS[$i]}): $(tail -n 1 "$LOGS/suite-$i.log")"
+      grep -E "^(FAILED|ERROR) " "$LOGS/suite-$i.log" | head -n 20; } >>"$OUT/summary.txt"
+    exit $rc
+  ) &
   pids+=($!)
 done
 fail=0
 for i in "${!pids[@]}"; do
   wait "${pids[$i]}" || fail=1
-  echo "shard $i (${SHARDS[$i]}): $(tail -n 1 "$OUT/suite-$i.log")"
 done
-grep -hE "^(FAILED|ERROR) " "$OUT"/suite-*.log | head -n 40
+cat "$OUT/summary.txt"
 echo "skip reasons:"
-grep -h "^SKIPPED" "$OUT"/suite-*.log | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+:[0-9]+: //' | sort | uniq -c | sort -rn | head -n 20
-for i in "${!SHARDS[@]}"; do echo "=== shard $i: ${SHARDS[$i]}"; cat "$OUT/suite-$i.log"; done >"$OUT/suite.log"
-rm -f "$OUT"/suite-*.log
+grep -h "^SKIPPED" "$LOGS"/suite-*.log | sed -E 's/^SKIPPED \[[0-9]+\] [^:]+:[0-9]+: //' | sort | uniq -c | sort -rn | head -n 20
+for i in "${!SHARDS[@]}"; do echo "=== shard $i: ${SHARDS[$i]}"; cat "$LOGS/suite-$i.log"; done >"$OUT/suite.log"
+rm -f "$LOGS"/suite-*.log
 exit $fail
