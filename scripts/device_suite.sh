@@ -12,6 +12,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the examples the tests run as subprocesses import cufuse from here
+# one Inductor compile worker per shard: a fresh machine compiles every CPU test's C++ anew, and by
+# default each of the shards starts a pool of workers as large as the machine (a compiled CPU test took
+# 84 s here, 5 s on a 2-core machine with a warm cache)
+export TORCHINDUCTOR_COMPILE_THREADS=${TORCHINDUCTOR_COMPILE_THREADS:-1}
 OUT=${OUT:-/tmp/suite}; LOGS=${LOGS:-/tmp/suite-logs}; mkdir -p "$OUT" "$LOGS"; : >"$OUT/summary.txt"
 # without a usable GPU the tests marked cuda are deselected (tests/conftest.py): say so and stop
 python3 -c "import sys, cufuse; sys.exit(0 if cufuse.CUDA_AVAILABLE else 'cufuse.CUDA_AVAILABLE is False: no GPU tests would run')" || exit 1
