@@ -10,7 +10,11 @@ For each variant of bench/model_probe.py (the benchmark's Llama 8 x 2048,
 - the synchronizations one step makes (torch's sync debug mode, counted);
 - the GPU kernels of two steps grouped by name (the most total time first)
   and the sum of all kernels' time, from the torch profiler;
-- the host ops with the most self time (cufuse's custom ops among them).
+- the host ops with the most self time (cufuse's custom ops among them);
+- at the end, the GPU time per step of each kernel family (GEMM, attention,
+  the optimizer, Inductor's Triton kernels, torch's own elementwise / reduce /
+  copy kernels, the rest: cufuse's) by variant, and the kernels whose time
+  differs most from the first variant's.
 --small: the tiny config on the CPU (a check that the script runs).
 """
 from __future__ import annotations
@@ -48,6 +52,7 @@ def main():
     torch._dynamo.reset()
     torch._dynamo.config.recompile_limit = max(64, torch._dynamo.config.recompile_limit)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    per_variant = {}  # label -> {kernel: ms per step}
     module = sys.modules[type(base).__module__]
     rope = getattr(module, "apply_rotary_pos_emb", None)  # cufuse.patch swaps it for every model of the module
     for label in a.variants.split(","):
@@ -98,12 +103,46 @@ def main():
             print(f"   GPU kernels, two steps: {total / 1e3:.2f} ms in all")
             for e in kern[:a.top]:
                 print(f"   {e.self_device_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:100]}")
+            per_variant[label] = {e.key: e.self_device_time_total / 2e3 for e in kern if "#" not in e.key}
         host = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CPU),
                       key=lambda e: -e.self_cpu_time_total)
         print("   host ops by self time, two steps:")
         for e in host[:a.top]:
             print(f"   {e.self_cpu_time_total / 1e3:8.2f} ms {e.count:5d}x  {e.key[:100]}")
         del model, opt, step
+    if per_variant:
+        compare(per_variant)
+
+
+FAMILIES = (("attention", r"sdpa|fmha|flash|cudnn"), ("GEMM", r"nvjet|gemm|cutlass|cublas|splitKreduce"),
+            ("optimizer", r"multi_tensor_apply"), ("Triton (Inductor)", r"^triton_"),
+            ("torch elementwise/reduce/copy", r"at::native|at_cuda_detail|Memset|Memcpy"))
+
+
+def family(name):
+    import re
+    return next((f for f, rx in FAMILIES if re.search(rx, name)), "other (cufuse's)")
+
+
+def compare(per_variant, top=12):
+    """GPU ms per step by kernel family and variant; the kernels whose time differs most from the first
+    variant's."""
+    labels = list(per_variant)
+    fams = [f for f, _ in FAMILIES] + ["other (cufuse's)"]
+    sums = {lb: collections.Counter() for lb in labels}
+    for lb, ks in per_variant.items():
+        for k, ms in ks.items():
+            sums[lb][family(k)] += ms
+    print("== GPU ms per step by kernel family: " + " | ".join(labels))
+    for f in fams + ["all"]:
+        vals = [sum(sums[lb].values()) if f == "all" else sums[lb][f] for lb in labels]
+        print(f"   {f:32s}" + "".join(f"{v:9.2f}" for v in vals))
+    names = set().union(*per_variant.values())
+    first = per_variant[labels[0]]
+    diff = sorted(names, key=lambda k: -max(abs(per_variant[lb].get(k, 0.0) - first.get(k, 0.0)) for lb in labels))
+    print(f"== kernels differing most from {labels[0]}'s, ms per step: " + " | ".join(labels))
+    for k in diff[:top]:
+        print("   " + "".join(f"{per_variant[lb].get(k, 0.0):7.3f}" for lb in labels) + f"  {k[:90]}")
 
 
 if __name__ == "__main__":
