@@ -132,12 +132,12 @@ _KERNELS: list = []  # the torch.library.Library holding the direct kernels (reg
 
 def _custom_op(qualname, *, mutates_args, schema, tags=()):
     """``torch.library.custom_op`` (schema, fake, autograd, opcheck), with the
-    function itself as the op's CPU and CUDA kernel: custom_op's own kernel
-    wrapper (an aliasing check per call, for ops that return their inputs,
-    which cufuse's never do) measured 30-40 us a call on an H200 host, paid
-    by every cufuse op a compiled model's graph runs. The function is kept
-    out of Dynamo's reach as custom_op keeps it (a call from a frame Dynamo
-    skips would otherwise compile cufuse's own code)."""
+    function itself as the op's CPU and CUDA kernel, skipping custom_op's own
+    kernel wrapper: its per-call aliasing check (for ops that return their
+    inputs, which cufuse's never do) is host time every cufuse op in a
+    compiled graph paid (bench/NOTES.md, session 57). The function stays out
+    of Dynamo's reach as custom_op keeps it (a call from a frame Dynamo skips
+    would otherwise compile cufuse's own code)."""
     import torch
 
     def make(fn):
