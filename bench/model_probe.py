@@ -4,9 +4,11 @@ each, and Liger-Kernel's patch, same run (python3 bench/model_probe.py
 [--model gpt2] [--dtype bfloat16] [--small] [--decode]); ``run`` is what
 bench/test_bench_models.py calls.
 
-Per variant: ms per training step (forward with labels, backward, AdamW
-step; the median over --rounds interleaved rounds of each round's median of
---reps CUDA-event timings after warm-up; every variant is built first, so the
+Per variant: ms per training step (forward with labels and
+``use_cache=False``, backward, AdamW step: transformers otherwise makes a KV
+cache in training too, a copy of every layer's keys and values; the median
+over --rounds interleaved rounds of each round's median of --reps CUDA-event
+timings after warm-up; every variant is built first, so the
 rounds alternate between them and a drift of the host or the GPU touches all
 alike), tokens/s, the peak memory a step allocates (first round), the first
 loss (all variants start from the same weights and batch, so the losses agree
@@ -159,7 +161,7 @@ def run(base, ids, reps=10, rounds=3, only=None, decode=False, log=print):
                 module.apply_rotary_pos_emb = v["rope"]  # the function this variant's patch installed
 
             def step(v=v):
-                loss = v["model"](input_ids=ids, labels=ids).loss
+                loss = v["model"](input_ids=ids, labels=ids, use_cache=False).loss  # training: no KV cache
                 loss.backward()
                 v["opt"].step()
                 v["opt"].zero_grad(set_to_none=True)

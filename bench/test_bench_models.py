@@ -83,7 +83,7 @@ def test_model_step(benchmark, models_report, family, dtype):
     patched.train()
 
     def step():
-        patched(input_ids=ids, labels=ids).loss.backward()
+        patched(input_ids=ids, labels=ids, use_cache=False).loss.backward()
         patched.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
 

@@ -43,7 +43,7 @@ def run(model, batches, device):
         torch.cuda.reset_peak_memory_stats()
     t0 = None
     for ids in batches:
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -62,7 +62,7 @@ def main():
         opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
         def step(model=model, opt=opt):
-            model(input_ids=ids, labels=ids).loss.backward()
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         for _ in range(3):

@@ -38,7 +38,7 @@ def main():
     ids = torch.randint(0, base.config.vocab_size, (a.batch, a.seq), device="cuda")
     for label, model in (("eager", base), ("cufuse-logits", logits), ("cufuse", patched)):
         def step():
-            loss = model(input_ids=ids, labels=ids).loss
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
             loss.backward()
             model.zero_grad(set_to_none=True)
         for _ in range(3):
