@@ -130,18 +130,19 @@ def _meta_result(*operands):
 _KERNELS: list = []  # the torch.library.Library holding the direct kernels (registrations last as long as it)
 
 
-def _custom_op(qualname, *, mutates_args, schema, tags=()):
-    """``torch.library.custom_op`` (schema, fake, autograd, opcheck), with the
-    function itself as the op's CPU and CUDA kernel, skipping custom_op's own
-    kernel wrapper: its per-call aliasing check (for ops that return their
-    inputs, which cufuse's never do) is host time every cufuse op in a
-    compiled graph paid (bench/NOTES.md, session 57). The function stays out
-    of Dynamo's reach as custom_op keeps it (a call from a frame Dynamo skips
-    would otherwise compile cufuse's own code)."""
+def _custom_op(qualname, schema, tags=()):
+    """``torch.library.custom_op`` (schema, fake, autograd, opcheck) of an op
+    that mutates nothing, with the function itself as its CPU and CUDA
+    kernel, skipping custom_op's own kernel wrapper: its per-call aliasing
+    check (for ops that return their inputs, which cufuse's never do) is host
+    time every cufuse op in a compiled graph paid (figures in
+    bench/NOTES.md). The function stays out of Dynamo's reach as custom_op
+    keeps it (a call from a frame Dynamo skips would otherwise compile
+    cufuse's own code)."""
     import torch
 
     def make(fn):
-        opdef = torch.library.custom_op(qualname, mutates_args=mutates_args, schema=schema, tags=tags)(fn)
+        opdef = torch.library.custom_op(qualname, mutates_args=(), schema=schema, tags=tags)(fn)
         if not _KERNELS:
             _KERNELS.append(torch.library.Library("cufuse", "IMPL"))
         kernel = torch._disable_dynamo(fn)
@@ -170,23 +171,23 @@ def register():
         return torch.empty(shape, dtype=dt, device=dev)
 
     # ---- forward operators: the op itself, operands as (tensor, number) pairs
-    @_custom_op("cufuse::add_relu", mutates_args=(), schema=S2)
+    @_custom_op("cufuse::add_relu", schema=S2)
     def add_relu(a, sa, b, sb):
         return E.add_relu(*_unpair([a, sa, b, sb]))
 
-    @_custom_op("cufuse::mul_tanh", mutates_args=(), schema=S2)
+    @_custom_op("cufuse::mul_tanh", schema=S2)
     def mul_tanh(a, sa, b, sb):
         return E.mul_tanh(*_unpair([a, sa, b, sb]))
 
-    @_custom_op("cufuse::add_mul_exp", mutates_args=(), schema=S2)
+    @_custom_op("cufuse::add_mul_exp", schema=S2)
     def add_mul_exp(a, sa, b, sb):
         return E.add_mul_exp(*_unpair([a, sa, b, sb]))
 
-    @_custom_op("cufuse::fma", mutates_args=(), schema=S3)
+    @_custom_op("cufuse::fma", schema=S3)
     def fma(q, sq, k, sk, v, sv):
         return E.fma(*_unpair([q, sq, k, sk, v, sv]))
 
-    @_custom_op("cufuse::bias_gelu", mutates_args=(), schema=SG)
+    @_custom_op("cufuse::bias_gelu", schema=SG)
     def bias_gelu(x, sx, b, sb, approximate):
         return E.bias_gelu(*_unpair([x, sx, b, sb]), approximate)
 
@@ -195,7 +196,7 @@ def register():
     bias_gelu.register_fake(lambda x, sx, b, sb, approximate: fake_like(*_unpair([x, sx, b, sb])))
 
     # ---- backward operators: one generated kernel each (cufuse/_autograd.py)
-    @_custom_op("cufuse::elementwise_backward", mutates_args=(), schema=SB)
+    @_custom_op("cufuse::elementwise_backward", schema=SB)
     def backward(key, g, ins, nums, y):
         _, bwd = AG._grads()[key]
         operands = [t if t is not None else s for t, s in zip(ins, nums)]
@@ -291,13 +292,13 @@ def _register_dropout(torch):
     """gelu_dropout and its backward (which draws the mask again from the seed)."""
     from .ops import elementwise as E
 
-    @_custom_op("cufuse::gelu_dropout", mutates_args=(),
-                             schema="(Tensor x, float p, Tensor seed, str approximate) -> Tensor")
+    @_custom_op("cufuse::gelu_dropout",
+                schema="(Tensor x, float p, Tensor seed, str approximate) -> Tensor")
     def gelu_dropout(x, p, seed, approximate):
         return E.gelu_dropout(x, p, True, int(seed.item()) & _U64, approximate)
 
-    @_custom_op("cufuse::gelu_dropout_backward", mutates_args=(),
-                             schema="(Tensor g, Tensor x, float p, Tensor seed, str approximate) -> Tensor")
+    @_custom_op("cufuse::gelu_dropout_backward",
+                schema="(Tensor g, Tensor x, float p, Tensor seed, str approximate) -> Tensor")
     def gelu_dropout_backward(g, x, p, seed, approximate):
         return E.gelu_dropout_grad(g, x, p, int(seed.item()) & _U64, approximate)
 
@@ -321,13 +322,13 @@ def _register_reductions(torch):
     """sum_squared (mean False) and mean_abs (True) over given axes, and their backward."""
     from .ops import reduction as RD
 
-    @_custom_op("cufuse::reduction", mutates_args=(),
-                             schema="(Tensor x, int[] axes, bool keepdims, ScalarType? dtype, bool mean) -> Tensor")
+    @_custom_op("cufuse::reduction",
+                schema="(Tensor x, int[] axes, bool keepdims, ScalarType? dtype, bool mean) -> Tensor")
     def reduction(x, axes, keepdims, dtype, mean):
         return (RD.mean_abs if mean else RD.sum_squared)(x, tuple(axes), keepdims, dtype)
 
-    @_custom_op("cufuse::reduction_backward", mutates_args=(),
-                             schema="(Tensor g, Tensor x, int[] axes, bool keepdims, bool mean) -> Tensor")
+    @_custom_op("cufuse::reduction_backward",
+                schema="(Tensor g, Tensor x, int[] axes, bool keepdims, bool mean) -> Tensor")
     def reduction_backward(g, x, axes, keepdims, mean):
         return AG.reduction_grad(g, x, tuple(axes), keepdims, mean)
 
@@ -356,30 +357,30 @@ def _register_rows(torch):
     """layer_norm (and its relu form), rms_norm, softmax / log_softmax."""
     from .ops import norm as N
 
-    @_custom_op("cufuse::layer_norm", mutates_args=(),
-                             schema="(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
-                                    "bool relu) -> Tensor")
+    @_custom_op("cufuse::layer_norm",
+                schema="(Tensor x, int[] normalized_shape, Tensor? weight, Tensor? bias, float eps, "
+                       "bool relu) -> Tensor")
     def layer_norm(x, ns, w, b, eps, relu):
         return (N.layer_norm_relu if relu else N.layer_norm)(x, tuple(ns), w, b, eps)
 
-    @_custom_op("cufuse::rms_norm", mutates_args=(),
-                             schema="(Tensor x, int[] normalized_shape, Tensor? weight, float eps) -> Tensor")
+    @_custom_op("cufuse::rms_norm",
+                schema="(Tensor x, int[] normalized_shape, Tensor? weight, float eps) -> Tensor")
     def rms_norm(x, ns, w, eps):
         return N.rms_norm(x, tuple(ns), w, eps)
 
-    @_custom_op("cufuse::softmax", mutates_args=(), schema="(Tensor x, int axis, bool log) -> Tensor")
+    @_custom_op("cufuse::softmax", schema="(Tensor x, int axis, bool log) -> Tensor")
     def softmax(x, axis, log):
         return (N.log_softmax if log else N.softmax)(x, axis)
 
-    @_custom_op("cufuse::norm_backward", mutates_args=(),
-                             schema="(str kind, Tensor g, Tensor x, int n, Tensor? weight, Tensor? bias, float eps) "
-                                    "-> Tensor[]")
+    @_custom_op("cufuse::norm_backward",
+                schema="(str kind, Tensor g, Tensor x, int n, Tensor? weight, Tensor? bias, float eps) "
+                       "-> Tensor[]")
     def norm_backward(kind, g, x, n, w, b, eps):
         dx, dw, db = AG.norm_backward(kind, g, x, n, w, b, eps)
         return [dx, x.new_empty((0,)) if dw is None else dw, x.new_empty((0,)) if db is None else db]
 
-    @_custom_op("cufuse::softmax_backward", mutates_args=(),
-                             schema="(Tensor g, Tensor y, int axis, bool log) -> Tensor")
+    @_custom_op("cufuse::softmax_backward",
+                schema="(Tensor g, Tensor y, int axis, bool log) -> Tensor")
     def softmax_backward(g, y, axis, log):
         return AG.softmax_backward(g, y, axis, log)
 
@@ -510,9 +511,9 @@ def _register_fused(torch):
     def detached(tensors):
         return [t.detach() for t in tensors]
 
-    @_custom_op("cufuse::fused", mutates_args=(),
-                             schema="(str key, str layout, Tensor[] tensors, float[] floats, int[] ints, "
-                                    "bool[] bools) -> Tensor[]")
+    @_custom_op("cufuse::fused",
+                schema="(str key, str layout, Tensor[] tensors, float[] floats, int[] ints, "
+                       "bool[] bools) -> Tensor[]")
     def fused(key, layout, tensors, floats, ints, bools):
         res = _fused(key)(*_unpack_fused(layout, detached(tensors), floats, ints, bools))
         # contiguous, as the fake results say (the engine may give strided inputs' layout to its results)
@@ -525,9 +526,9 @@ def _register_fused(torch):
         dev = tensors[0].device
         return [torch.empty(shape, dtype=A.numpy_to_torch_dtype(dt), device=dev) for shape, dt in metas]
 
-    @_custom_op("cufuse::fused_backward", mutates_args=(),
-                             schema="(str key, str layout, Tensor[] tensors, float[] floats, int[] ints, "
-                                    "bool[] bools, Tensor[] gouts, int[] need) -> Tensor[]")
+    @_custom_op("cufuse::fused_backward",
+                schema="(str key, str layout, Tensor[] tensors, float[] floats, int[] ints, "
+                       "bool[] bools, Tensor[] gouts, int[] need) -> Tensor[]")
     def fused_backward(key, layout, tensors, floats, ints, bools, gouts, need):
         ts = detached(tensors)
         args = _unpack_fused(layout, ts, floats, ints, bools)
@@ -598,9 +599,9 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reducti
 def _register_cross_entropy(torch):
     from .ops.cross_entropy import backward_rows, forward_rows
 
-    @_custom_op("cufuse::cross_entropy", mutates_args=(),
-                             schema="(Tensor logits, Tensor target, int ignore, float eps, float z, str reduction, "
-                                    "ScalarType? dtype) -> (Tensor, Tensor, Tensor)")
+    @_custom_op("cufuse::cross_entropy",
+                schema="(Tensor logits, Tensor target, int ignore, float eps, float z, str reduction, "
+                       "ScalarType? dtype) -> (Tensor, Tensor, Tensor)")
     def ce(logits, target, ignore, eps, z, reduction, dtype):
         return forward_rows(logits, target, ignore, eps, z, reduction, dtype)
 
@@ -611,9 +612,9 @@ def _register_cross_entropy(torch):
         loss = logits.new_empty((rows,) if reduction == "none" else (), dtype=dtype or logits.dtype)
         return loss, logits.new_empty((rows,), dtype=acc), target.new_empty(())
 
-    @_custom_op("cufuse::cross_entropy_backward", mutates_args=(),
-                             schema="(Tensor g, Tensor logits, Tensor target, Tensor lse, Tensor count, int ignore, "
-                                    "float eps, float z, str reduction) -> Tensor")
+    @_custom_op("cufuse::cross_entropy_backward",
+                schema="(Tensor g, Tensor logits, Tensor target, Tensor lse, Tensor count, int ignore, "
+                       "float eps, float z, str reduction) -> Tensor")
     def ce_backward(g, logits, target, lse, count, ignore, eps, z, reduction):
         return backward_rows(g, logits, target, lse, count, ignore, eps, z, reduction)
 
@@ -676,10 +677,10 @@ def linear_cross_entropy(hidden, weight, bias, target, ignore_index, label_smoot
 def _register_linear_cross_entropy(torch):
     from .ops.cross_entropy import grads_in_forward, linear_backward_rows, linear_forward_rows
 
-    @_custom_op("cufuse::linear_cross_entropy", mutates_args=(),
-                             schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore, "
-                                    "float eps, float z, str reduction, ScalarType? dtype, SymInt chunk_rows, "
-                                    "bool[] need) -> Tensor[]")
+    @_custom_op("cufuse::linear_cross_entropy",
+                schema="(Tensor hidden, Tensor weight, Tensor? bias, Tensor target, int ignore, "
+                       "float eps, float z, str reduction, ScalarType? dtype, SymInt chunk_rows, "
+                       "bool[] need) -> Tensor[]")
     def lce(hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need):
         return linear_forward_rows(hidden, weight, bias, target, ignore, eps, z, reduction, dtype, chunk_rows, need)
 
@@ -696,10 +697,10 @@ def _register_linear_cross_entropy(torch):
         grads = grads_like(hidden, weight, bias, need if made(hidden, reduction, need) else [False] * 3)
         return [loss, target.new_empty(())] + grads
 
-    @_custom_op("cufuse::linear_cross_entropy_backward", mutates_args=(),
-                             schema="(Tensor g, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
-                                    "Tensor count, int ignore, float eps, float z, str reduction, SymInt chunk_rows, "
-                                    "bool[] need) -> Tensor[]")
+    @_custom_op("cufuse::linear_cross_entropy_backward",
+                schema="(Tensor g, Tensor hidden, Tensor weight, Tensor? bias, Tensor target, "
+                       "Tensor count, int ignore, float eps, float z, str reduction, SymInt chunk_rows, "
+                       "bool[] need) -> Tensor[]")
     def lce_backward(g, hidden, weight, bias, target, count, ignore, eps, z, reduction, chunk_rows, need):
         return linear_backward_rows(g, hidden, weight, bias, target, count, ignore, eps, z, reduction, chunk_rows,
                                     need)
@@ -746,8 +747,8 @@ def rope(xs, cos, sin, interleaved):
 def _register_rope(torch):
     from .ops.rope import out_strides, rotate_tensors
 
-    @_custom_op("cufuse::rope", mutates_args=(),
-                             schema="(Tensor[] xs, Tensor cos, Tensor sin, bool interleaved, bool bwd) -> Tensor[]")
+    @_custom_op("cufuse::rope",
+                schema="(Tensor[] xs, Tensor cos, Tensor sin, bool interleaved, bool bwd) -> Tensor[]")
     def rope_op(xs, cos, sin, interleaved, bwd):
         return rotate_tensors(xs, cos, sin, interleaved, bwd)
 
@@ -795,14 +796,14 @@ def attention_score(q, k, scale, mask):
 def _register_attention(torch):
     from .ops.attention import backward_tensors, forward_tensors, score_backward, score_tensors
 
-    @_custom_op("cufuse::attention", mutates_args=(),
-                             schema="(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> (Tensor, Tensor)")
+    @_custom_op("cufuse::attention",
+                schema="(Tensor q, Tensor k, Tensor v, float scale, bool causal) -> (Tensor, Tensor)")
     def attention_op(q, k, v, scale, causal):
         return forward_tensors(q, k, v, scale, causal)
 
-    @_custom_op("cufuse::attention_backward", mutates_args=(),
-                             schema="(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor go, float scale, "
-                                    "bool causal) -> (Tensor, Tensor, Tensor)")
+    @_custom_op("cufuse::attention_backward",
+                schema="(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor go, float scale, "
+                       "bool causal) -> (Tensor, Tensor, Tensor)")
     def attention_backward(q, k, v, o, lse, go, scale, causal):
         return backward_tensors(q, k, v, o, lse, go, scale, causal)
 
@@ -826,8 +827,8 @@ def _register_attention(torch):
     attention_op.register_autograd(grad, setup_context=setup)
     _OPS["attention"] = attention_op
 
-    @_custom_op("cufuse::attention_score", mutates_args=(),
-                             schema="(Tensor q, Tensor k, float scale, Tensor? mask) -> Tensor")
+    @_custom_op("cufuse::attention_score",
+                schema="(Tensor q, Tensor k, float scale, Tensor? mask) -> Tensor")
     def attention_score_op(q, k, scale, mask):
         return score_tensors(q, k, scale, mask)
 
@@ -861,16 +862,16 @@ def _register_scatter(torch):
     # the index range is checked on the host: not capturable in a CUDA graph (inductor's cudagraphs skip it)
     unsafe = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
-    @_custom_op("cufuse::scatter_add", mutates_args=(), tags=unsafe,
-                             schema="(Tensor values, Tensor index, int dim_size, str activation) -> Tensor")
+    @_custom_op("cufuse::scatter_add", tags=unsafe,
+                schema="(Tensor values, Tensor index, int dim_size, str activation) -> Tensor")
     def scatter_op(values, index, dim_size, activation):
         return forward_op(values, index, dim_size, activation)
 
     scatter_op.register_fake(lambda values, index, dim_size, activation:
                              values.new_empty((dim_size,) + tuple(values.shape[1:])))
 
-    @_custom_op("cufuse::scatter_add_backward", mutates_args=(),
-                             schema="(Tensor g, Tensor values, Tensor index, str activation) -> Tensor")
+    @_custom_op("cufuse::scatter_add_backward",
+                schema="(Tensor g, Tensor values, Tensor index, str activation) -> Tensor")
     def scatter_backward(g, values, index, activation):
         return backward_op(g, values, index, activation)
 

@@ -307,9 +307,7 @@ def _traced_int(v):
     """chunk_rows under torch.compile: a NumPy integer as an int (torch 2.11's Dynamo traces one as a
     tensor, refusing operator.index on it and answering False to isinstance(v, np.integer), but int()
     works); anything without a dtype goes on as given, for the registered operator's wrapper to check."""
-    if v is None or isinstance(v, (int, float, np.floating)) or not hasattr(v, "dtype"):
-        return v
-    return int(v)
+    return int(v) if hasattr(v, "dtype") and not isinstance(v, np.floating) else v
 
 
 def _linear_args(name, hidden, weight, bias, target, ignore_index, label_smoothing, z_loss, reduction, chunk_rows):
