@@ -195,6 +195,7 @@ def _fused_class(torch):
     class FusedFn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, fused, into_inputs, *args):
+            fused._differentiable_once(args)  # NotImplementedError before anything runs
             tensors = [a for a in args if A.is_torch_tensor(a)]
             ctx.fused = fused
             ctx.args = [_TENSOR if A.is_torch_tensor(a) else a for a in args]
@@ -269,17 +270,26 @@ def _row_fns():
     return _ROW
 
 
+_NORM_OPS: list = []  # cufuse.ops.norm, imported at the first backward (it imports this module)
+
+
+def _norm_ops():
+    if not _NORM_OPS:
+        from .ops import norm
+        _NORM_OPS.append(norm)
+    return _NORM_OPS[0]
+
+
 def norm_backward(kind, g, x, n, w, b, eps, gadd=None):
     """(dx, dw or None, db or None) of layer_norm (kind "layer", "layer_relu")
     or rms_norm ("rms") over the last ``n`` elements of each row; ``gadd``
     (x's shape, or None) is added to dx (the residual-add norms: x is the
     sum they return too, gadd its gradient)."""
-    import torch
     if x.is_cuda:  # one pass (kernels/norm_backward.cu) where the rows fit it
-        from .ops.norm import backward_rows
-        res = backward_rows(kind, g, x, n, w, b, eps, gadd)
+        res = _norm_ops().backward_rows(kind, g, x, n, w, b, eps, gadd)
         if res is not None:
             return res
+    import torch
     if gadd is not None:
         dx, dw, db = norm_backward(kind, g, x, n, w, b, eps)
         return dx + gadd, dw, db
@@ -311,12 +321,11 @@ def norm_backward(kind, g, x, n, w, b, eps, gadd=None):
 
 def softmax_backward(g, y, axis, log):
     """dx of softmax / log_softmax along ``axis`` from the output ``y``."""
-    import torch
     if y.is_cuda and y.dim() and axis % y.dim() == y.dim() - 1:  # one pass (kernels/norm_backward.cu)
-        from .ops.norm import softmax_backward_rows
-        dx = softmax_backward_rows(g, y, log)
+        dx = _norm_ops().softmax_backward_rows(g, y, log)
         if dx is not None:
             return dx
+    import torch
     R = _row_fns()
     acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
     gm, ym = g.movedim(axis, -1).to(acc), y.movedim(axis, -1).to(acc)

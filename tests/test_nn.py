@@ -250,6 +250,42 @@ def test_swiglu_backward_into_the_projections_outputs():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("case", ["same tensor twice", "overlapping views", "apart"])
+def test_gradients_into_arguments_that_share_memory(case):
+    """The backward that may write each gradient into its argument
+    (SwiGLU's) does so only where no other argument shares a byte with it:
+    the same intermediate given twice, or two contiguous views of one
+    buffer that overlap, get gradients of their own (right values); two
+    apart still get theirs in place."""
+    fn = cnn._GATES["silu"]
+    g = torch.Generator().manual_seed(43)
+    x0 = torch.randn(3 * 512, generator=g, dtype=torch.float64)
+    a = x0.to("cuda", torch.float32).requires_grad_(True)
+    ref = x0.clone().requires_grad_(True)
+
+    def split(t):
+        base = t * 1.0  # an intermediate: its memory is autograd's own
+        if case == "same tensor twice":
+            return base[:1024], base[:1024], base
+        if case == "overlapping views":
+            return base[:1024], base[512:1536], base
+        return base[:512], base[1024:1536], base
+    gate, up, base = split(a)
+    rg, ru, _ = split(ref)
+    dy = torch.randn(gate.shape, generator=g, dtype=torch.float64)
+    seen = []
+    base.register_hook(lambda grad: seen.append(grad))
+    y = fn._recorded((gate, up), into_inputs=True)
+    y.backward(dy.to("cuda", torch.float32))
+    (torch.nn.functional.silu(rg) * ru).backward(dy)
+    torch.testing.assert_close(a.grad.double().cpu(), ref.grad, rtol=1e-5, atol=1e-5)
+    if case == "apart":  # in place: gate's view of base now holds gate's gradient
+        assert torch.equal(base.detach()[:512], seen[0][:512])
+    else:  # base's memory untouched
+        assert torch.equal(base.detach(), a.detach() * 1.0)
+
+
+@pytest.mark.cuda
 def test_functional_swiglu_leaves_its_arguments_alone():
     """cufuse.nn.swiglu called on a caller's tensors (intermediates too) never
     writes gradients into them: only the module, which made them, does."""

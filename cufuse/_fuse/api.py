@@ -135,6 +135,20 @@ class _BackwardPlan(NamedTuple):
     n: float           # the last dim of the broadcast shape (the backward's row length argument)
     unsqueeze: tuple   # per output: its incoming gradient gets a trailing 1 (a reduction without keepdims)
     into: bool         # each gradient may be written into its argument (contiguous CUDA tensors of its shape, dtype)
+    # where ``into``: per tensor argument (its index among the call signature's pointers, its view's
+    # [lo, hi) bytes from its address), and the index in that list of each ``wrt`` position
+    spans: tuple = ()
+    wrt_tensors: tuple = ()
+
+
+def _shares_bytes(plan, ptrs):
+    """A tensor argument a gradient would be written into shares a byte with
+    another argument (the same tensor given twice included), from the call's
+    pointers and the plan's byte spans: the gradients then get memory of
+    their own."""
+    ext = [(ptrs[k] + lo, ptrs[k] + hi) for k, lo, hi in plan.spans]
+    return any(ext[i][0] < ext[j][1] and ext[j][0] < ext[i][1]
+               for i in plan.wrt_tensors for j in range(len(ext)) if j != i)
 
 
 class Fused:
@@ -156,6 +170,7 @@ class Fused:
         self.fast = D.FastPath(f"fuse({self.__name__})")
         self._plans: dict = {}
         self._bwd_plans: dict = {}  # (call signature, positions) -> _BackwardPlan
+        self._grad_ok: set = set()  # call signatures (grad mode off) whose function is differentiable
         self._op_key = TO.fused_key(self)  # its name for torch.ops.cufuse.fused (torch.compile)
 
     def __repr__(self):
@@ -340,17 +355,29 @@ class Fused:
 
     # ------------------------------------------------------------ autograd
     def _recorded(self, args, into_inputs=False):
-        """The call recorded for autograd (cufuse/_autograd.py fused_apply);
-        ``into_inputs``: its backward writes each gradient into its argument's
-        memory where it can."""
-        self._differentiable([a.detach() if A.is_torch_tensor(a) else a for a in args])
+        """The call recorded for autograd (cufuse/_autograd.py fused_apply,
+        whose forward asks ``_differentiable_once`` first); ``into_inputs``:
+        its backward writes each gradient into its argument's memory where it
+        can."""
         return AG.fused_apply(self, args, into_inputs)
 
     def _differentiable(self, args):
         """NotImplementedError where the function of these argument types has
         no gradient (max / min reductions), before anything runs."""
-        kind, spec, _, _ = self._classify(args)
+        kind, spec, _, _ = self._classify([a.detach() if A.is_torch_tensor(a) else a for a in args])
         grad.differentiable_inputs(self._signature(spec, len(args), kind).graph)
+
+    def _differentiable_once(self, args):
+        """``_differentiable`` of an eager call made with grad mode off (a
+        Function's forward), asked once per CUDA call signature."""
+        s = D.signature(args)
+        if s is not None and s[0] in self._grad_ok:
+            return
+        self._differentiable(args)
+        if s is not None:
+            if len(self._grad_ok) >= D.FastPath.MAX:
+                self._grad_ok.clear()
+            self._grad_ok.add(s[0])
 
     def _backward(self, args, gouts, need, into_inputs=False):
         """{argument position: gradient} for the positions in ``need`` that
@@ -374,11 +401,10 @@ class Fused:
         if plan.fn is None:
             return {}
         gl = [go.unsqueeze(-1) if u else go for u, go in zip(plan.unsqueeze, gouts)]
-        into = into_inputs and plan.into and all(not D.overlaps(args[p], a, A.TORCH_CUDA) for p in plan.wrt
-                                                 for a in args if a is not args[p] and A.is_torch_tensor(a))
+        into = into_inputs and plan.into and key is not None and not _shares_bytes(plan, s[1])
         res = plan.fn(*gl, plan.n, *args, out=tuple(args[p] for p in plan.wrt) if into else None)
         res = res if isinstance(res, tuple) else (res,)
-        return {p: r if tuple(r.shape) == tuple(args[p].shape) else r.sum_to_size(args[p].shape)
+        return {p: r if r.shape == args[p].shape else r.sum_to_size(args[p].shape)
                 for p, r in zip(plan.wrt, res)}
 
     def _backward_plan(self, args, need, gouts):
@@ -402,7 +428,13 @@ class Fused:
             meta, _ = bwd._result_meta((*gl, float(shape[-1]) if shape else 1.0, *args))
             into = all((tuple(args[p].shape), A.torch_to_numpy_dtype(args[p].dtype)) == (tuple(s), dt)
                        for p, (s, dt) in zip(wrt, meta))
-        return _BackwardPlan(bwd, wrt, float(shape[-1]) if shape else 1.0, unsqueeze, into)
+        spans, wrt_tensors = (), ()
+        if into:  # every argument is a CUDA tensor or a number: the k-th tensor is the k-th pointer
+            pos = [p for p, a in enumerate(args) if A.is_torch_tensor(a)]
+            spans = tuple((k, *A.extent(0, tuple(args[p].shape), args[p].stride(), args[p].element_size()))
+                          for k, p in enumerate(pos))
+            wrt_tensors = tuple(pos.index(p) for p in wrt)
+        return _BackwardPlan(bwd, wrt, float(shape[-1]) if shape else 1.0, unsqueeze, into, spans, wrt_tensors)
 
     # ------------------------------------------------------------ Dask
     def _dask(self, args, out):
