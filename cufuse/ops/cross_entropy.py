@@ -616,7 +616,10 @@ def _linear_function(torch):
                                        "(retain_graph=True) of a mean or sum loss: its gradients were made in the "
                                        "forward and handed to the first one; use reduction='none' and reduce that")
                 grads, ctx.grads = ctx.grads, None
-                gh, gw, gb = [None if d is None else d.mul_(g) for d in grads]
+                # a CUDA 16-bit tensor times a float32 0-dim one takes torch's casting kernel (its factor
+                # rounded to the tensor's dtype first): cast here, the same bits at the vectorized kernel's speed
+                # (the CPU kernel multiplies by the factor unrounded)
+                gh, gw, gb = [None if d is None else d.mul_(g.to(d.dtype) if d.is_cuda else g) for d in grads]
             else:
                 h, w, b = ctx.saved_tensors
                 gh, gw, gb = _linear_backward(ctx.args, h, w, b, ctx.reduction, ctx.odt, g, ctx.count,
