@@ -4,8 +4,10 @@ bench/model_probe.py, one step split into forward (with the loss), backward
 and optimizer (AdamW step + zero_grad). Per phase: the host's time to queue it
 (perf_counter, no synchronization) and the GPU's span over it (CUDA events at
 the phase boundaries). A phase whose GPU span is near its host time is
-host-bound. Then the forward's host time by module class (forward hooks; the
-hooks' own cost included), eager against each patched variant.
+host-bound. For the variants that are not compiled, the host time of each
+cufuse autograd Function's backward, and the forward's host time by module
+class (forward hooks; the hooks' own cost included), eager against each
+patched variant.
 """
 from __future__ import annotations
 
@@ -82,6 +84,39 @@ def forward_by_module(model, ids, reps):
     return {k: 1e3 * v / reps for k, v in spent.items()}
 
 
+def backward_nodes(model, ids, reps):
+    """µs per call and calls per step of each cufuse autograd Function's
+    backward in the training step (torch runs them on its device thread,
+    between its own ops), by the Function (and the registered operator of an
+    EagerOp)."""
+    from cufuse import _autograd as AG
+    spent = collections.defaultdict(lambda: [0.0, 0])
+    kept = {}
+    for key, cls in list(AG._CLASSES.items()):
+        kept[cls] = cls.__dict__["backward"]
+
+        def timed(ctx, *grads, f=cls.backward, key=key):
+            t0 = time.perf_counter()
+            r = f(ctx, *grads)
+            op = getattr(getattr(ctx, "opdef", None), "_name", None)
+            e = spent[f"{key}:{op}" if op else key]
+            e[0] += time.perf_counter() - t0
+            e[1] += 1
+            return r
+        cls.backward = staticmethod(timed)
+    try:
+        for i in range(reps + 2):
+            if i == 2:
+                spent.clear()
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+    finally:
+        for cls, f in kept.items():
+            cls.backward = f
+    return {k: (1e6 * t / n, n / reps) for k, (t, n) in spent.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", default="bfloat16")
@@ -105,6 +140,8 @@ def main():
         for k, (h, g) in r.items():
             print(f"   {k:10} {h:8.2f} {g:8.2f}" + ("   (step: issue / synchronized)" if k == "step" else ""))
         if "compile" not in label:
+            for k, (us, n) in sorted(backward_nodes(model, ids, a.reps).items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+                print(f"   backward of {k:28} {us:8.1f} us/call {n:5.1f}/step")
             mods[label] = forward_by_module(model, ids, a.reps)
         del model, opt
         torch.cuda.empty_cache()
