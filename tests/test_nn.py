@@ -249,15 +249,20 @@ def test_swiglu_backward_into_the_projections_outputs():
         torch.testing.assert_close(a, 2 * b, rtol=1e-2, atol=1e-2)
 
 
+_SCALED_GATE = cufuse.fuse(lambda a, s, b: a * cufuse.sigmoid(a) * b * s)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("case", ["same tensor twice", "overlapping views", "apart"])
+@pytest.mark.parametrize("case", ["same tensor twice", "overlapping views", "apart",
+                                  "overlapping, a number between", "apart, a number between"])
 def test_gradients_into_arguments_that_share_memory(case):
     """The backward that may write each gradient into its argument
     (SwiGLU's) does so only where no other argument shares a byte with it:
     the same intermediate given twice, or two contiguous views of one
     buffer that overlap, get gradients of their own (right values); two
-    apart still get theirs in place."""
-    fn = cnn._GATES["silu"]
+    apart still get theirs in place. With a number among the arguments, an
+    argument's position is not its place among the tensors."""
+    scaled = "number" in case
     g = torch.Generator().manual_seed(43)
     x0 = torch.randn(3 * 512, generator=g, dtype=torch.float64)
     a = x0.to("cuda", torch.float32).requires_grad_(True)
@@ -266,8 +271,9 @@ def test_gradients_into_arguments_that_share_memory(case):
     def split(t):
         base = t * 1.0  # an intermediate: its memory is autograd's own
         if case == "same tensor twice":
-            return base[:1024], base[:1024], base
-        if case == "overlapping views":
+            v = base[:1024]
+            return v, v, base
+        if case.startswith("overlapping"):
             return base[:1024], base[512:1536], base
         return base[:512], base[1024:1536], base
     gate, up, base = split(a)
@@ -275,11 +281,16 @@ def test_gradients_into_arguments_that_share_memory(case):
     dy = torch.randn(gate.shape, generator=g, dtype=torch.float64)
     seen = []
     base.register_hook(lambda grad: seen.append(grad))
-    y = fn._recorded((gate, up), into_inputs=True)
+    if scaled:
+        y = _SCALED_GATE._recorded((gate, 0.5, up), into_inputs=True)
+        expect = torch.nn.functional.silu(rg) * ru * 0.5
+    else:
+        y = cnn._GATES["silu"]._recorded((gate, up), into_inputs=True)
+        expect = torch.nn.functional.silu(rg) * ru
     y.backward(dy.to("cuda", torch.float32))
-    (torch.nn.functional.silu(rg) * ru).backward(dy)
+    expect.backward(dy)
     torch.testing.assert_close(a.grad.double().cpu(), ref.grad, rtol=1e-5, atol=1e-5)
-    if case == "apart":  # in place: gate's view of base now holds gate's gradient
+    if case.startswith("apart"):  # in place: gate's view of base now holds gate's gradient
         assert torch.equal(base.detach()[:512], seen[0][:512])
     else:  # base's memory untouched
         assert torch.equal(base.detach(), a.detach() * 1.0)

@@ -616,10 +616,7 @@ def _linear_function(torch):
                                        "(retain_graph=True) of a mean or sum loss: its gradients were made in the "
                                        "forward and handed to the first one; use reduction='none' and reduce that")
                 grads, ctx.grads = ctx.grads, None
-                # a CUDA 16-bit tensor times a float32 0-dim one takes torch's casting kernel (its factor
-                # rounded to the tensor's dtype first): cast here, the same bits at the vectorized kernel's speed
-                # (the CPU kernel multiplies by the factor unrounded)
-                gh, gw, gb = [None if d is None else d.mul_(g.to(d.dtype) if d.is_cuda else g) for d in grads]
+                gh, gw, gb = _scaled(grads, g)
             else:
                 h, w, b = ctx.saved_tensors
                 gh, gw, gb = _linear_backward(ctx.args, h, w, b, ctx.reduction, ctx.odt, g, ctx.count,
@@ -627,6 +624,26 @@ def _linear_function(torch):
             return gh, gw, gb, None, None, None
 
     return LinearCrossEntropyFn
+
+
+def _scaled(grads, g):
+    """The gradients (None where absent) times the 0-dim ``g``, in place. A
+    CUDA 16-bit tensor times a float32 0-dim one takes torch's casting kernel,
+    which rounds the factor to the tensor's dtype first: cast once per dtype
+    here, the same bits at the vectorized kernel's speed (the CPU kernel
+    multiplies by the factor unrounded: kept)."""
+    factors: dict = {}
+    out = []
+    for d in grads:
+        if d is not None:
+            f = g
+            if d.is_cuda:
+                f = factors.get(d.dtype)
+                if f is None:
+                    f = factors[d.dtype] = g.to(d.dtype)
+            d = d.mul_(f)
+        out.append(d)
+    return out
 
 
 def _final_grads(grads, w, b, shape):
