@@ -1,0 +1,96 @@
+"""A Llama training step timed two ways, and under CUDA graphs
+(python3 scripts/train_modes.py [--dtype bfloat16] [--variants ...]): the
+model of bench/model_probe.py, eager, patched (cufuse.patch), and each under
+``torch.compile(mode="reduce-overhead")`` (CUDA graph trees: the host queues
+a replay, not the kernels). Per variant, ms per step:
+
+- synchronized: each step waited for (as bench/test_bench_models.py times it);
+- pipelined: 10 steps back to back, one synchronize at the end (a training
+  loop that reads its loss only at logging steps: the host queues the next
+  step while the GPU runs the last one).
+
+The AdamW step stays eager in every variant. Also the first loss of each, for
+a check that every variant trains the same model.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import model_probe  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--variants", default="eager,cufuse,compile,compile-ro,cufuse+compile-ro")
+    ap.add_argument("--rounds", type=int, default=5)
+    a = ap.parse_args()
+    dt = getattr(torch, a.dtype)
+    base = model_probe.build("llama", False, "cuda", dt)
+    ids = torch.randint(0, base.config.vocab_size, (4, 1024), device="cuda")
+    makers = model_probe.variants(base)
+    module = sys.modules[type(base).__module__]
+    rope = getattr(module, "apply_rotary_pos_emb", None)
+    for label in a.variants.split(","):
+        graphs = label.endswith("-ro")
+        if rope is not None:
+            module.apply_rotary_pos_emb = rope  # each variant starts from transformers' own (a patch replaces it)
+        torch._dynamo.reset()
+        model = makers[label[:-len("+compile-ro")] if label.endswith("+compile-ro") else
+                       "eager" if label == "compile-ro" else label]().train()
+        if graphs:
+            model = torch.compile(model, mode="reduce-overhead")
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        first = []
+
+        def step():
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if not first:
+                first.append(loss.item())
+        try:
+            t0 = time.perf_counter()
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            warm = time.perf_counter() - t0
+            synced, piped = [], []
+            for _ in range(a.rounds):
+                ts = []
+                for _ in range(10):
+                    t = time.perf_counter()
+                    step()
+                    torch.cuda.synchronize()
+                    ts.append(time.perf_counter() - t)
+                synced.append(statistics.median(ts))
+                t = time.perf_counter()
+                for _ in range(10):
+                    step()
+                torch.cuda.synchronize()
+                piped.append((time.perf_counter() - t) / 10)
+        except Exception as e:  # a variant that fails says so and the others run
+            print(f"{label:18} failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
+            continue
+        finally:
+            if rope is not None:
+                module.apply_rotary_pos_emb = rope
+        print(f"{label:18} synchronized {1e3 * statistics.median(synced):7.2f} ms   pipelined "
+              f"{1e3 * statistics.median(piped):7.2f} ms   first loss {first[0]:.4f}   warm-up {warm:5.1f} s",
+              flush=True)
+        del model, opt
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
