@@ -1602,6 +1602,77 @@ def test_clip_python_int_bounds(numpy_rules_backend, dtype):
             cufuse.fuse(lambda a: np.clip(a, lo, hi))(xa)
 
 
+def test_clip_bound_that_promotes(numpy_rules_backend):
+    """numpy.clip / cufuse.clip of an integer array whose lower bound promotes
+    it (a Python float, a wider integer array) and whose upper bound is a
+    Python int: NumPy's values and result dtype (the upper bound applies to
+    the promoted values, not cast back to the array's type)."""
+    backend = numpy_rules_backend
+    x32 = np.array([-5, 1, 5, 120], np.int32)
+    x8 = x32.astype(np.int8)
+    wide = np.array([100, 20, -3, 110], np.int32)
+    for a, lo, hi in ((x32, -1.25, 3), (x8, wide, 105), (x8, wide, 1000), (x8, 0.5, 100)):
+        ref = np.clip(a, lo, hi)
+        args = (backend.asarray(a), backend.asarray(lo) if isinstance(lo, np.ndarray) else lo, hi)
+        for fn in (lambda v, lo_, hi_: np.clip(v, lo_, hi_), lambda v, lo_, hi_: cufuse.clip(v, lo_, hi_)):
+            assert_exact(backend.to_numpy(cufuse.fuse(fn)(*args)), ref, ref.dtype, f"clip({lo}, {hi}) of {a.dtype}")
+
+
+def test_numpy_functions_of_python_scalars_are_strong(backend):
+    """A NumPy function of Python scalars gives a NumPy scalar, which NumPy 2
+    types strongly: int8_array + numpy.maximum(s, 0) is int64 and
+    float32_array * numpy.exp(s) float64, where s + 0 stays weak. torch takes
+    NumPy scalars as Python ones: the tensor's type."""
+    x8 = np.array([100, 120, -7], np.int8)
+    xf = np.array([1.5, -2.0, 3.0], np.float32)
+    cases = [(lambda a, s: a + np.maximum(s, 0), x8, 100), (lambda a, s: a * np.exp(s), xf, 0.1),
+             (lambda a, s: a + np.clip(s, 0, 5), x8, 3), (lambda a, s: a + (s + 0), x8, 100)]
+    if not backend.is_torch:  # (a tensor minus a 0-d NumPy array is NumPy's to compute: no torch reference)
+        cases.append((lambda a, s: a - np.where(s > 0, s, 0), xf, 2.5))
+    for fn, a, s in cases:
+        got = backend.to_numpy(cufuse.fuse(fn)(backend.asarray(a), s))
+        ref = fn(backend.torch.from_numpy(a), s).numpy() if backend.is_torch else fn(a, s)
+        assert got.dtype == ref.dtype, (backend, got.dtype, ref.dtype)
+        np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), rtol=1e-6)
+
+
+def test_numpy_fabs_gives_floats(backend):
+    """numpy.fabs of integers and booleans: NumPy's float types (int8 and bool float16, int16
+    float32, int32 and int64 float64), values |x|."""
+    for dt in (np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_, np.float32):
+        a = np.array([1, 0, 1], dt) if dt == np.bool_ else np.array([3, 0, 5], dt) if dt == np.uint8 else \
+            np.array([-3, 0, 5], dt)
+        ref = np.fabs(a)
+        assert_exact(backend.to_numpy(cufuse.fuse(lambda v: np.fabs(v))(backend.asarray(a))), ref, ref.dtype, dt.__name__)
+
+
+def test_sum_over_an_axis_its_values_do_not_span(backend):
+    """A trailing sum of values whose arguments all have size 1 on the last
+    axis, against a broadcast shape longer there, raises ValueError (each value
+    would count once per column; NumPy and torch count it once), before
+    anything runs; mean, max and min of such values are their values and stay
+    allowed, as does a sum of values that span the axis. A reduction without
+    an axis is NumPy's over every element: the last axis of a 1-d value only."""
+    a = backend.asarray(np.array([[1.0], [2.0]], np.float32))
+    b = backend.asarray(np.ones((2, 4), np.float32))
+    with pytest.raises(ValueError, match="count 4 times"):
+        cufuse.fuse(lambda u, v: (u.sum(axis=-1), (u * v).sum(axis=-1)))(a, b)
+    with pytest.raises(ValueError, match="count 4 times"):
+        cufuse.fuse(lambda u, v: (v.sum(axis=-1, keepdims=True), (u * 2.0).sum(axis=-1, keepdims=True)))(a, b)
+    m, s = cufuse.fuse(lambda u, v: (u.mean(axis=-1), (u * v).sum(axis=-1)))(a, b)
+    assert_exact(backend.to_numpy(m), np.array([1.0, 2.0]), np.float32, "mean")
+    assert_exact(backend.to_numpy(s), np.array([4.0, 8.0]), np.float32, "sum of u * v")
+    one = backend.asarray(np.array([[1.0], [2.0]], np.float32))
+    assert_exact(backend.to_numpy(cufuse.fuse(lambda u: u.sum(axis=-1))(one)), np.array([1.0, 2.0]), np.float32, "1 col")
+    with pytest.raises(cufuse.TraceError, match=r"write \.sum\(axis=-1\)"):
+        cufuse.fuse(lambda u: u.sum())(b)
+    with pytest.raises(cufuse.TraceError, match=r"write \.max\(axis=-1\)"):
+        cufuse.fuse(lambda u: np.max(u))(b)
+    v = backend.asarray(np.arange(1.0, 4.0, dtype=np.float32))
+    for f in (lambda u: u.sum(), lambda u: np.sum(u)):
+        assert_exact(backend.to_numpy(cufuse.fuse(f)(v)), np.float32(6.0), np.float32, "1-d sum")
+
+
 def _float_to_int_reference(v, dtype):
     """The documented float -> int conversion, element by element in Python:
     truncate; NaN or beyond int32 (int64 for 8-byte types) gives the minimum of

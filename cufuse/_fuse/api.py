@@ -294,12 +294,32 @@ class Fused:
         if not g.reduction:
             return shape, [shape] * len(g.outputs)
         outs = []
-        for _, kind, keep, _ in g.outputs:
+        for k, (node, kind, keep, _) in enumerate(g.outputs):
             if kind in ("max", "min") and shape[-1] == 0 and A.count(shape[:-1]):
                 raise ValueError(f"cufuse.{self._name}: {kind} over an empty last axis (size 0): a zero-size "
                                  "reduction has no identity")
+            if kind == "sum":
+                self._check_summed_axis(g, k, node, arrays, shape)
             outs.append(shape[:-1] + ((1,) if keep else ()))
         return shape, outs
+
+    def _check_summed_axis(self, g, k, node, arrays, shape):
+        """ValueError where output ``k`` sums values whose arguments all have
+        size 1 on the last axis while the broadcast shape does not: the kernel
+        reduces the broadcast shape's last axis, so each value would count once
+        per column, where NumPy and torch count it once."""
+        if shape[-1] == 1:
+            return
+        given = dict(arrays)
+        own = [tuple(given[g.inputs[i][0]].shape) for i in G.input_deps(g, node)]
+        if any(s and s[-1] != 1 for s in own):
+            return
+        which = f"output {k}" if g.tuple_out else "the result"
+        raise ValueError(f"cufuse.{self._name}: {which} sums over the last axis values that do not vary along "
+                         f"it: the arguments they are computed from have size 1 there (shapes "
+                         f"{', '.join(str(s) for s in own)}), the broadcast shape {tuple(shape)} has "
+                         f"{shape[-1]}, and each value would count {shape[-1]} times (NumPy and torch count it "
+                         "once); sum them apart, or broadcast them first")
 
     def _outs(self, sig, out, kind, shapes, device):
         g = sig.graph

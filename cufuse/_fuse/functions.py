@@ -107,10 +107,7 @@ def _np_reduction(kind):
     def f(x, axis=None, dtype=None, out=None, keepdims=False, **kw):
         if dtype is not None or out is not None or kw:
             raise G.TraceError(f"cufuse.fuse: numpy.{kind} inside a fused function takes axis and keepdims only")
-        if axis is None:
-            raise G.TraceError(f"cufuse.fuse: numpy.{kind} needs axis=-1 inside a fused function (only a "
-                               "reduction over the last axis is supported)")
-        return G.reduce(kind, x, axis, keepdims, {})
+        return G.reduce(kind, x, axis, keepdims, {})  # (no axis: as the method, a 1-d value's only)
     return f
 
 
@@ -137,6 +134,14 @@ def _np_rounding(ufunc, op):
     return f
 
 
+def _np_fabs(x):
+    """numpy.fabs: abs in the float type NumPy's loop gives (float16 for int8 and bool, float64 for int32)."""
+    a = G.lift(G._graph_of(x), x)
+    if not G.is_float(a.dtype):
+        a = G.cast(a, np.fabs.resolve_dtypes((a.dtype, None))[0])
+    return abs(a)
+
+
 def _np_where(c, a=None, b=None):
     if a is None or b is None:
         raise G.TraceError("cufuse.fuse: numpy.where needs three arguments inside a fused function")
@@ -156,7 +161,7 @@ NUMPY_UFUNCS = {
     "equal": lambda a, b: G.binary("eq", a, b), "not_equal": lambda a, b: G.binary("ne", a, b),
     "bitwise_and": lambda a, b: G.binary("and", a, b), "bitwise_or": lambda a, b: G.binary("or", a, b),
     "bitwise_xor": lambda a, b: G.binary("xor", a, b), "invert": lambda a: G.unary("invert", a),
-    "absolute": abs, "fabs": abs, "exp": exp, "exp2": exp2, "log": log, "log1p": log1p, "expm1": expm1,
+    "absolute": abs, "fabs": _np_fabs, "exp": exp, "exp2": exp2, "log": log, "log1p": log1p, "expm1": expm1,
     "sqrt": sqrt, "sin": sin, "cos": cos, "tanh": tanh, "rint": _np_rounding(np.rint, "round"), "floor": _np_rounding(np.floor, "floor"),
     "ceil": _np_rounding(np.ceil, "ceil"),
     "minimum": minimum, "maximum": maximum,

@@ -198,10 +198,11 @@ class Traced:
         return cast(self, dt)
 
     # --- the trailing reduction
-    def sum(self, axis=-1, keepdims=False, **kw): return reduce("sum", self, axis, keepdims, kw)
-    def mean(self, axis=-1, keepdims=False, **kw): return reduce("mean", self, axis, keepdims, kw)
-    def max(self, axis=-1, keepdims=False, **kw): return reduce("max", self, axis, keepdims, kw)
-    def min(self, axis=-1, keepdims=False, **kw): return reduce("min", self, axis, keepdims, kw)
+    # (no axis: over every element, as NumPy and torch reduce: the last axis of a 1-d value only)
+    def sum(self, axis=None, keepdims=False, **kw): return reduce("sum", self, axis, keepdims, kw)
+    def mean(self, axis=None, keepdims=False, **kw): return reduce("mean", self, axis, keepdims, kw)
+    def max(self, axis=None, keepdims=False, **kw): return reduce("max", self, axis, keepdims, kw)
+    def min(self, axis=None, keepdims=False, **kw): return reduce("min", self, axis, keepdims, kw)
 
     # --- NumPy functions on traced values
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -212,7 +213,7 @@ class Traced:
             extra = f" with keyword arguments {sorted(kwargs)}" if kwargs and fn is not None else ""
             raise TraceError(f"cufuse.fuse: numpy.{what}{extra} is not supported inside a fused function; "
                              f"supported NumPy ufuncs: {', '.join(sorted(NUMPY_UFUNCS))}")
-        return fn(*inputs)
+        return _numpy_result(self.graph, fn(*inputs))
 
     def __array_function__(self, func, types, args, kwargs):
         from .functions import NUMPY_FUNCTIONS
@@ -220,11 +221,21 @@ class Traced:
         if fn is None:
             raise TraceError(f"cufuse.fuse: numpy.{func.__name__} is not supported inside a fused function; "
                              f"supported NumPy functions: {', '.join(sorted(NUMPY_FUNCTIONS))} and the ufuncs")
-        return fn(*args, **kwargs)
+        return _numpy_result(self.graph, fn(*args, **kwargs))
 
     def __array__(self, *a, **k):
         raise TraceError("cufuse.fuse: a traced value was converted to a NumPy array (numpy.asarray or a "
                          "non-NumPy function); only cufuse's functions and NumPy ufuncs can be traced")
+
+
+def _numpy_result(g, r):
+    """A NumPy function's result: under NumPy 2's rules a NumPy function of
+    Python scalars gives a NumPy scalar, which is strongly typed
+    (``int8_array + numpy.maximum(s, 0)`` is int64); torch takes NumPy
+    scalars as it takes Python ones (weak)."""
+    if isinstance(r, Traced) and r.weak and r.graph.torch_float is None:
+        return Traced(r.graph, r.node, r.dtype, weak=False, ndim=r.ndim, reduced=r.reduced)
+    return r
 
 
 def _dtype_arg(dtype):
@@ -449,9 +460,10 @@ def clip(x, lo, hi):
         lo, hi = (cast(v, x.dtype) if v.weak and v.dtype.kind == "i" else v for v in (lo, hi))
     if x.weak or x.dtype.kind not in "iu" or g.torch_float is not None:
         return binary("minimum", binary("maximum", x, lo), hi)
-    dt = x.dtype
     for bound, op, side in ((lo, "maximum", "lo"), (hi, "minimum", "hi")):
-        if bound.weak and bound.dtype.kind == "i":
+        # (the lower bound may have promoted x: a float bound, a wider integer array)
+        if bound.weak and bound.dtype.kind == "i" and x.dtype.kind in "iu":
+            dt = x.dtype
             k = _param_index(bound)
             if k is not None:
                 g.checks.append((k, dt, side))
@@ -483,6 +495,12 @@ def reduce(kind, v, axis, keepdims, extra):
     v = lift(g, v)
     if v.weak or v.ndim == 0:
         raise TraceError(f"cufuse.fuse: .{kind}(axis=-1) needs an array of at least one dimension")
+    if axis is None:
+        if v.ndim > 1:
+            raise TraceError(f"cufuse.fuse: .{kind}() without an axis reduces every element of this "
+                             f"{v.ndim}-d value in NumPy and torch; a fused function reduces the last axis "
+                             f"only: write .{kind}(axis=-1)")
+        axis = -1
     if axis not in (-1, v.ndim - 1) or isinstance(axis, bool):
         raise TraceError(f"cufuse.fuse: only a reduction over the last axis is supported (axis=-1 or "
                          f"axis={v.ndim - 1} here); got axis={axis!r}")
@@ -548,6 +566,21 @@ def trace(fn, spec, torch_float=None):
         raise TraceError("cufuse.fuse: some outputs are reductions and some are not; with a trailing "
                          "reduction every output must be a reduction over the last axis")
     return g
+
+
+def input_deps(g, node):
+    """The indices (in ``g.inputs``) of the array inputs ``node`` is computed from."""
+    stack, seen, deps = [node], set(), set()
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        nd = g.nodes[n]
+        if nd.op == "input":
+            deps.add(nd.attr)
+        stack.extend(nd.args)
+    return deps
 
 
 def _depends_on_input(g, node):
