@@ -229,7 +229,7 @@ def cross_entropy(logits: Array, target: Array, /, *, ignore_index: int = -100, 
     logits is rounded once, from the float32 sum.
 
     Differentiable for torch tensors: the backward is one kernel. Where the
-    logits are an intermediate of the autograd graph (the output of an
+    logits are a CUDA intermediate of the autograd graph (the output of an
     ``lm_head``, not a leaf nor a view of one) and ``inplace_backward`` is true, it writes the
     gradient into the logits' own memory (no second vocabulary-sized buffer);
     the logits then hold their gradient, and another backward that saved
