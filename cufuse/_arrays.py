@@ -158,8 +158,10 @@ def kind_of(x):
         if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray):
             raise TypeError("got a numpy.ma.MaskedArray; its mask would be ignored: pass x.filled(value) "
                             "(or x.data to compute on the masked values too)")
+        _whole_strides(x)
         return NUMPY
     if isinstance(x, CupyArray):
+        _whole_strides(x)
         return CUPY
     if is_torch_tensor(x):
         return TORCH_CUDA if x.is_cuda else TORCH_CPU
@@ -171,6 +173,17 @@ def kind_of(x):
         raise TypeError(f"{type(x).__name__} scalars are not accepted; pass a float (or int) scalar")
     raise TypeError(f"got {type(x).__module__}.{type(x).__name__}; accepted are numpy.ndarray, "
                     "cupy.ndarray, torch.Tensor and Python/NumPy int or float scalars")
+
+
+def _whole_strides(x):
+    """ValueError for a NumPy or CuPy view whose byte strides are not whole
+    items (a field of a structured array, a view into bytes): kernels and the
+    NumPy paths step in elements."""
+    item = x.itemsize
+    if item > 1 and any(s % item for s in x.strides):
+        raise ValueError(f"got a {type(x).__module__.split('.')[0]} array of {x.dtype} with byte strides "
+                         f"{tuple(x.strides)}, not multiples of its {item}-byte items (a structured array's "
+                         "field?); pass a copy (numpy.ascontiguousarray / cupy.ascontiguousarray)")
 
 
 def dtype_of(x, kind):

@@ -577,13 +577,15 @@ def _color_spec(colors, c, yuv):
 
 def _yuv_params(p: Pipeline, dt):
     """(Rv, Gu, Gv, Bu, y offset, y gain, chroma offset, chroma gain, range) for a source dtype. The
-    8-bit levels (black 16, white 235, chroma 16-240 centered on 128) scale by 256 for uint16 (16-bit
-    video: 8-bit levels shifted left by 8) and by 1 / 255 for floats (float full range: chroma centered
-    on 0.5). The result is in the source's range: 0-255, 0-65535 or 0-1."""
+    8-bit levels (black 16, white 235, chroma 16-240 centered on 128; full range: 0-255) scale by 256
+    for uint16 (16-bit video: 8-bit levels shifted left by 8) and by 1 / 255 for floats. The result is
+    in the source's range, 8-bit white at its top: 0-255, 0-65535 or 0-1 (the 8-bit result times 257
+    for uint16, over 255 for floats)."""
     rng = _RANGE[dt]
     unit = {U8: 1.0, U16: 256.0}.get(dt, 1.0 / 255.0)
     if p.full_range:
-        yo, yg, co, cg = 0.0, 1.0, (0.5 if unit < 1 else 128.0 * unit), 1.0
+        g = rng / (255.0 * unit)  # 8-bit white to the range's top, as limited range's 235
+        yo, yg, co, cg = 0.0, g, 128.0 * unit, g
     else:
         yo, yg, co, cg = 16.0 * unit, rng / (219.0 * unit), 128.0 * unit, rng / (224.0 * unit)
     return (*_YUV_MATRIX[p.matrix], yo, yg, co, cg, rng)
@@ -1134,10 +1136,13 @@ class VerticalFlip(_Step):
 class Compose:
     """A torchvision.transforms.v2.Compose-style front end: ``Compose([CenterCrop(...), Resize(...),
     ToDtype(torch.float16, scale=True), Normalize(mean, std)])(images, rects)`` runs as one Pipeline
-    (one kernel). The transforms must follow the Pipeline's order (crop, resize, flip, color,
-    ToDtype, Normalize); ToDtype with scale=True before Normalize multiplies by 1 / range first."""
+    (one kernel). The transforms must follow the Pipeline's order (crop, resize and flips, color,
+    ToDtype, Normalize); ToDtype with scale=True before Normalize multiplies by 1 / range first. The
+    kernel flips the crop before resizing it: the same as flipping the resized image for a bilinear
+    Resize, not for nearest sampling (at ties) nor for a Letterbox (its odd padding pixel), so a flip
+    after those raises (put it before them)."""
 
-    _ORDER = {CenterCrop: 0, Resize: 1, Letterbox: 1, HorizontalFlip: 2, VerticalFlip: 2, ConvertColor: 3,
+    _ORDER = {CenterCrop: 0, Resize: 1, Letterbox: 1, HorizontalFlip: 1, VerticalFlip: 1, ConvertColor: 3,
               ToDtype: 4, Normalize: 5}
 
     def __init__(self, transforms: Sequence[Any], layout: str | None = None):
@@ -1148,9 +1153,21 @@ class Compose:
             if rank is None:
                 raise TypeError(_err(f"Compose takes {', '.join(c.__name__ for c in self._ORDER)}; got {t!r}"))
             if rank < last:
-                raise ValueError(_err(f"{type(t).__name__} after a later step: the order is crop, resize, flip, "
-                                      "color, ToDtype, Normalize"))
+                raise ValueError(_err(f"{type(t).__name__} after a later step: the order is crop, resize and "
+                                      "flips, color, ToDtype, Normalize"))
             last = rank
+        sizing = None  # the Resize or Letterbox met so far
+        for t in self.transforms:
+            if isinstance(t, (Resize, Letterbox)):
+                sizing = t
+            elif isinstance(t, (HorizontalFlip, VerticalFlip)) and sizing is not None and (
+                    isinstance(sizing, Letterbox) or sizing.interpolation != "bilinear"):
+                how = "its padding's odd pixel" if isinstance(sizing, Letterbox) else \
+                    f"{sizing.interpolation} sampling at ties"
+                raise ValueError(_err(f"{type(t).__name__} after {type(sizing).__name__}"
+                                      f"(interpolation={sizing.interpolation!r}): the kernel flips the crop before "
+                                      f"resizing it, which differs from flipping the result ({how}); put the flip "
+                                      f"before the {type(sizing).__name__}"))
         self.layout = layout
         self._crop = None
         self._todtype = None

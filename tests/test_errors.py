@@ -416,6 +416,24 @@ def test_per_channel_parameter_that_requires_grad(backend, launches):
     np.testing.assert_array_equal(backend.to_numpy(q), ref)
 
 
+def test_strides_of_partial_items_rejected():
+    """A view whose byte strides are not whole items (a structured array's
+    field) would be stepped through in elements: every entry point raises
+    ValueError naming the strides, before anything runs (the check is the
+    array classification's, CuPy arrays' too)."""
+    import cufuse.image  # noqa: F401
+    rec = np.zeros((4, 6), dtype=[("v", "<f4", (3,)), ("flag", "u1")])
+    rec["v"] = rand((4, 6, 3), F32, 6)
+    x = rec["v"][..., 0]  # float32 with byte strides (78, 13)
+    assert x.strides[-1] % 4
+    calls = [lambda: cufuse.add_relu(x, 1.0), lambda: cufuse.layer_norm(x, 6), lambda: cufuse.softmax(x),
+             lambda: cufuse.sum_squared(x), lambda: cufuse.fuse(lambda a: a * 2)(x),
+             lambda: cufuse.image.process(x, None)]
+    for call in calls:
+        with pytest.raises(ValueError, match="not multiples of its 4-byte items"):
+            call()
+
+
 def test_masked_arrays_rejected():
     """numpy.ma arrays: their mask would be ignored, so every entry point says so."""
     m = np.ma.masked_array(rand((2, 4), F32, 5), mask=[[1, 0, 0, 0], [0, 0, 0, 1]])

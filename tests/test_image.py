@@ -496,6 +496,27 @@ def test_compose(backend):
         I.Compose([I.Normalize(0, 1), I.Resize(4)])
 
 
+def test_compose_flip_and_resize_order(backend):
+    """Compose flips before or after a bilinear Resize alike (they commute: the
+    same as torch's flip of the resized image); before a nearest Resize it is
+    torch's flip-then-resize, and after a nearest Resize or a Letterbox (where
+    the kernel's flip-first would differ) it raises."""
+    torch = pytest.importorskip("torch")
+    x = np.arange(3 * 5, dtype=np.float32).reshape(3, 5, 1) * 7 % 11
+    xt = torch.from_numpy(x).permute(2, 0, 1)[None].double()
+    up = torch.nn.functional.interpolate(xt, size=(2, 4), mode="bilinear", align_corners=False)
+    for tf in (I.Compose([I.Resize((2, 4)), I.HorizontalFlip()]), I.Compose([I.HorizontalFlip(), I.Resize((2, 4))])):
+        got = backend.to_numpy(tf(backend.asarray(x)))
+        np.testing.assert_allclose(got, up.flip(-1).numpy(), rtol=1e-5, atol=1e-5)
+    got = backend.to_numpy(I.Compose([I.HorizontalFlip(), I.Resize((2, 4), "nearest")])(backend.asarray(x)))
+    ref = torch.nn.functional.interpolate(xt.flip(-1), size=(2, 4), mode="nearest")
+    np.testing.assert_array_equal(got, ref.numpy())
+    for sizing in (I.Resize((2, 4), "nearest"), I.Letterbox((4, 4))):
+        for flip in (I.HorizontalFlip(), I.VerticalFlip()):
+            with pytest.raises(ValueError, match="put the flip before"):
+                I.Compose([sizing, flip])
+
+
 # ----------------------------------------------------------------- YUV
 # Published matrices: BT.601 R = Y + 1.402 V, G = Y - 0.344136 U - 0.714136 V, B = Y + 1.772 U;
 # BT.709 R = Y + 1.5748 V, G = Y - 0.187324 U - 0.468124 V, B = Y + 1.8556 U (U, V centered on 0).
@@ -548,14 +569,16 @@ def test_yuv(backend, fmt, matrix, full_range):
 
 
 @pytest.mark.parametrize("dtype", [U16, F32])
-def test_yuv_16_bit_and_float(backend, dtype):
+@pytest.mark.parametrize("full_range", [False, True])
+def test_yuv_16_bit_and_float(backend, dtype, full_range):
     """uint16 frames hold the 8-bit levels shifted left by 8 (16-bit video), float frames the 8-bit levels
-    over 255 (chroma centered on 128 / 255): limited range gives the 8-bit result scaled to the range."""
+    over 255 (chroma centered on 128 / 255): limited and full range give the 8-bit result scaled to the
+    range (white at its top, neutral chroma neutral)."""
     rng = np.random.default_rng(41)
     frame, y, u, v = make_yuv(rng, 6, 10, "i420")
     wide = frame.astype(np.uint16) * 256 if dtype == U16 else frame.astype(np.float32) / 255
-    got8 = run(backend, frame, None, yuv="i420", size=(4, 6), dtype=np.float32)
-    got = run(backend, wide, None, yuv="i420", size=(4, 6), dtype=np.float32)
+    got8 = run(backend, frame, None, yuv="i420", size=(4, 6), dtype=np.float32, full_range=full_range)
+    got = run(backend, wide, None, yuv="i420", size=(4, 6), dtype=np.float32, full_range=full_range)
     factor = 257.0 if dtype == U16 else 1 / 255
     np.testing.assert_allclose(got, got8 * factor, rtol=1e-5, atol=1e-5 * factor * 255)
 
