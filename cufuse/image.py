@@ -316,6 +316,9 @@ def _items(imgs, rects, sources):
             r = r.astype(np.int64)
         elif r.size:
             raise TypeError(_err(f"rects must be integers (x, y, w, h), got dtype {r.dtype}"))
+    if r.dtype == np.uint64 and r.size and int(r.max()) > np.iinfo(np.int64).max:
+        i = np.unravel_index(int(np.argmax(r)), r.shape)
+        raise ValueError(_err(f"rects hold {int(r[i])}, beyond any image"))
     r = r.astype(np.int64)
     if r.ndim == 1 and r.shape[0] == 4:
         r = r[None]
@@ -343,7 +346,7 @@ def _items(imgs, rects, sources):
         i = int(np.argmax(bad))
         raise ValueError(_err(f"rectangle {i} (x={x[i]}, y={y[i]}, w={w[i]}, h={h[i]}) is empty: w and h must "
                               "be >= 1"))
-    bad = (x < 0) | (y < 0) | (x + w > ws) | (y + h > hs)
+    bad = (x < 0) | (y < 0) | (x > ws - w) | (y > hs - h)  # (x + w could overflow int64)
     if bad.any():
         i = int(np.argmax(bad))
         raise ValueError(_err(f"rectangle {i} (x={x[i]}, y={y[i]}, w={w[i]}, h={h[i]}) lies outside source "

@@ -733,6 +733,10 @@ def test_matches_opencv_nv12(backend, matrix, full_range):
 @pytest.mark.parametrize("call,exc,match", [
     (lambda x: I.process(x, [(0, 0, 9, 5)], size=4), ValueError, r"rectangle 0 \(x=0, y=0, w=9, h=5\) lies outside"),
     (lambda x: I.process(x, [(-1, 0, 2, 2)], size=4), ValueError, "lies outside"),
+    # x + w beyond int64 (it wrapped negative and passed), w beyond it, and a uint64 beyond int64
+    (lambda x: I.process(x, np.array([[2 ** 63 - 1, 0, 1, 1]]), size=4), ValueError, "lies outside"),
+    (lambda x: I.process(x, np.array([[1, 0, 2 ** 63 - 1, 1]]), size=4), ValueError, "lies outside"),
+    (lambda x: I.process(x, np.array([[0, 0, 2 ** 64 - 1, 1]], np.uint64), size=4), ValueError, "beyond any image"),
     (lambda x: I.process(x, [(0, 0, 0, 2)], size=4), ValueError, "is empty"),
     (lambda x: I.process(x, [(0, 0, 2, 2)], size=(0, 3)), ValueError, "output height must be >= 1"),
     (lambda x: I.process(x, [(0, 0, 2.5, 2)], size=3), TypeError, "must be integers"),
