@@ -180,7 +180,7 @@ def _whole_strides(x):
     items (a field of a structured array, a view into bytes): kernels and the
     NumPy paths step in elements."""
     item = x.itemsize
-    if item > 1 and any(s % item for s in x.strides):
+    if item > 1 and x.size and any(s % item for s, n in zip(x.strides, x.shape) if n > 1):  # (others not stepped)
         raise ValueError(f"got a {type(x).__module__.split('.')[0]} array of {x.dtype} with byte strides "
                          f"{tuple(x.strides)}, not multiples of its {item}-byte items (a structured array's "
                          "field?); pass a copy (numpy.ascontiguousarray / cupy.ascontiguousarray)")
