@@ -1126,14 +1126,14 @@ class ConvertColor(_Step):
 
 @dataclass(frozen=True)
 class HorizontalFlip(_Step):
-    def apply(self, p: Pipeline) -> Pipeline:
-        return p.flip(True, p.vflip)
+    def apply(self, p: Pipeline) -> Pipeline:  # (a second flip undoes the first, as in torchvision)
+        return p.flip(not p.hflip, p.vflip)
 
 
 @dataclass(frozen=True)
 class VerticalFlip(_Step):
     def apply(self, p: Pipeline) -> Pipeline:
-        return p.flip(p.hflip, True)
+        return p.flip(p.hflip, not p.vflip)
 
 
 class Compose:

@@ -104,6 +104,10 @@ def test_dask_errors():
         cufuse.layer_norm(da.from_array(x, chunks=(3, 8)), 8, d[0])
     with pytest.raises(TypeError, match="mixed with other arrays"):
         cufuse.fuse(lambda a, b: a + b)(d, x)
+    # a sum of values that do not span the last axis: as for NumPy arrays (the Dask path broadcasts later)
+    u, v = da.from_array(rand((6, 1), F32, 6), chunks=(3, 1)), da.from_array(x, chunks=(3, 8))
+    with pytest.raises(ValueError, match="count 8 times"):
+        cufuse.fuse(lambda a, b: ((a * 2.0).sum(axis=-1), b.sum(axis=-1)))(u, v)
 
 
 def _devices(d):

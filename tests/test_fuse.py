@@ -1606,14 +1606,16 @@ def test_clip_bound_that_promotes(numpy_rules_backend):
     """numpy.clip / cufuse.clip of an integer array whose lower bound promotes
     it (a Python float, a wider integer array) and whose upper bound is a
     Python int: NumPy's values and result dtype (the upper bound applies to
-    the promoted values, not cast back to the array's type)."""
+    the promoted values, not cast back to the array's type); and an upper
+    bound that promotes (NumPy takes the type of all three)."""
     backend = numpy_rules_backend
     x32 = np.array([-5, 1, 5, 120], np.int32)
     x8 = x32.astype(np.int8)
     wide = np.array([100, 20, -3, 110], np.int32)
-    for a, lo, hi in ((x32, -1.25, 3), (x8, wide, 105), (x8, wide, 1000), (x8, 0.5, 100)):
+    for a, lo, hi in ((x32, -1.25, 3), (x8, wide, 105), (x8, wide, 1000), (x8, 0.5, 100), (x8, 300, 1e10),
+                      (x8, 300, wide + 300), (x8, -1.5, wide.astype(np.float32)), (x8, -3, wide)):
         ref = np.clip(a, lo, hi)
-        args = (backend.asarray(a), backend.asarray(lo) if isinstance(lo, np.ndarray) else lo, hi)
+        args = tuple(backend.asarray(v) if isinstance(v, np.ndarray) else v for v in (a, lo, hi))
         for fn in (lambda v, lo_, hi_: np.clip(v, lo_, hi_), lambda v, lo_, hi_: cufuse.clip(v, lo_, hi_)):
             assert_exact(backend.to_numpy(cufuse.fuse(fn)(*args)), ref, ref.dtype, f"clip({lo}, {hi}) of {a.dtype}")
 
@@ -1634,6 +1636,19 @@ def test_numpy_functions_of_python_scalars_are_strong(backend):
         ref = fn(backend.torch.from_numpy(a), s).numpy() if backend.is_torch else fn(a, s)
         assert got.dtype == ref.dtype, (backend, got.dtype, ref.dtype)
         np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), rtol=1e-6)
+
+
+def test_numpy_float_loops_of_python_scalars(torch_backend):
+    """numpy.fabs / numpy.rint of a Python int under torch's rules: a float
+    that stays weak (torch takes NumPy scalars as Python ones), so an int32
+    tensor plus it is the default float, as eager torch gives."""
+    t = torch_backend.torch
+    x = torch_backend.asarray(np.array([1, -2, 3], np.int32))
+    for fn in (lambda a, s: a + np.fabs(s), lambda a, s: a + np.rint(s)):
+        got = cufuse.fuse(fn)(x, 3)
+        ref = fn(t.tensor([1, -2, 3], dtype=t.int32), 3)
+        assert got.dtype == ref.dtype, (got.dtype, ref.dtype)
+        np.testing.assert_allclose(torch_backend.to_numpy(got), ref.numpy())
 
 
 def test_numpy_fabs_gives_floats(backend):

@@ -511,6 +511,10 @@ def test_compose_flip_and_resize_order(backend):
     got = backend.to_numpy(I.Compose([I.HorizontalFlip(), I.Resize((2, 4), "nearest")])(backend.asarray(x)))
     ref = torch.nn.functional.interpolate(xt.flip(-1), size=(2, 4), mode="nearest")
     np.testing.assert_array_equal(got, ref.numpy())
+    # two flips undo each other, as torchvision's (on either side of a bilinear Resize too)
+    for tf in (I.Compose([I.HorizontalFlip(), I.HorizontalFlip(), I.Resize((2, 4))]),
+               I.Compose([I.HorizontalFlip(), I.Resize((2, 4)), I.HorizontalFlip()])):
+        np.testing.assert_allclose(backend.to_numpy(tf(backend.asarray(x))), up.numpy(), rtol=1e-5, atol=1e-5)
     for sizing in (I.Resize((2, 4), "nearest"), I.Letterbox((4, 4))):
         for flip in (I.HorizontalFlip(), I.VerticalFlip()):
             with pytest.raises(ValueError, match="put the flip before"):

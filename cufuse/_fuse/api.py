@@ -308,7 +308,7 @@ class Fused:
         size 1 on the last axis while the broadcast shape does not: the kernel
         reduces the broadcast shape's last axis, so each value would count once
         per column, where NumPy and torch count it once."""
-        if shape[-1] == 1:
+        if shape[-1] == 1 or not A.count(shape[:-1]):  # (no rows: nothing is summed)
             return
         given = dict(arrays)
         own = [tuple(given[g.inputs[i][0]].shape) for i in G.input_deps(g, node)]
@@ -483,6 +483,10 @@ class Fused:
             import dask.array as da
             darr = [a for a in args if DK.is_dask(a)]
             shape = np.broadcast_shapes(*[a.shape for a in darr])
+            for k, (node, kind, _, _) in enumerate(g.outputs):  # (before the broadcast below hides it)
+                if kind == "sum":
+                    self._check_summed_axis(g, k, node, [(i, a) for i, a in enumerate(args) if DK.is_dask(a)],
+                                            shape)
             bargs = [da.broadcast_to(a, shape) if DK.is_dask(a) else a for a in args]
             first = next(a for a in bargs if DK.is_dask(a))
             DK._whole(self._name, first, [len(shape) - 1], "the reduced (last)")

@@ -129,16 +129,23 @@ def _np_rounding(ufunc, op):
     def f(x):
         a = G.lift(G._graph_of(x), x)
         dt = ufunc.resolve_dtypes((a.dtype, None))[0]
-        return G.unary(op, a if dt == a.dtype else G.cast(a, dt))
+        return G.unary(op, a if dt == a.dtype else _loop_cast(a, dt))
     f.__name__ = ufunc.__name__
     return f
+
+
+def _loop_cast(a, dt):
+    """``a`` as ``dt`` for a NumPy ufunc's loop, a Python scalar staying weak (under NumPy's rules
+    Traced.__array_ufunc__ makes the result strong; torch takes NumPy scalars as weak)."""
+    c = G.cast(a, dt)
+    return G.Traced(c.graph, c.node, c.dtype, weak=True, ndim=c.ndim) if a.weak else c
 
 
 def _np_fabs(x):
     """numpy.fabs: abs in the float type NumPy's loop gives (float16 for int8 and bool, float64 for int32)."""
     a = G.lift(G._graph_of(x), x)
     if not G.is_float(a.dtype):
-        a = G.cast(a, np.fabs.resolve_dtypes((a.dtype, None))[0])
+        a = _loop_cast(a, np.fabs.resolve_dtypes((a.dtype, None))[0])
     return abs(a)
 
 

@@ -460,10 +460,14 @@ def clip(x, lo, hi):
         lo, hi = (cast(v, x.dtype) if v.weak and v.dtype.kind == "i" else v for v in (lo, hi))
     if x.weak or x.dtype.kind not in "iu" or g.torch_float is not None:
         return binary("minimum", binary("maximum", x, lo), hi)
+    # NumPy: the result type of all three (Python scalars weak: a float bound makes it a float, a wider
+    # integer array wider), each bound then applied in it
+    dt = promote(x, lo, hi)
+    if dt.kind not in "iu":
+        return binary("minimum", binary("maximum", cast(x, dt), lo), hi)
+    x = cast(x, dt)
     for bound, op, side in ((lo, "maximum", "lo"), (hi, "minimum", "hi")):
-        # (the lower bound may have promoted x: a float bound, a wider integer array)
-        if bound.weak and bound.dtype.kind == "i" and x.dtype.kind in "iu":
-            dt = x.dtype
+        if bound.weak and bound.dtype.kind == "i":
             k = _param_index(bound)
             if k is not None:
                 g.checks.append((k, dt, side))
