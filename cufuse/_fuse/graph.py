@@ -588,14 +588,4 @@ def input_deps(g, node):
 
 
 def _depends_on_input(g, node):
-    stack, seen = [node], set()
-    while stack:
-        n = stack.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        nd = g.nodes[n]
-        if nd.op == "input":
-            return True
-        stack.extend(nd.args)
-    return False
+    return bool(input_deps(g, node))
