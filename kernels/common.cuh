@@ -359,12 +359,14 @@ template <typename C> __device__ __forceinline__ C pymod(C a, C b) {
         return r;
     }
 }
-// a ** b: pow for floats; for integers repeated squaring (a negative exponent gives 0).
+// a ** b: pow for floats; for integers repeated squaring, and for a negative
+// exponent 1 / a**|b| truncated toward zero, as torch gives it: 1 for a base of
+// 1, +-1 for -1 (the exponent's parity), 0 for every other base, 0 included.
 template <typename C> __device__ __forceinline__ C power(C a, C b) {
     if constexpr (is_float<C>::value) {
         return pow(a, b);
     } else {
-        if (b < 0) return C(0);
+        if (b < 0) return a == C(1) ? C(1) : a == C(-1) ? ((b & 1) ? C(-1) : C(1)) : C(0);
         C r = 1;
         while (b) {
             if (b & 1) r = C(r * a);

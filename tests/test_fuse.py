@@ -1579,6 +1579,35 @@ def test_integer_negative_power(numpy_rules_backend, dtype):
         cufuse.fuse(lambda a: a ** -1)(backend.asarray(_int_array(U8)))
 
 
+def _int_power_ref(a, b):
+    """a ** b of Python ints: exact for b >= 0 (wrapped later by the caller's
+    dtype); for b < 0, 1 / a**|b| truncated toward zero, and 0 for a base of 0
+    (torch's integer pow: there is no integer infinity)."""
+    from fractions import Fraction
+    if b >= 0:
+        return a ** b
+    return 0 if a == 0 else int(Fraction(1, a ** -b))
+
+
+@pytest.mark.parametrize("dtype", [I8, I32, I64], ids=lambda d: d.name)
+def test_integer_negative_exponents_in_an_array(backend, dtype):
+    """Negative exponents held in an integer array (no error can be raised per
+    element): 1 ** -n is 1, (-1) ** -n is -1 for odd n and 1 for even, any
+    other base (0 too) gives 0, as torch gives them; torch's own result where
+    the array is a tensor."""
+    a = np.array([1, -1, -1, 2, -2, 0, 3, 1, -1, 5, -3, 0, 1, -1], dtype)
+    b = np.array([-1, -1, -2, -1, -3, -2, 2, 0, 3, 1, 3, 0, -100, -101], dtype)
+    want = np.array([_int_power_ref(int(x), int(y)) for x, y in zip(a, b)]).astype(dtype)
+    for shape in ((14,), (2, 7)):
+        got = backend.to_numpy(cufuse.fuse(lambda x, y: x ** y)(backend.asarray(a.reshape(shape)),
+                                                                 backend.asarray(b.reshape(shape))))
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(got.reshape(-1), want)
+    if backend.is_torch:
+        t = backend.torch
+        np.testing.assert_array_equal(t.from_numpy(a) ** t.from_numpy(b), want)
+
+
 @pytest.mark.parametrize("dtype", [U8, I8], ids=lambda d: d.name)
 def test_clip_python_int_bounds(numpy_rules_backend, dtype):
     """numpy.clip / cufuse.clip of an integer array with Python int bounds beyond

@@ -22,11 +22,18 @@ def _relu(a):
 
 
 def _power(a, b):
+    """a ** b; of integers with a negative exponent 1 / a**|b| truncated toward zero, as the kernels
+    (and torch) give it: 1 for a base of 1, +-1 for -1, 0 for any other base."""
     if a.dtype.kind == "f":
         return np.power(a, b)
     neg = b < 0
+    if not neg.any():
+        return np.power(a, b)
     r = np.power(a, np.where(neg, np.zeros((), b.dtype), b))
-    return np.where(neg, np.zeros((), a.dtype), r)
+    one = np.ones((), a.dtype)
+    small = np.where(a == one, one, np.where((a == -1) if a.dtype.kind == "i" else False,
+                                             np.where(b % 2 == 1, -one, one), np.zeros((), a.dtype)))
+    return np.where(neg, small, r)
 
 
 def float_to_int(v, dt):
