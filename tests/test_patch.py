@@ -322,6 +322,47 @@ def test_patched_llama_compiles_whole(device):
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol * 10, atol=rtol * 10, msg=k)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_patched_training_step_under_a_cuda_graph(family):
+    """A patched model's whole training step (forward with the fused head and
+    loss, backward, a capturable AdamW step) captured in one CUDA graph, as
+    torch's docs capture a whole network: each replay trains as an uncaptured
+    step of a twin does (same losses, same weights after three steps), and
+    the replays' losses move (the step is not replaying stale work)."""
+    model, _, ids, labels, rtol = _patched_pair(family, "cuda", train=True)
+    twin = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2, capturable=True) for m in (model, twin)]
+
+    def step(m, opt):
+        loss = m(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # first calls (kernels built, tables uploaded) before capture
+        for _ in range(3):
+            step(model, opts[0])
+            step(twin, opts[1])
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):  # gradients are None: backward makes them in the graph's memory
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        opts[0].step()
+    got, want = [], []
+    for _ in range(3):
+        g.replay()
+        got.append(loss.item())
+        want.append(step(twin, opts[1]).item())
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=rtol, atol=rtol)
+    assert len(set(got)) == 3, got
+    for (k, p), (_, q) in zip(model.named_parameters(), twin.named_parameters()):
+        torch.testing.assert_close(p, q, rtol=rtol * 10, atol=rtol * 10, msg=k)
+
+
 def test_compiled_patched_model_compiles_once():
     """The fused head's hand-over (a thread-local) and cufuse's compile
     check are traced without a guard that the next call fails: the compiled
