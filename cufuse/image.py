@@ -964,6 +964,8 @@ def _array_key(x):
     """(dtype, shape, strides, device) of a GPU array; None for other arrays and for tensors
     that require grad (the full path checks those)."""
     t = D.TORCH.Tensor
+    if t is None and A.torch() is not None:  # torch not yet bound: bind it, so that the key of a first
+        t = D.torch_api().Tensor             # call is the form later calls make (else it never matches)
     if t is not None and isinstance(x, t):
         if not x.is_cuda or x.requires_grad:
             return None

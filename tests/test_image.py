@@ -955,6 +955,35 @@ def test_cuda_graph_capture():
 
 
 @pytest.mark.cuda
+def test_first_call_of_a_process_warms_the_fast_path():
+    """The process's very first cufuse call (a pipeline on torch tensors, torch not yet bound by
+    any other call) keeps its signature in the form later calls look up, so the next call (here
+    captured in a CUDA graph) takes the fast path: one launcher kept, not a second one made by
+    the full path. Run in a fresh interpreter, where nothing else has bound torch."""
+    import os
+    import subprocess
+    import sys
+    pytest.importorskip("torch")
+    code = """if True:
+        import numpy as np, torch, cufuse.image as I
+        x = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (40, 50, 3), dtype=np.uint8)).cuda()
+        rects = np.array([[0, 0, 50, 40], [3, 4, 20, 30]])
+        out = torch.empty((2, 3, 16, 16), dtype=torch.float32, device="cuda")
+        pipe = I.Pipeline().resize(16)
+        pipe(x, rects, out=out)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            pipe(x, rects, out=out)
+        print(len(pipe._fast))
+    """
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split()[-1] == "1", r.stdout
+
+
+@pytest.mark.cuda
 def test_gpu_matches_numpy_fallback_large():
     """The issue's shapes: 64 crops of a 1080p frame to 224x224, and 4K -> 1080p, against the fallback."""
     import cupy as cp
