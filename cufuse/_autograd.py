@@ -73,18 +73,35 @@ def _bind_apply(key, make):
 
 
 def once_differentiable(fn):
-    """torch's ``once_differentiable`` for a Function's backward where it
-    does something: with grad mode on (create_graph=True) its checks, which
-    make a second backward raise; with it off (a plain backward) it would
-    only run ``fn`` under no_grad, which is the mode already (~1 µs saved)."""
+    """A Function's backward that is not itself differentiable. With grad mode
+    off (a plain backward) ``fn`` runs as it is (no_grad is the mode already).
+    With it on (``create_graph=True``) every gradient it returns is marked so
+    that differentiating it raises. torch's ``once_differentiable`` marks them
+    only when an incoming gradient requires grad, so the gradient of a loss
+    such as ``o.sum()`` came back as a constant and a penalty on it (a
+    double backward) silently added nothing."""
     import functools
 
     import torch
-    checked, grad_enabled = torch.autograd.function.once_differentiable(fn), torch.is_grad_enabled
+    grad_enabled, delayed = torch.is_grad_enabled, torch._C._functions.DelayedError
+
+    def fake_requires_grad(v):
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            v = v.detach()
+            v.requires_grad = True
+        return v
 
     @functools.wraps(fn)
     def backward(ctx, *grads):
-        return checked(ctx, *grads) if grad_enabled() else fn(ctx, *grads)
+        if not grad_enabled():
+            return fn(ctx, *grads)
+        with torch.no_grad():
+            outs = fn(ctx, *grads)
+        outs_ = outs if isinstance(outs, tuple) else (outs,)
+        err = delayed(b"cufuse: trying to differentiate twice: a cufuse op's backward is not differentiable "
+                      b"(its create_graph=True gradients cannot be differentiated again)", len(outs_))
+        res = err(*[fake_requires_grad(v) for v in outs_])
+        return res if isinstance(outs, tuple) else res[0] if isinstance(res, tuple) else res
     return backward
 
 

@@ -520,3 +520,9 @@ def test_first_gradient_with_create_graph_and_no_second(name, device):
         torch.testing.assert_close(q, p, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="twice"):
         graph[0].sum().backward()
+    # the gradient of a loss such as y.sum() (an incoming gradient that does not require grad) too:
+    # torch's once_differentiable leaves those unmarked, and a penalty on them added nothing
+    gx, = torch.autograd.grad(calls[name](x, w).sum(), (x,), create_graph=True)
+    assert gx.requires_grad
+    with pytest.raises(RuntimeError, match="twice"):
+        (gx ** 2).sum().backward()
