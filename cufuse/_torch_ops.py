@@ -804,26 +804,26 @@ def _register_attention(torch):
         return forward_tensors(q, k, v, scale, causal)
 
     @_custom_op("cufuse::attention_backward",
-                schema="(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor go, float scale, "
+                schema="(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor go, Tensor? glse, float scale, "
                        "bool causal) -> (Tensor, Tensor, Tensor)")
-    def attention_backward(q, k, v, o, lse, go, scale, causal):
-        return backward_tensors(q, k, v, o, lse, go, scale, causal)
+    def attention_backward(q, k, v, o, lse, go, glse, scale, causal):
+        return backward_tensors(q, k, v, o, lse, go, scale, causal, glse)
 
     attention_op.register_fake(lambda q, k, v, scale, causal: (
         q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float64 if q.dtype == torch.float64
                                           else torch.float32)))
-    attention_backward.register_fake(lambda q, k, v, o, lse, go, scale, causal: (
+    attention_backward.register_fake(lambda q, k, v, o, lse, go, glse, scale, causal: (
         q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)))
 
     def setup(ctx, inputs, output):
         q, k, v, scale, causal = inputs
         ctx.args = (scale, causal)
         ctx.save_for_backward(q, k, v, output[0], output[1])
-        ctx.mark_non_differentiable(output[1])
 
-    def grad(ctx, go, glse):
+    def grad(ctx, go, glse):  # (the lse's gradient too: d lse / d scores = p)
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(q, k, v, o, lse, go.contiguous(), *ctx.args)
+        go = torch.zeros_like(o) if go is None else go.contiguous()
+        dq, dk, dv = attention_backward(q, k, v, o, lse, go, glse, *ctx.args)
         return dq, dk, dv, None, None
 
     attention_op.register_autograd(grad, setup_context=setup)

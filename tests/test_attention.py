@@ -139,12 +139,16 @@ def test_forward_paths(monkeypatch, dt, case, causal, path):
     _check(lse.double().cpu().numpy(), want_lse, np.float32, "lse")
 
 
-@pytest.mark.parametrize("shape", [(1, 2, 2, 0, 5, 64), (1, 2, 2, 5, 0, 64), (0, 2, 1, 5, 5, 32)])
+@pytest.mark.parametrize("shape", [(1, 2, 2, 0, 5, 64), (1, 2, 2, 5, 0, 64), (0, 2, 1, 5, 5, 32),
+                                   (2, 0, 2, 5, 5, 64)])
 def test_empty_sequences(backend, shape):
-    """No query rows: empty results; no keys: zeros and lse -inf (a row that sees nothing)."""
+    """No query rows: empty results; no keys: zeros and lse -inf (a row that sees nothing); no query
+    heads against two key heads: empty results, and empty scores."""
     q, k, v = _inputs(shape, np.float16, 5)
     o, lse = cufuse.attention(backend.asarray(q), backend.asarray(k), backend.asarray(v), return_lse=True)
     assert tuple(o.shape) == q.shape and tuple(lse.shape) == q.shape[:3]
+    s = cufuse.attention_score(backend.asarray(q), backend.asarray(k))
+    assert tuple(s.shape) == (*q.shape[:3], k.shape[2])
     want_o, want_lse = _reference(q, k, v, 0.125, False)
     _check(backend.to_numpy(o), want_o, np.float16, "o")
     np.testing.assert_array_equal(backend.to_numpy(lse), want_lse.astype(np.float32))
@@ -241,6 +245,47 @@ def test_gradcheck(device):
                                         (q, k, v))
 
 
+@pytest.mark.parametrize("case", ["gqa", "short_q"])
+@pytest.mark.parametrize("dt", DTYPES_ALL, ids=lambda d: d.name)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_lse_gradient(device, dt, case):
+    """The returned log-sum-exp is differentiable (code that merges partial
+    attentions by their lse back-propagates through it): with the output's
+    gradient, with the lse's alone, causal or not, against torch autograd
+    of the float64 math (lse = logsumexp of the scaled scores)."""
+    torch = pytest.importorskip("torch")
+    from _reference import Backend
+    bk = Backend("torch_cuda" if device == "cuda" else "torch_cpu")
+    q, k, v = _inputs(case, dt, 40)
+    go, gl = rand(q.shape, dt, 43), rand(q.shape[:3], np.float32, 44)
+    scale = 1 / math.sqrt(q.shape[-1])
+    for causal in (False, True):
+        for with_o in (True, False):
+            ins = [bk.asarray(x).requires_grad_(True) for x in (q, k, v)]
+            o, lse = cufuse.attention(*ins, causal=causal, return_lse=True)
+            loss = (lse.double() * bk.asarray(gl).double()).sum()
+            if with_o:
+                loss = loss + (o.double() * bk.asarray(go).double()).sum()
+            loss.backward()
+            ref = [torch.from_numpy(np.asarray(x, np.float64)).requires_grad_(True) for x in (q, k, v)]
+            group = q.shape[1] // k.shape[1]
+            kr, vr = (x.repeat_interleave(group, 1) for x in ref[1:])
+            sc = ref[0] @ kr.transpose(-1, -2) * scale
+            if causal:
+                sq, sk = sc.shape[-2:]
+                sc = sc.masked_fill(torch.arange(sk)[None, :] > torch.arange(sq)[:, None] + (sk - sq), -math.inf)
+            rl = (sc.logsumexp(-1) * torch.from_numpy(gl.astype(np.float64))).sum()
+            if with_o:
+                rl = rl + ((torch.softmax(sc, -1) @ vr) * torch.from_numpy(go.astype(np.float64))).sum()
+            rl.backward()
+            for what, a, r in zip("qkv", ins, ref):
+                got = np.zeros(r.shape) if a.grad is None else bk.to_numpy(a.grad).astype(np.float64)
+                want = np.zeros(r.shape) if r.grad is None else r.grad.numpy()  # (v: no part in the lse)
+                err = np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
+                assert err <= GTOL[np.dtype(dt)], (f"causal={causal} with_o={with_o} d{what}: max error {err:.3g} "
+                                                   f"of max |want| {np.abs(want).max():.3g}")
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dt", ["float16", "bfloat16"])
 def test_backward_is_deterministic(dt):
@@ -298,6 +343,10 @@ def test_errors(backend):
         cufuse.attention(q, k, v, scale=float("nan"))
     with pytest.raises(TypeError, match="scale must be a float"):
         cufuse.attention(q, k, v, scale="0.1")
+    with pytest.raises(ValueError, match="scale must be finite"):
+        cufuse.attention(q, k, v, scale=10 ** 400)  # (a Python int beyond float's range)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        cufuse.attention(q, k, v, return_lse="no")
 
 
 @pytest.mark.cuda

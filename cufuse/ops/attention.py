@@ -174,9 +174,13 @@ def _scale_arg(name, scale, d):
         return 1.0 / math.sqrt(d) if d else 1.0
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
         raise TypeError(f"cufuse.{name}: scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(float(scale)):
+    try:
+        f = float(scale)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f):
         raise ValueError(f"cufuse.{name}: scale must be finite, got {scale!r}")
-    return float(scale)
+    return f
 
 
 def _args(name, q, k, v, causal, scale):
@@ -257,7 +261,8 @@ def _scores(xp, q, k, scale, causal):
 
 
 def _repeat(xp, x, group):
-    return xp.repeat(x, group, axis=1) if group > 1 else x
+    """x's heads each ``group`` times (0: none, for a q of no heads)."""
+    return xp.repeat(x, group, axis=1) if group != 1 else x
 
 
 def _not_captured(kind, dev, name):
@@ -292,8 +297,10 @@ def _dense_forward(kind, dt, q, k, v, scale, causal):
     return _from_xp(o.astype(dt), kind), _from_xp(lse.astype(_lse_dtype(dt)), kind)
 
 
-def _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal):
-    """(dq, dk, dv) by the dense math from the forward's output and lse."""
+def _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal, glse=None):
+    """(dq, dk, dv) by the dense math from the forward's output and lse (and
+    the gradient ``glse`` of the lse, if any: d lse / d s = p, so it enters
+    as ``delta - glse``)."""
     xp, cdt = _xp(kind), _compute_dtype(kind, dt)
     qc, kc, vc, oc, dc = (_to_xp(x, kind).astype(cdt) for x in (q, k, v, o, do))
     lc = _to_xp(lse, kind).astype(cdt)[..., None]
@@ -305,10 +312,13 @@ def _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal):
         p = xp.where(xp.isfinite(lc), xp.exp(s - xp.where(xp.isfinite(lc), lc, 0)), 0)
     dv = xp.matmul(xp.swapaxes(p, -1, -2), dc)
     dp = xp.matmul(dc, xp.swapaxes(vr, -1, -2))
-    ds = p * (dp - (dc * oc).sum(axis=-1, keepdims=True))
+    delta = (dc * oc).sum(axis=-1, keepdims=True)
+    if glse is not None:
+        delta = delta - _to_xp(glse, kind).astype(cdt)[..., None]
+    ds = p * (dp - delta)
     dq = xp.matmul(ds, kr) * scale
     dk = xp.matmul(xp.swapaxes(ds, -1, -2), qc) * scale
-    if group > 1:
+    if group != 1:
         dk, dv = (g.reshape(b, hk, group, sk, d).sum(axis=2) for g in (dk, dv))
     return tuple(_from_xp(g.astype(dt), kind) for g in (dq, dk, dv))
 
@@ -377,7 +387,7 @@ def _gpu_forward(kind, dt, dev, q, k, v, scale, causal):
     return o, lse
 
 
-def _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
+def _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal, glse=None):
     b, h, sq, d = tuple(q.shape)
     hk, sk = k.shape[1], k.shape[2]
     p = A.pointer_of
@@ -393,6 +403,11 @@ def _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
             R.launch_grid(fn, (max(1, min(-(-rows // 8), R.sm_count(dev) * 16)),), (256,),
                           (p(delta, kind), p(o, kind), p(do, kind), *_strides(o, kind), *_strides(do, kind),
                            np.int32(h), np.int32(sq), np.int32(d), np.int64(rows)), stream)
+            if glse is not None:  # the lse's gradient: the kernels take delta - glse (on the call's stream)
+                if kind == A.TORCH_CUDA:
+                    delta.sub_(glse.to(delta.dtype))
+                else:
+                    delta -= glse.astype(delta.dtype, copy=False)
         common = (*_strides(q, kind), *_strides(k, kind), *_strides(v, kind), *_strides(do, kind))
         kt, bhk = -(-sk // (16 * _BWD_CFG[d][0][0] * _BWD_CFG[d][0][1])), b * hk
         if kt and bhk:
@@ -446,13 +461,15 @@ def forward(kind, dt, dev, q, k, v, scale, causal):
         return _dense_forward(kind, dt, q, k, v, scale, causal)
 
 
-def backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal):
-    """(dq, dk, dv) from the forward's o and lse and the gradient do of o."""
-    if _uses_kernels(kind, dt, dev, q, scale):
-        return _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal)
+def backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal, glse=None):
+    """(dq, dk, dv) from the forward's o and lse, the gradient do of o and
+    the gradient glse of lse (None: none). A q of no heads takes the dense
+    path (dk and dv are zeros; the kernels map query heads to key heads)."""
+    if _uses_kernels(kind, dt, dev, q, scale) and q.shape[1]:
+        return _gpu_backward(kind, dt, dev, q, k, v, o, lse, do, scale, causal, glse)
     _not_captured(kind, dev, "attention")
     with D.on_device(kind, dev):
-        return _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal)
+        return _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal, glse)
 
 
 # --------------------------------------------------------------- the call
@@ -467,8 +484,8 @@ def attention(q: Array, k: Array, v: Array, /, *, causal: bool = False, scale: f
     (aligned to the bottom right as FlashAttention; for seq_q == seq_k the
     lower triangle; a row that sees no key gives 0). With ``return_lse``
     also the natural log-sum-exp of each row's scaled scores, (batch,
-    heads, seq_q), float32 (float64 for float64 input; -inf for a row that
-    sees no key).
+    heads, seq_q) ((batch, seq_q) for 3-D input), float32 (float64 for
+    float64 input; -inf for a row that sees no key), differentiable.
 
     float16 and bfloat16 on the GPU: flash attention on tensor cores (head
     dims 16 to 128 in steps of 16; compute capability 8.0 or newer),
@@ -477,6 +494,8 @@ def attention(q: Array, k: Array, v: Array, /, *, causal: bool = False, scale: f
     torch tensors (the backward: two deterministic kernels, no atomics);
     under torch.compile the operator torch.ops.cufuse.attention."""
     name = "attention"
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"cufuse.{name}: return_lse must be a bool, got {type(return_lse).__name__}")
     if TO.compiling():  # torch.compile: checked with torch's attributes (Dynamo traces this), the operator
         return _compiled(q, k, v, causal, scale, return_lse)
     kind, dt, dev, q4, k4, v4, scale, causal, three = _args(name, q, k, v, causal, scale)
@@ -661,10 +680,10 @@ def score_backward(g, q, k, scale, mask, want_q=True, want_k=True):
     group = q.shape[1] // k.shape[1]
     dq = dk = None
     if want_q:
-        dq = g @ (k.repeat_interleave(group, 1) if group > 1 else k)
+        dq = g @ (k.repeat_interleave(group, 1) if group != 1 else k)
     if want_k:
         dk = g.transpose(-1, -2) @ q
-        if group > 1:
+        if group != 1:
             dk = dk.reshape(k.shape[0], k.shape[1], group, *k.shape[2:]).sum(2)
     return dq, dk
 
@@ -738,10 +757,13 @@ def forward_tensors(q, k, v, scale, causal):
     return forward(kind, dt, dev, q, k, v, scale, causal)
 
 
-def backward_tensors(q, k, v, o, lse, go, scale, causal):
-    """(dq, dk, dv) of 4-D torch tensors: the registered backward operator's body."""
+def backward_tensors(q, k, v, o, lse, go, scale, causal, glse=None):
+    """(dq, dk, dv) of 4-D torch tensors: the registered backward operator's body
+    (``go`` None: only the lse has a gradient)."""
     kind, dt, dev = _kind_of(q)
-    return backward(kind, dt, dev, q, k, v, o, lse, go, scale, causal)
+    if go is None:
+        go = A.torch().zeros_like(o)
+    return backward(kind, dt, dev, q, k, v, o, lse, go.contiguous(), scale, causal, glse)
 
 
 def _function(torch):
@@ -751,14 +773,14 @@ def _function(torch):
             o, lse = forward_tensors(q.detach(), k.detach(), v.detach(), scale, causal)
             ctx.scale, ctx.causal = scale, causal
             ctx.save_for_backward(q, k, v, o, lse)
-            ctx.mark_non_differentiable(lse)
+            ctx.set_materialize_grads(False)  # an unused output's gradient stays None (the lse's, mostly)
             return o, lse
 
         @staticmethod
         @AG.once_differentiable
         def backward(ctx, go, glse):
             q, k, v, o, lse = ctx.saved_tensors
-            dq, dk, dv = backward_tensors(q, k, v, o, lse, go.contiguous(), ctx.scale, ctx.causal)
+            dq, dk, dv = backward_tensors(q, k, v, o, lse, go, ctx.scale, ctx.causal, glse)
             return dq, dk, dv, None, None
 
     return AttentionFn
