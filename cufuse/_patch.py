@@ -78,18 +78,47 @@ def _gate_activation(act):
 class RMSNorm(cnn.RMSNorm):
     """The Llama family's RMSNorm through cufuse.rms_norm: the output dtype is
     torch's promotion of the weight's and the input's, as in Hugging Face's
-    ``self.weight * hidden_states.to(input_dtype)``."""
+    ``self.weight * hidden_states.to(input_dtype)``, or the input's where the
+    replaced norm casts its result back to it (``input_dtype``: Olmo2's,
+    Helium's, ...)."""
+
+    input_dtype = False
 
     def forward(self, x):
         y = super().forward(x)
-        dt = torch.promote_types(self.weight.dtype, x.dtype)
+        dt = x.dtype if self.input_dtype else torch.promote_types(self.weight.dtype, x.dtype)
         return y if y.dtype == dt else y.to(dt)
+
+
+def _rms_probe(old):
+    """(None, whether its result takes the input's dtype) for an RMSNorm that
+    computes as cufuse's (run on two small rows on its device, its hooks
+    bypassed), else (why it stays, None)."""
+    w = old.weight
+    if w.device.type == "meta":
+        return None, False
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, *w.shape, generator=g).to(w.device, w.dtype)
+    other = torch.bfloat16 if w.dtype != torch.bfloat16 else torch.float32
+    try:
+        with torch.no_grad():
+            want, out = type(old).forward(old, x), type(old).forward(old, x.to(other))
+            probe = RMSNorm(tuple(w.shape), eps=float(old.variance_epsilon), device=w.device, dtype=w.dtype)
+            probe.weight.copy_(w)
+            got = probe(x)
+    except Exception as e:  # noqa: BLE001 - a norm that does not take a plain tensor: left alone
+        return f"an RMSNorm whose forward fails on a plain tensor ({type(e).__name__})", None
+    tol = 1e-5 if w.dtype in (torch.float32, torch.float64) else 2e-2
+    if want.shape != got.shape or not torch.allclose(want.float(), got.float(), rtol=tol, atol=tol):
+        return "an RMSNorm that computes otherwise than x * rsqrt(mean(x^2) + eps) * weight", None
+    return None, out.dtype == other and torch.promote_types(w.dtype, other) != other
 
 
 def _rms(old):
     w = old.weight
     new = RMSNorm(tuple(w.shape), eps=float(old.variance_epsilon), device="meta")
     new.weight = w
+    new.input_dtype = _rms_probe(old)[1]
     return new
 
 
@@ -269,15 +298,39 @@ def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
     return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
 
+def _rotates_as_llama(fn):
+    """``fn(q, k, cos, sin)`` gives Llama's half-split rotation, checked on
+    small float64 inputs against cufuse.rope (tables of two copies of the
+    frequencies, as Llama's rotary embedding makes them, grouped heads). Many
+    modeling modules define the same two names with other maths: interleaved
+    pairs, a partial rotary dim, other arguments."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, h, 5, 8, generator=g, dtype=torch.float64) for h in (2, 1))
+    f = torch.randn(1, 5, 4, generator=g, dtype=torch.float64)
+    cos, sin = torch.cat([f, f], -1).cos(), torch.cat([f, f], -1).sin()
+    try:
+        got = fn(q, k, cos, sin)
+        want = apply_rotary_pos_emb(q, k, cos, sin)
+        return len(got) == 2 and all(a.shape == b.shape and torch.allclose(a, b, rtol=1e-10, atol=1e-10)
+                                     for a, b in zip(got, want))
+    except Exception:  # noqa: BLE001 - other arguments or results: not Llama's
+        return False
+
+
 def _plan_rope(model):
-    """The model's modeling module, if it applies rotary embeddings with
-    Hugging Face's ``apply_rotary_pos_emb`` and ``rotate_half`` (not patched yet)."""
+    """(the model's modeling module, None) if it applies rotary embeddings
+    with Hugging Face's ``apply_rotary_pos_emb`` and ``rotate_half`` as
+    Llama's and it is not yet cufuse's; (None, why) for one that rotates
+    otherwise; (None, None) where there is none, or cufuse's is in already."""
     import sys
     module = sys.modules.get(type(model).__module__)
     fn = getattr(module, "apply_rotary_pos_emb", None)
     if fn is None or fn is apply_rotary_pos_emb or not callable(getattr(module, "rotate_half", None)):
-        return None
-    return module
+        return None, None
+    if not _rotates_as_llama(fn):
+        return None, "its rotation differs from Llama's half-split form (interleaved pairs, a partial rotary " \
+                     "dim or other arguments)"
+    return module, None
 
 
 def _plan(name, mod):
@@ -291,7 +344,8 @@ def _plan(name, mod):
                                                                                  nn.Parameter):
         if len(list(mod.children())) or len(list(mod.parameters(recurse=False))) != 1:
             return None, "an RMSNorm with more than a weight"
-        return _rms, None
+        why = _rms_probe(mod)[0]
+        return (None, why) if why else (_rms, None)
     if type(mod) is nn.GELU:
         return _gelu(mod.approximate), None
     if t in _GELU_ERF and not isinstance(mod, nn.GELU):
@@ -302,8 +356,29 @@ def _plan(name, mod):
             and hasattr(mod, "act_fn"):
         if _gate_activation(mod.act_fn) is None:
             return None, f"a gated MLP whose activation is {type(mod.act_fn).__name__}, not SiLU or GELU"
+        if not _plain_gated_mlp(mod):
+            return None, "a gated MLP that computes more than down_proj(act_fn(gate_proj(x)) * up_proj(x))"
         return _swiglu, None
     return None, None
+
+
+_MLP_PARTS = frozenset(("gate_proj", "up_proj", "down_proj", "act_fn"))
+
+
+def _plain_gated_mlp(mod):
+    """mod holds those four parts and nothing else (no parameter, buffer or
+    attribute but Hugging Face's config and sizes; no forward of its own, as
+    accelerate's hooks install) and its class's forward reads no other name:
+    an MLP with a norm, clamps, multipliers, dropout or activation sparsity
+    computes more, and stays."""
+    if set(mod._modules) != _MLP_PARTS or mod._parameters or mod._buffers:
+        return False
+    if any(not k.startswith("_") and k not in ("config", "hidden_size", "intermediate_size", "training")
+           for k in vars(mod)):
+        return False
+    import inspect
+    code = getattr(inspect.unwrap(type(mod).forward), "__code__", None)
+    return code is not None and set(code.co_names) <= _MLP_PARTS
 
 
 def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -348,6 +423,24 @@ def _use_cufuse_attention(model):
     return True
 
 
+# a module's hook tables, carried over to its replacement
+_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+          "_forward_hooks_always_called", "_backward_pre_hooks", "_backward_hooks", "_is_full_backward_hook",
+          "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+          "_load_state_dict_post_hooks")
+
+
+def _patched(model):
+    """The model holds what cufuse.patch puts in (its modules, its loss)."""
+    ours = (cnn.LayerNorm, cnn.RMSNorm, cnn.GELU, cnn.SwiGLU, LMHead)
+    if any(isinstance(m, ours) for m in model.modules()):
+        return True
+    try:
+        return vars(model).get("loss_function") is causal_lm_loss
+    except TypeError:  # (an object without __dict__)
+        return False
+
+
 def patch(model, *, attention=False, linear_loss=True):
     """Replace, in place, the modules of ``model`` that cufuse has (see the
     module doc) and return a ``PatchReport``; with ``attention=True`` also
@@ -362,6 +455,9 @@ def patch(model, *, attention=False, linear_loss=True):
     for what, v in (("attention", attention), ("linear_loss", linear_loss)):
         if not isinstance(v, bool):
             raise TypeError(f"cufuse.patch: {what} must be a bool, got {type(v).__name__}")
+    if _patched(model):
+        raise ValueError("cufuse.patch: the model is patched already (it holds cufuse's modules or loss); "
+                         "nothing was changed")
     report = PatchReport()
     steps = []
     done: set = set()  # a swapped MLP's own submodules are its old ones: not planned again
@@ -369,6 +465,8 @@ def patch(model, *, attention=False, linear_loss=True):
         if any(name == d or name.startswith(d + ".") for d in done):
             continue
         make, why = _plan(name, mod)
+        if make is not None and ("forward" in vars(mod) or hasattr(mod, "_hf_hook")):
+            make, why = None, "its forward is wrapped (accelerate's hooks, say), which a new module would drop"
         if why:
             report.skipped.append((name, why))
         if make is None or not name:
@@ -378,13 +476,18 @@ def patch(model, *, attention=False, linear_loss=True):
         if make is _swiglu:
             done.add(name)
     loss = _plan_loss(model)
-    rope_module = _plan_rope(model)
+    rope_module, why = _plan_rope(model)
+    if why:
+        report.skipped.append((f"{type(model).__module__}.apply_rotary_pos_emb", why))
     if not steps and not loss and rope_module is None:
         raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
                          "gated SiLU or GELU MLP, rotary embedding, causal-LM loss); nothing was changed")
     built = [(parent, attr, name, mod, make(mod)) for parent, attr, name, mod, make in steps]  # all, then swap
     for parent, attr, name, old, new in built:
         new.train(old.training)
+        for h in _HOOKS:  # the old module's hooks, as they are (their handles remove them from the new one)
+            if getattr(old, h, None) is not None:
+                setattr(new, h, getattr(old, h))
         setattr(parent, attr, new)
         report.replaced.append((name, type(old).__name__, type(new).__name__))
     if rope_module is not None:

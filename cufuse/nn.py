@@ -77,9 +77,13 @@ class GELU(nn.GELU):
 
 
 class GELUDropout(nn.Module):
-    """dropout(gelu(x)) in one kernel (``cufuse.gelu_dropout``): the mask comes
-    from cufuse's generator (``cufuse.manual_seed``) and is drawn again in
-    backward rather than saved. In eval mode: GELU alone."""
+    """dropout(gelu(x)) in one kernel (``cufuse.gelu_dropout``): the mask is
+    drawn again in backward rather than saved. Its seed comes from torch's
+    (CPU) generator, as torch's Dropout's masks follow ``torch.manual_seed``:
+    ``torch.utils.checkpoint`` restores that generator before it runs the
+    forward again, so the recomputed mask is the forward's (with cufuse's own
+    generator a reentrant checkpoint drew a new one, and the gradient went
+    through the wrong elements). In eval mode: GELU alone."""
 
     def __init__(self, p: float = 0.1, approximate: str = "none"):
         super().__init__()
@@ -88,7 +92,10 @@ class GELUDropout(nn.Module):
         self.p, self.approximate = p, approximate
 
     def forward(self, x):
-        return _ops.gelu_dropout(x, self.p, self.training, approximate=self.approximate)
+        seed = None  # (under torch.compile the operator draws it with torch, in the graph)
+        if self.training and self.p > 0 and not TO.compiling():
+            seed = int(torch.randint(0, 2 ** 63 - 1, ()))
+        return _ops.gelu_dropout(x, self.p, self.training, seed=seed, approximate=self.approximate)
 
     def extra_repr(self):
         return f"p={self.p}, approximate={self.approximate!r}"

@@ -149,6 +149,26 @@ def test_gelu_dropout_module(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gelu_dropout_module_under_checkpoint(device):
+    """The module's masks follow torch's generator (torch.manual_seed repeats
+    them), so torch.utils.checkpoint's recompute, reentrant or not, draws the
+    forward's mask: the gradient goes through exactly the kept elements."""
+    from torch.utils.checkpoint import checkpoint
+    m = cnn.GELUDropout(0.5).to(device)
+    x = (torch.rand(1000, dtype=torch.float64, device=device) + 0.5).requires_grad_(True)  # gelu(x) > 0
+    torch.manual_seed(3)
+    a = m(x)
+    torch.manual_seed(3)
+    assert torch.equal(m(x), a)
+    for reentrant in (True, False):
+        x.grad = None
+        y = checkpoint(m, x, use_reentrant=reentrant)
+        y.sum().backward()
+        assert 300 < int((y != 0).sum()) < 700
+        assert torch.equal(x.grad != 0, y != 0), f"use_reentrant={reentrant}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_cross_entropy_loss_module(device):
     """cufuse.nn.CrossEntropyLoss against torch.nn.CrossEntropyLoss (the same
     arguments), loss and the gradient of logits that are an intermediate."""

@@ -121,6 +121,101 @@ def test_patch_errors_and_what_it_leaves():
         cufuse.patch(model)
 
 
+class _InterleavedRope(torch.nn.Module):
+    """A model whose modeling module defines apply_rotary_pos_emb and
+    rotate_half with GPT-J's interleaved pairs (as Cohere's, GLM's and
+    others do), and an RMSNorm that casts back to its input's dtype (as
+    Olmo2's, Helium's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = _CastBackRMSNorm(8)
+
+    def forward(self, q, k, cos, sin):
+        return self.norm(sys.modules[__name__].apply_rotary_pos_emb(q, k, cos, sin)[0])
+
+
+class _CastBackRMSNorm(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, n))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((-x2, x1), dim=-1).flatten(-2)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+class _ClampedMLP(torch.nn.Module):
+    """A gated MLP by Llama's names whose forward clamps (as DeepseekV4's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj, self.up_proj = torch.nn.Linear(8, 16, bias=False), torch.nn.Linear(8, 16, bias=False)
+        self.down_proj, self.act_fn = torch.nn.Linear(16, 8, bias=False), torch.nn.SiLU()
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(x)).clamp(max=0.1) * self.up_proj(x))
+
+
+class _MergerMLP(_ClampedMLP):
+    """Llama's names and forward plus a part of its own (as GLM-4V's patch merger's norm)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.down_proj(self.act_fn(self.gate_proj(self.proj(x))) * self.up_proj(x))
+
+
+def test_patch_checks_what_it_replaces(_original_rotary):
+    """What only looks like Llama's stays: a modeling module's
+    apply_rotary_pos_emb that rotates otherwise (interleaved pairs: the
+    process's other models keep theirs too), gated MLPs that compute more;
+    an RMSNorm that casts back to its input's dtype keeps doing so; hooks go
+    with the module; a second patch says the model is patched already."""
+    g = torch.Generator().manual_seed(7)
+    q, k = torch.randn(1, 2, 5, 8, generator=g), torch.randn(1, 1, 5, 8, generator=g)
+    f = torch.randn(1, 5, 4, generator=g).repeat_interleave(2, -1)
+    model = _InterleavedRope()
+    want = model(q, k, f.cos(), f.sin())
+    report = cufuse.patch(model)
+    assert sys.modules[__name__].apply_rotary_pos_emb is apply_rotary_pos_emb
+    assert any(n.endswith("apply_rotary_pos_emb") and "differs from Llama" in why for n, why in report.skipped)
+    torch.testing.assert_close(model(q, k, f.cos(), f.sin()), want, rtol=1e-5, atol=1e-5)
+    assert report.counts() == {"_CastBackRMSNorm -> RMSNorm": 1}, str(report)
+    assert model.norm(q.bfloat16()).dtype == torch.bfloat16  # (a float32 weight: torch would promote)
+    for mlp in (_ClampedMLP(), _MergerMLP()):
+        seq = torch.nn.Sequential(mlp, torch.nn.LayerNorm(8))
+        x = torch.randn(3, 8, generator=g)
+        want, keys = seq(x), set(seq.state_dict())
+        calls = []
+        handle = seq[1].register_forward_hook(lambda mod, i, o: calls.append(type(mod).__name__))
+        report = cufuse.patch(seq)
+        assert report.counts() == {"LayerNorm -> LayerNorm": 1}, str(report)
+        assert "computes more" in report.skipped[0][1]
+        assert seq[0] is mlp and set(seq.state_dict()) == keys
+        torch.testing.assert_close(seq(x), want, rtol=1e-5, atol=1e-5)
+        assert calls == ["LayerNorm"]  # the hook came along, and its handle still removes it
+        handle.remove()
+        seq(x)
+        assert calls == ["LayerNorm"]
+        with pytest.raises(ValueError, match="patched already"):
+            cufuse.patch(seq)
+
+
 def test_transformer_integration_example():
     """examples/transformer_integration.py at its tiny sizes: eager and
     cufuse start from the same weights and batches, so their losses agree."""
