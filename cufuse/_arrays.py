@@ -113,6 +113,9 @@ def _torch_tables(t):
                  (t.complex128, np.complex128)]
         if BF16 is not None:
             pairs.append((t.bfloat16, BF16))
+        for name in ("uint16", "uint32", "uint64"):  # (torch 2.3 and later)
+            if isinstance(getattr(t, name, None), t.dtype):
+                pairs.append((getattr(t, name), np.dtype(name)))
         for td, nd in pairs:
             _TORCH_TO_NP[td] = np.dtype(nd)
             _NP_TO_TORCH[np.dtype(nd)] = td

@@ -98,6 +98,20 @@ def test_views_tables_positions_and_no_k(backend):
                                                                   False), rtol=1e-5, atol=1e-6)
 
 
+def test_tokens_by_dim(backend):
+    """q of (tokens, dim), no heads' dim: (tokens, r) tables apply as they
+    are, whatever unsqueeze_dim (there is no dim to insert), against the
+    reference on q seen as one batch and head."""
+    rng = np.random.default_rng(24)
+    q = rng.standard_normal((5, 8))
+    f = rng.standard_normal((5, 3))
+    cos, sin = np.cos(np.concatenate([f, f], -1)), np.sin(np.concatenate([f, f], -1))
+    want = _reference(q, cos, sin, False)  # (a partial rotary: 6 of 8 dims)
+    for ud in (0, 1):
+        got, _ = cufuse.rope(backend.asarray(q), None, backend.asarray(cos), backend.asarray(sin), unsqueeze_dim=ud)
+        np.testing.assert_allclose(backend.to_numpy(got), want, rtol=1e-12, atol=1e-12)
+
+
 def test_errors():
     q = np.ones((1, 2, 3, 8), np.float32)
     cos = np.ones((1, 3, 8), np.float32)
@@ -111,6 +125,8 @@ def test_errors():
         cufuse.rope(q, np.ones((1, 2, 3, 6), np.float32), cos, cos)
     with pytest.raises(ValueError, match="unsqueeze_dim"):
         cufuse.rope(q, None, cos, cos, unsqueeze_dim=3)
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        cufuse.rope(q, None, cos, cos, interleaved="False")  # (truthy: it was taken as True)
     with pytest.raises(ValueError, match="cos has shape"):
         cufuse.rope(q, None, cos, cos[:, :2])
     with pytest.raises(TypeError, match="accepted dtypes"):
@@ -179,6 +195,10 @@ def test_position_ids_of_any_integer_type():
         got, _ = torch.compile(lambda q, p: cufuse.rope(q, None, cos, sin, position_ids=p), fullgraph=True)(
             q, pos.to(dt))
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for name in ("uint16", "uint32", "uint64"):  # torch's newer unsigned types (eager)
+        if isinstance(getattr(torch, name, None), torch.dtype):
+            got, _ = cufuse.rope(q, None, cos, sin, position_ids=pos.to(getattr(torch, name)))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_compile_checks_like_eager():

@@ -96,6 +96,21 @@ def test_strided_and_broadcast_index(backend):
         np.testing.assert_allclose(got, _reference(values, want_idx, 6, "relu"), rtol=2e-5, atol=2e-5)
 
 
+def test_index_of_any_integer_type(backend):
+    """Indices of every integer type gather as int64 ones do, torch's uint16 /
+    uint32 / uint64 too (they raised AttributeError)."""
+    values = rand((12, 5), np.float32, 5)
+    idx = np.random.default_rng(6).integers(0, 6, 12)
+    want = _reference(values, idx, 6, "relu")
+    dts = [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.uint64]
+    for dt in dts:
+        i = backend.asarray(idx.astype(dt)) if not backend.is_torch or dt in (np.int8, np.uint8, np.int16, np.int32) \
+            else backend.asarray(idx.astype(np.int64)).to(getattr(backend.torch, np.dtype(dt).name, None) or
+                                                           backend.torch.int64)
+        got = backend.to_numpy(cufuse.scatter_add(backend.asarray(values), i, 6, activation="relu"))
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=str(dt))
+
+
 def test_errors():
     v = np.ones((4, 3), np.float32)
     i = np.array([0, 1, 2, 1])

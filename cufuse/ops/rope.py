@@ -96,10 +96,10 @@ def _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev):
         pos = D.astype(position_ids, np.dtype(np.int64), kind)  # (torch reads uint8 indices as a mask)
         cos, sin = cos[pos], sin[pos]
     nd = len(q.shape)
-    if len(cos.shape) == nd - 1:  # (batch, tokens, r): the heads' dim added (HF's unsqueeze_dim)
+    if nd > 2 and len(cos.shape) == nd - 1:  # (batch, tokens, r): the heads' dim added (HF's unsqueeze_dim)
         cos, sin = (t.reshape(tuple(t.shape[:unsqueeze_dim]) + (1,) + tuple(t.shape[unsqueeze_dim:]))
                     for t in (cos, sin))
-    elif len(cos.shape) == 2 and unsqueeze_dim == nd - 2:  # (tokens, r) with the heads after the tokens
+    elif nd > 2 and len(cos.shape) == 2 and unsqueeze_dim == nd - 2:  # (tokens, r) with the heads after the tokens
         cos, sin = (t.reshape((t.shape[0], 1, r)) for t in (cos, sin))
     elif len(cos.shape) not in (2, nd):
         raise ValueError(f"cufuse.{name}: cos and sin of shape {tuple(cos.shape)} do not fit q of shape "
@@ -292,14 +292,20 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
     layout). As ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)``:
     ``cos``/``sin`` of shape (batch, tokens, r) get a dim inserted at
     ``unsqueeze_dim`` (1 for q of (batch, heads, tokens, dim), 2 for
-    (batch, tokens, heads, dim)); (tokens, r) tables broadcast too; with
+    (batch, tokens, heads, dim)); (tokens, r) tables broadcast too (a q of
+    (tokens, dim) takes them as they are: no heads' dim); with
     ``position_ids`` (batch, tokens) integers, cos and sin are (positions,
-    r) tables gathered per token. q and k may have different head counts
+    r) tables gathered per token. With ``interleaved`` the tables hold each
+    frequency twice in a row (GPT-J's ``repeat_interleave``; Hugging Face's
+    Llama tables, two copies of the frequencies one after the other, go with
+    the default). q and k may have different head counts
     (grouped-query attention). cos and sin are cast to q's dtype first (as
     Hugging Face's rotary embedding does). Returns (q_rotated, k_rotated),
     new arrays of q's kind; differentiable for torch tensors (the backward:
     the transposed rotation, one kernel per tensor)."""
     name = "rope"
+    if not isinstance(interleaved, (bool, np.bool_)):  # ("False" would be True)
+        raise TypeError(f"cufuse.{name}: interleaved must be a bool, got {type(interleaved).__name__}")
     if TO.compiling():  # torch.compile: checked with torch's attributes only (Dynamo traces this)
         return _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, bool(interleaved))
     top = None
@@ -320,7 +326,8 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
     nd = len(q.shape)
     if nd < 2:
         raise ValueError(f"cufuse.{name}: q must have a head dim and at least one more dim, got shape {tuple(q.shape)}")
-    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or not 0 <= unsqueeze_dim < nd - 1:
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or (
+            nd > 2 and not 0 <= unsqueeze_dim < nd - 1):  # (a q of (tokens, dim) has no heads' dim to insert)
         raise ValueError(f"cufuse.{name}: unsqueeze_dim must be an int in [0, {nd - 1}), got {unsqueeze_dim!r}")
     if k is not None:
         _check(name, k, "k", kind, dt, dev, nd)
@@ -354,7 +361,8 @@ def _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
     for what, t in (("k", k), ("cos", cos), ("sin", sin), ("position_ids", position_ids)):
         if t is not None and t.device != q.device:
             raise ValueError(f"{name}: {what} is on {t.device}, q on {q.device}")
-    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or not 0 <= unsqueeze_dim < q.dim() - 1:
+    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or (
+            q.dim() > 2 and not 0 <= unsqueeze_dim < q.dim() - 1):
         raise ValueError(f"{name}: unsqueeze_dim must be an int in [0, {q.dim() - 1}), got {unsqueeze_dim!r}")
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         raise NotImplementedError(f"{name}: cos or sin requires grad; the rotary tables get no gradient (pass them "
@@ -368,9 +376,9 @@ def _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
             raise TypeError(f"{name}: position_ids must hold integers, got {position_ids.dtype}")
         pos = position_ids.long()  # (torch reads uint8 indices as a mask)
         cos, sin = cos[pos], sin[pos]
-    if cos.dim() == q.dim() - 1:
+    if q.dim() > 2 and cos.dim() == q.dim() - 1:
         cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
-    elif cos.dim() == 2 and unsqueeze_dim == q.dim() - 2:
+    elif q.dim() > 2 and cos.dim() == 2 and unsqueeze_dim == q.dim() - 2:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     xs = [q] if k is None else [q, k]
     if not all(_fits(tuple(cos.shape[:-1]), tuple(x.shape[:-1])) for x in xs):

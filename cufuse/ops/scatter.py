@@ -112,10 +112,11 @@ def _zeros(shape, dt, kind, dev):
 def _forward(kind, dt, dev, values, idx, dim_size, activation):
     out_shape = (int(dim_size),) + tuple(values.shape[1:])
     cdt = A.compute_dtype(dt)
-    if kind not in A.GPU_KINDS:
-        v = values if activation is None else _ACT[activation](values)
+    if kind not in A.GPU_KINDS:  # (the activation in the compute dtype: 16-bit values are rounded once, in the sum)
+        v = _rows.to_numpy(values, kind).astype(cdt)
+        v = v if activation is None else _ACT[activation](v)
         acc = np.zeros(out_shape, cdt)
-        np.add.at(acc, _rows.to_numpy(idx, kind), _rows.to_numpy(v, kind).astype(cdt))
+        np.add.at(acc, _rows.to_numpy(idx, kind), v)
         return _rows.from_numpy(acc.astype(dt), kind, None)
     with D.on_device(kind, dev):
         acc = _zeros(out_shape, cdt, kind, dev)
