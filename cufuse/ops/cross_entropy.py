@@ -53,7 +53,8 @@ def _args(name, logits, target, ignore_index, label_smoothing, z_loss, reduction
     shape = tuple(logits.shape)
     if len(shape) != 2:
         raise ValueError(f"cufuse.{name}: logits must be 2-D (rows, classes), got shape {shape}; flatten the "
-                         "leading dims (logits.reshape(-1, classes), target.reshape(-1))")
+                         "leading dims with the classes last (logits.reshape(-1, classes), target.reshape(-1); "
+                         "torch's (N, classes, d1, ...) form: logits.movedim(1, -1) first)")
     if shape[1] == 0:
         raise ValueError(f"cufuse.{name}: logits have no classes (shape {shape})")
     target, ignore, eps, z = _target_args(name, logits, "logits", kind, dev, shape[:1], target, ignore_index,
