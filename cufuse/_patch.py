@@ -47,6 +47,7 @@ as they are.
 from __future__ import annotations
 
 import functools
+import sys
 import threading
 
 import torch
@@ -322,7 +323,6 @@ def _plan_rope(model):
     with Hugging Face's ``apply_rotary_pos_emb`` and ``rotate_half`` as
     Llama's and it is not yet cufuse's; (None, why) for one that rotates
     otherwise; (None, None) where there is none, or cufuse's is in already."""
-    import sys
     module = sys.modules.get(type(model).__module__)
     fn = getattr(module, "apply_rotary_pos_emb", None)
     if fn is None or fn is apply_rotary_pos_emb or not callable(getattr(module, "rotate_half", None)):
@@ -479,7 +479,10 @@ def patch(model, *, attention=False, linear_loss=True):
     rope_module, why = _plan_rope(model)
     if why:
         report.skipped.append((f"{type(model).__module__}.apply_rotary_pos_emb", why))
-    if not steps and not loss and rope_module is None:
+    # cufuse.rope in the modeling module already (an earlier model of it was patched): this model's too
+    rope_before = getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", None) is \
+        apply_rotary_pos_emb
+    if not steps and not loss and rope_module is None and not rope_before:
         raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
                          "gated SiLU or GELU MLP, rotary embedding, causal-LM loss); nothing was changed")
     built = [(parent, attr, name, mod, make(mod)) for parent, attr, name, mod, make in steps]  # all, then swap
@@ -490,9 +493,10 @@ def patch(model, *, attention=False, linear_loss=True):
                 setattr(new, h, getattr(old, h))
         setattr(parent, attr, new)
         report.replaced.append((name, type(old).__name__, type(new).__name__))
-    if rope_module is not None:
-        rope_module.apply_rotary_pos_emb = apply_rotary_pos_emb
-        report.replaced.append((f"{rope_module.__name__}.apply_rotary_pos_emb", "apply_rotary_pos_emb",
+    if rope_module is not None or rope_before:
+        if rope_module is not None:
+            rope_module.apply_rotary_pos_emb = apply_rotary_pos_emb
+        report.replaced.append((f"{type(model).__module__}.apply_rotary_pos_emb", "apply_rotary_pos_emb",
                                 "cufuse.rope"))
     if loss:
         model.loss_function = causal_lm_loss

@@ -119,6 +119,9 @@ def test_patch_errors_and_what_it_leaves():
     assert "not SiLU or GELU" in report.skipped[0][1] and "left alone" in str(report)
     with pytest.raises(ValueError, match="nothing was changed"):  # patched already: nothing left to do
         cufuse.patch(model)
+    # a second model of the module: its rotary embedding runs through cufuse.rope too, and says so
+    twin = T.LlamaForCausalLM(T.LlamaConfig(hidden_act="relu", **_LLAMA_KW))
+    assert cufuse.patch(twin).counts() == report.counts()
 
 
 class _InterleavedRope(torch.nn.Module):
