@@ -343,6 +343,8 @@ def softmax_backward(g, y, axis, log):
         if dx is not None:
             return dx
     import torch
+    if y.dim() == 0:  # a row of one element: softmax is 1 and log_softmax 0 whatever x is
+        return torch.zeros_like(y)
     R = _row_fns()
     acc = torch.float32 if y.dtype in (torch.float16, torch.bfloat16) else y.dtype
     gm, ym = g.movedim(axis, -1).to(acc), y.movedim(axis, -1).to(acc)

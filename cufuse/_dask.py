@@ -111,6 +111,12 @@ def per_channel(name, fn, x, axis, params, dtype, out=None):
     arrays along ``axis``) sliced to each chunk's channels."""
     _no_out(name, out)
     params = [_concrete(name, "a per-channel parameter", p) for p in params]
+    n = x.shape[axis]
+    for p in params:  # (each chunk takes its slice: a wrong length would pass, or fail inside a chunk)
+        shape = tuple(getattr(p, "shape", ()))
+        if shape and shape != (n,):
+            raise ValueError(f"cufuse.{name}: a per-channel parameter has shape {shape}; axis {axis} of the data "
+                             f"has length {n}, so ({n},) is needed")
 
     def block(b, block_info=None):
         lo, hi = block_info[0]["array-location"][axis]

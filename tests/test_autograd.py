@@ -506,6 +506,28 @@ def test_backward_takes_the_fast_path():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_recorded_calls_check_their_arguments(device):
+    """A call that records its gradient checks eps, normalized_shape and axis
+    as the plain call does (they were cast with int() / float() and ran: a
+    softmax over axis 1.7, eps '0.5'); a 0-d softmax's backward is 0."""
+    x = torch.randn(4, 8, dtype=torch.float64, device=device, requires_grad=True)
+    for call, err, match in ((lambda: cufuse.softmax(x, 1.7), TypeError, "axis must be an int"),
+                             (lambda: cufuse.log_softmax(x, 2), ValueError, "out of range"),
+                             (lambda: cufuse.layer_norm(x, 8, eps="0.5"), TypeError, "eps must be a real"),
+                             (lambda: cufuse.rms_norm(x, 8, eps=True), TypeError, "eps must be a real"),
+                             (lambda: cufuse.layer_norm(x, [8.0]), TypeError, "normalized_shape must be"),
+                             (lambda: cufuse.rms_norm(x, 4), ValueError, "trailing dims")):
+        with pytest.raises(err, match=match):
+            call()
+        with torch.no_grad(), pytest.raises(err, match=match):  # the same as the plain call's
+            call()
+    for fn in (cufuse.softmax, cufuse.log_softmax):
+        t = torch.tensor(1.5, dtype=torch.float64, device=device, requires_grad=True)
+        fn(t).backward()
+        assert t.grad.item() == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["add_relu", "layer_norm", "softmax"])
 def test_first_gradient_with_create_graph_and_no_second(name, device):
     """create_graph=True gives the same first gradient; differentiating it again

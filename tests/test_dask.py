@@ -104,6 +104,9 @@ def test_dask_errors():
         cufuse.layer_norm(da.from_array(x, chunks=(3, 8)), 8, d[0])
     with pytest.raises(TypeError, match="mixed with other arrays"):
         cufuse.fuse(lambda a, b: a + b)(d, x)
+    for n in (10, 3):  # a per-channel scale of the wrong length: refused before any chunk runs
+        with pytest.raises(ValueError, match=r"\(8,\) is needed"):
+            cufuse.quantize_int8(d, np.full(n, 0.5, np.float32), axis=1)
     # a sum of values that do not span the last axis: as for NumPy arrays (the Dask path broadcasts later)
     u, v = da.from_array(rand((6, 1), F32, 6), chunks=(3, 1)), da.from_array(x, chunks=(3, 8))
     with pytest.raises(ValueError, match="count 8 times"):

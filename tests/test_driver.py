@@ -181,6 +181,12 @@ def _errors_after_cached(xp, dev_array):
     cufuse.gelu_dropout(x, 0.1)
     with pytest.raises(ValueError, match=r"p must be in \[0, 1\)"):
         cufuse.gelu_dropout(x, 1.5)
+    with pytest.raises(ValueError, match=r"at most 1 - 2\*\*-21"):  # the keep rate's steps: a biased scale
+        cufuse.gelu_dropout(x, 1 - 1e-8)
+    with pytest.raises(TypeError, match="training must be a bool"):
+        cufuse.gelu_dropout(x, 0.5, training="no")  # (a truthy string: dropout applied)
+    with pytest.raises(TypeError, match="seed must be"):
+        cufuse.gelu_dropout(x, 0.5, training=False, seed="junk")  # checked though no mask is drawn
     cufuse.quantize_int8(x, 0.5)
     cufuse.quantize_int8(x, 0.5)
     with pytest.raises(ValueError, match="scale must be finite and > 0"):

@@ -96,6 +96,26 @@ def test_errors():
         cufuse.fake_quantize_int8(x, np.ones(3, np.float32), axis=1)
     with pytest.raises(TypeError, match="per channel"):
         cufuse.fake_quantize_int8(x, 0.1, axis=0)
+    # per-channel values given as CPU tensors are checked as NumPy's are (zero, negative, NaN, 0 in float32)
+    t = torch.from_numpy(x)
+    for bad in (torch.tensor([0.5, 0.0, 1.0, 1.0]), torch.tensor([1.0, -1.0, 1.0, 1.0]),
+                torch.tensor([1.0, float("nan"), 1.0, 1.0]), torch.full((4,), 1e-46, dtype=torch.float64)):
+        for fn in (cufuse.fake_quantize_int8, cufuse.quantize_int8):
+            with pytest.raises(ValueError, match="every scale must be finite and > 0"):
+                fn(t, bad, axis=1)
+    with pytest.raises(ValueError, match="every zero_point must be finite"):
+        cufuse.quantize_int8(t, torch.ones(4), torch.full((4,), float("inf")), axis=1)
+
+
+def test_compiled_checks_like_eager():
+    """Under torch.compile an axis out of range and a scale that is 0 in float32 raise, as in eager mode
+    (the axis was taken modulo the dims, the scale checked in float64 only)."""
+    torch._dynamo.reset()
+    x = torch.randn(2, 3)
+    with pytest.raises(Exception, match="axis 5 is out of range"):
+        torch.compile(lambda t: cufuse.fake_quantize_int8(t, torch.ones(3), axis=5), fullgraph=True)(x)
+    with pytest.raises(Exception, match="in torch.float32"):
+        torch.compile(lambda t: cufuse.fake_quantize_int8(t, 1e-46), fullgraph=True)(x)
 
 
 @pytest.mark.parametrize("device", DEVICES)

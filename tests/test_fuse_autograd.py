@@ -127,6 +127,29 @@ def test_partial_and_integer_arguments(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_gradients_where_torch_masks(device):
+    """Against torch autograd at the points its rules single out: a ** b at a
+    base of 0 (no NaN: torch's 0 where b == 0, and for the exponent where
+    a == 0 <= b), 0 ** x, x ** 0; minimum / maximum at ties (half to each
+    side, as torch.minimum / torch.maximum)."""
+    cases = [
+        (lambda a, b: a ** b, lambda a, b: a ** b, [[0., 0., 3., -2., 0., 2.], [0., 2., 0., 3., 1., 0.5]]),
+        (lambda a: a ** 0.0, lambda a: a ** 0.0, [[0., 1., -2.]]),
+        (lambda a: 0.0 ** a, lambda a: torch.zeros((), dtype=a.dtype, device=a.device) ** a, [[0., 1., 2.]]),
+        (lambda a, b: cufuse.maximum(a, b), torch.maximum, [[1., 2., 0.], [1., 1., 3.]]),
+        (lambda a, b: cufuse.minimum(a, b), torch.minimum, [[1., 2., 0.], [1., 1., 3.]]),
+        (lambda a: cufuse.maximum(a, 0.0), lambda a: torch.maximum(a, torch.zeros_like(a)), [[0., 1., -1.]]),
+    ]
+    for fn, ref, vals in cases:
+        ours = [torch.tensor(v, dtype=torch.float64, device=device, requires_grad=True) for v in vals]
+        theirs = [torch.tensor(v, dtype=torch.float64, device=device, requires_grad=True) for v in vals]
+        cufuse.fuse(fn)(*ours).sum().backward()
+        ref(*theirs).sum().backward()
+        for a, b in zip(ours, theirs):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_errors(device):
     a = torch.randn(3, 4, device=device, requires_grad=True)
     with pytest.raises(NotImplementedError, match="max / min"):
@@ -135,6 +158,12 @@ def test_errors(device):
         cufuse.fuse(lambda x: x * 2)(a, out=torch.empty(3, 4, device=device))
     with torch.no_grad():  # grad mode off: the plain path
         assert cufuse.fuse(lambda x: x * 2)(a).grad_fn is None
+    f = cufuse.fuse(lambda x, y: x * y + 1.0)
+    b = torch.ones(3, 4, device=device)
+    for lists in (([a], [b]), ([b, a], [b, b])):  # any item: foreach records no gradient
+        with pytest.raises(NotImplementedError, match="foreach records no gradient"):
+            f.foreach(*lists)
+    assert len(f.source(a, b)) > 0  # (the source needs no gradient)
 
 
 @pytest.mark.cuda

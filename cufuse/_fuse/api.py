@@ -183,7 +183,9 @@ class Fused:
     # ------------------------------------------------------------ classify
     def _classify(self, args):
         """(kind, spec, arrays, device): the arguments' array kind, the signature,
-        [(position, array)], the GPU. Raises before anything runs."""
+        [(position, array)], the GPU. Raises before anything runs. (Tensors
+        that require grad pass: a call records its gradient before it gets
+        here, the others read only dtypes and shapes, or refuse them first.)"""
         name = self._name
         kind, first, spec, arrays = None, None, [], []
         for i, x in enumerate(args):
@@ -208,8 +210,6 @@ class Fused:
                 raise TypeError(f"cufuse.{name}: mixed array kinds: argument {first + 1} is "
                                 f"{A.describe(args[first], kind)} and argument {i + 1} is {A.describe(x, k)}; "
                                 "convert one (cufuse.from_torch / cufuse.to_torch, cupy.asarray, .get())")
-            if k in (A.TORCH_CPU, A.TORCH_CUDA):
-                A.check_grad(x, name)
             spec.append(("array", dt, x.ndim))
             arrays.append((i, x))
         if kind is None:
@@ -410,7 +410,8 @@ class Fused:
         each has its gradient's shape and dtype (``_BackwardPlan.into``; the
         kernel reads an element's arguments before it writes its gradients)."""
         s = D.signature((*args, *gouts))
-        key = None if s is None else (s[0], tuple(need))
+        # (torch's default dtype too: the forward's types of Python floats follow it)
+        key = None if s is None else (s[0], tuple(need), A.torch().get_default_dtype())
         plan = self._bwd_plans.get(key) if key is not None else None
         if plan is None:
             plan = self._backward_plan(args, need, gouts)
@@ -654,7 +655,8 @@ class Fused:
             outs_ = _out_lists(out)
             try:
                 key = (tuple(map(_address, itertools.chain(*[args[p] for p in list_pos], *outs_))),
-                       tuple(type(a) if p not in list_pos else None for p, a in enumerate(args)), len(outs_))
+                       tuple(type(a) if p not in list_pos else None for p, a in enumerate(args)), len(outs_),
+                       A.torch().get_default_dtype() if A.torch() is not None else None)
             except TypeError:
                 key = None
             ent = self._plans.get(key) if key is not None else None
@@ -761,6 +763,15 @@ class Fused:
     def _foreach_signature(self, args, list_pos, out, count, what):
         """(kind, device, signature, output lists or None) of a foreach call,
         from its first item; raises for scalars in lists, bare arrays, reductions."""
+        t = A.torch()
+        if t is not None and t.is_grad_enabled():  # (every item: each runs in the launch table, unrecorded)
+            for p, a in enumerate(args):
+                for x in (a if p in list_pos else [a]):
+                    if A.is_torch_tensor(x) and x.requires_grad:
+                        raise NotImplementedError(
+                            f"cufuse.{self._name}.{what}: argument {p + 1} holds a tensor that requires grad, and "
+                            f"{what} records no gradient (calls of the function itself do); call it under "
+                            "torch.no_grad() or pass tensor.detach()")
         kind, spec, _, device = self._classify(_item(args, list_pos, 0))
         for p, s in enumerate(spec):
             if s[0] == "scalar" and p in list_pos:

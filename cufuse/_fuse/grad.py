@@ -111,12 +111,15 @@ def _rule(nd, x, y, g):
         return [(0, g / x[1]), (1, -g * y / x[1])]
     if op == "mod":  # a - floor(a / b) b
         return [(0, g), (1, -g * F.floor(x[0] / x[1]))]
-    if op == "pow":
+    if op == "pow":  # torch's masks: no base gradient where b == 0, no exponent gradient where a == 0 <= b
         a, b = x
-        return [(0, g * b * a ** (b - 1)), (1, g * y * F.log(a))]
-    if op in ("minimum", "maximum"):
-        first = x[0] <= x[1] if op == "minimum" else x[0] >= x[1]
-        return [(0, F.where(first, g, 0.0)), (1, F.where(first, 0.0, g))]
+        return [(0, F.where(b == 0, 0.0, g * b * a ** (b - 1))),
+                (1, F.where((a == 0) & (b >= 0), 0.0, g * y * F.log(a)))]
+    if op in ("minimum", "maximum"):  # at ties each side gets half, as torch.minimum / torch.maximum give
+        first = x[0] < x[1] if op == "minimum" else x[0] > x[1]
+        tie = x[0] == x[1]
+        return [(0, F.where(first, g, F.where(tie, 0.5 * g, 0.0))),
+                (1, F.where(first, 0.0, F.where(tie, 0.5 * g, g)))]
     if op == "where":
         return [(1, F.where(x[0], g, 0.0)), (2, F.where(x[0], 0.0, g))]
     v = x[0]

@@ -468,6 +468,9 @@ def _check_approximate(name, approximate):
 # of float16) there. Outside, a 16-bit lane would drop nothing for p < 2**-16
 # and bias the expected value by percents for p near 1.
 _LANE16_P = (1 / 32, 31 / 32)
+# The largest p: the 32-bit lanes' keep rate is (2**32 - floor(p 2**32)) / 2**32, so 1 / (1 - p) scales the
+# kept values by up to 2**-32 / (1 - p) too much; at most 2**-11 (the 16-bit lanes' bound) up to here.
+_P_MAX = 1.0 - 2.0 ** -21
 
 
 def _mask_bits(dtype, lanes16):
@@ -577,10 +580,16 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     p = float(p)
     if not 0.0 <= p < 1.0:  # NaN fails too
         raise ValueError(f"cufuse.gelu_dropout: p must be in [0, 1), got {p}")
-    if not training or p == 0.0:
-        return _bias_gelu[tanh](x, 0.0, out=out)
+    if p > _P_MAX:
+        raise ValueError(f"cufuse.gelu_dropout: p = {p!r} is closer to 1 than the mask resolves (a keep rate of "
+                         f"1 - p is drawn in steps of 2**-32: the expected value would be off by more than 2**-11); "
+                         f"p must be at most 1 - 2**-21")
+    if not isinstance(training, (bool, np.bool_)):
+        raise TypeError(f"cufuse.gelu_dropout: training must be a bool, got {type(training).__name__}")
     if seed is not None:
         seed = _random.check_seed(seed, "cufuse.gelu_dropout")
+    if not training or p == 0.0:
+        return _bias_gelu[tanh](x, 0.0, out=out)
     if TO.compiling():  # torch.compile: the registered operator; seed=None drawn by torch, in the graph
         AG.no_out("gelu_dropout", out)
         return TO.gelu_dropout(x, p, seed, approximate)

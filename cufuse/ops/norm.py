@@ -601,15 +601,11 @@ def _shape_key(ns):
     return None
 
 
-def _ns_list(normalized_shape):
-    return [int(normalized_shape)] if isinstance(normalized_shape, (int, np.integer)) else [int(d) for d in normalized_shape]
-
-
 def _recorded_norm(name, x, normalized_shape, weight, bias, eps, out):
+    ns, e = list(_normalized_shape(name, x, normalized_shape)), _eps(name, eps)  # (checked as the other paths do)
     if name == "rms_norm":
-        return _recorded(name, out, "rms_norm", x, _ns_list(normalized_shape), weight, float(eps))
-    return _recorded(name, out, "layer_norm", x, _ns_list(normalized_shape), weight, bias, float(eps),
-                     name == "layer_norm_relu")
+        return _recorded(name, out, "rms_norm", x, ns, weight, e)
+    return _recorded(name, out, "layer_norm", x, ns, weight, bias, e, name == "layer_norm_relu")
 
 
 def _recorded(name, out, op, *args):
@@ -834,9 +830,18 @@ def log_softmax(x: Array, axis: int = -1, *, out: Array | None = None) -> Array:
     return _softmax("log_softmax", x, axis, out)
 
 
+def _softmax_axis(name, axis, ndim):
+    """``axis`` checked (an int in range; a 0-d x is a row of length 1)."""
+    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
+        raise TypeError(f"cufuse.{name}: axis must be an int, got {type(axis).__name__}")
+    if not -max(ndim, 1) <= axis < max(ndim, 1):
+        raise ValueError(f"cufuse.{name}: axis {axis} is out of range for x with {ndim} dimensions")
+    return int(axis)
+
+
 def _softmax(name, x, axis, out):
     if TO.compiling():
-        return _recorded(name, out, "softmax", x, int(axis), name == "log_softmax")
+        return _recorded(name, out, "softmax", x, _softmax_axis(name, axis, x.dim()), name == "log_softmax")
     op = _OPS[name]
     key = None
     if type(axis) is int:
@@ -844,16 +849,13 @@ def _softmax(name, x, axis, out):
         if res is not None:
             return res
     if AG.wants_grad((x,)):  # recorded (no fast-path signature: _driver.signature)
-        return _recorded(name, out, "softmax", x, int(axis), name == "log_softmax")
+        return _recorded(name, out, "softmax", x, _softmax_axis(name, axis, x.dim()), name == "log_softmax")
     if DK.is_dask(x) and isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)) \
             and -max(x.ndim, 1) <= axis < max(x.ndim, 1):
         return DK.rows(name, lambda blk: _softmax(name, blk, axis, None), x, [axis] if x.ndim else [], x.dtype, out)
     kind, dt, dev = _rows.data_arg(name, x)
     ndim = len(x.shape)
-    if isinstance(axis, (bool, np.bool_)) or not isinstance(axis, (int, np.integer)):
-        raise TypeError(f"cufuse.{name}: axis must be an int, got {type(axis).__name__}")
-    if not -max(ndim, 1) <= axis < max(ndim, 1):
-        raise ValueError(f"cufuse.{name}: axis {axis} is out of range for x with {ndim} dimensions")
+    _softmax_axis(name, axis, ndim)
     log = name == "log_softmax"
     if ndim == 0:  # one element: a row of length 1
         if out is not None:

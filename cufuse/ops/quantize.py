@@ -209,12 +209,17 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
     if tuple(arr.shape) != (nch,):
         raise ValueError(f"cufuse.{name}: {what} has shape {tuple(arr.shape)}; axis {axis} of the data "
                          f"has length {nch}, so ({nch},) is needed")
-    if vk == A.NUMPY:
-        arr = np.ascontiguousarray(arr, dtype=real)  # the kernels index scale[c]: no strides
-        if positive and not np.all(arr > 0) or not np.all(np.isfinite(arr)):
+    if vk in (A.NUMPY, A.TORCH_CPU):  # (GPU arrays are not read: that would wait for the device; docs/ops.md)
+        chk = np.asarray(arr if vk == A.NUMPY else arr.detach().double().numpy(), dtype=np.float64)
+        with np.errstate(over="ignore", under="ignore"):
+            chk = chk.astype(real)  # checked where the data is computed: 1e-46 is 0 in float32
+        if positive and not np.all(chk > 0) or not np.all(np.isfinite(chk)):
             need = "finite and > 0" if positive else "finite"
-            raise ValueError(f"cufuse.{name}: every {what} must be {need}")
-        return arr
+            raise ValueError(f"cufuse.{name}: every {what} must be {need} (in {real.name}, the type the data is "
+                             "computed in)")
+        if vk == A.NUMPY:
+            return np.ascontiguousarray(arr, dtype=real)  # the kernels index scale[c]: no strides
+        return arr.to(A.numpy_to_torch_dtype(real)).contiguous()
     dev = A.device_of(arr, vk)
     if dev != A.device_of(x, kind):  # the kernel would read a pointer of another device
         raise ValueError(f"cufuse.{name}: {what} is on GPU {dev} but the data is on GPU "
@@ -240,7 +245,7 @@ def _on_device(v, given, kind, dev):
     return v, A.pointer_of(v, kind)
 
 
-_CHOICE: dict = {}  # (scale, zero point) of a valid per-tensor call -> reciprocal_ok of them
+_CHOICE: dict = {}  # (scale, zero point) valid in float32 and float64 -> reciprocal_ok of them
 
 
 def _per_tensor_fast(fast, x, scale, zero_point, out, out_dtype):
@@ -291,9 +296,12 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         z = _scalar_param(name, "zero_point", zero_point, False, real)
         rt = real.type
         op = per_tensor(in_dt, s, z)
+        ok = _reciprocal_ok(s, z)
         if len(_CHOICE) >= 4096:
             _CHOICE.clear()
-        _CHOICE[(s, z)] = ok = _reciprocal_ok(s, z)
+        with np.errstate(over="ignore", under="ignore"):  # the fast path skips the checks for every dtype: kept
+            if np.isfinite(np.float32(s)) and np.float32(s) > 0 and np.isfinite(np.float32(z)):  # if valid in all
+                _CHOICE[(s, z)] = ok
         return op.call((x,), out, out_dtype=out_dtype, params=(s, z),
                        np_params={"scale": rt(s), "zero_point": rt(z)} | ({"real": real} if in_dt == _I8 else {}),
                        key_extra=(out_dtype, ok))
@@ -437,8 +445,16 @@ def _fq_params_traced(name, x, scale, zero_point, axis):
                 raise TypeError(f"cufuse.{name}: under torch.compile, {what} must be a Python number per tensor")
             if not math.isfinite(v) or (positive and v <= 0):
                 raise ValueError(f"cufuse.{name}: {what} must be finite{' and > 0' if positive else ''}, got {v!r}")
+            r = torch.tensor(float(v), dtype=real)  # (checked where the data is computed: 1e-46 is 0 in float32)
+            if not bool(torch.isfinite(r)) or (positive and not bool(r > 0)):
+                raise ValueError(f"cufuse.{name}: {what} {v!r} is {float(r)} in {real}, the type the data is "
+                                 "computed in; it must be finite" + (" and > 0 there" if positive else " there"))
             out.append(torch.full((1,) * nd, float(v), dtype=real, device=x.device))
         return out
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"cufuse.{name}: axis must be an int or None, got {type(axis).__name__}")
+    if not -nd <= axis < nd:
+        raise ValueError(f"cufuse.{name}: axis {axis} is out of range for data with {nd} dimensions")
     axis = axis % nd
     shape = [1] * nd
     shape[axis] = x.shape[axis]
