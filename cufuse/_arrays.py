@@ -161,8 +161,14 @@ def kind_of(x):
         if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray):
             raise TypeError("got a numpy.ma.MaskedArray; its mask would be ignored: pass x.filled(value) "
                             "(or x.data to compute on the masked values too)")
+        if type(x) is not np.ndarray and isinstance(x, np.matrix):  # (its * is a matrix product: the fallbacks'
+            raise TypeError("got a numpy.matrix, whose * is a matrix product; pass np.asarray(m)")  # math differs)
         _whole_strides(x)
         return NUMPY
+    t = torch()
+    if t is not None and isinstance(x, t.Tensor) and x.is_neg():
+        raise TypeError("got a torch tensor with its negative bit set (a lazy negation, such as z.conj().imag), "
+                        "whose memory holds the values negated; pass x.resolve_neg()")
     if isinstance(x, CupyArray):
         _whole_strides(x)
         return CUPY

@@ -612,6 +612,7 @@ def signature(items):
 
     Per array: its type, dtype, shape, strides, the low 4 bits of its address
     (what alignment decisions read) and its device; per other item its type.
+    A tensor with its negative bit set gives None (the general path refuses it).
     ``pointers`` lists the arrays' addresses. A tensor that requires grad
     with grad mode on gives None: the call is recorded for autograd (the
     general path), so a kept recipe never skips that."""
@@ -628,7 +629,7 @@ def signature(items):
             d = a.get_device()  # -1 off the GPU
             if d < 0:
                 return None
-            if a.requires_grad and TORCH.grad_enabled():
+            if a.requires_grad and TORCH.grad_enabled() or a.is_neg():  # (a lazy negation: refused there)
                 return None
             p = a.data_ptr()
             key.append((a.dtype, a.shape, a.stride(), p & 15, d))
@@ -640,7 +641,7 @@ def signature(items):
             return signature(items)
         elif Tensor is not None and isinstance(a, Tensor):  # a subclass (nn.Parameter): as a tensor
             d = a.get_device()
-            if d < 0 or a.requires_grad and TORCH.grad_enabled():
+            if d < 0 or a.requires_grad and TORCH.grad_enabled() or a.is_neg():
                 return None
             p = a.data_ptr()
             key.append((t, a.dtype, a.shape, a.stride(), p & 15, d))
@@ -944,13 +945,29 @@ def execute(rec, outs, in_ptrs, values=(), like=None):
     flat launcher once it has one (``_flat``)."""
     fl = rec.flat
     f = fl[0] if fl else False  # (a Recipe made other than by RecipeBuilder.build has no slot for one)
+    res = None
     if f:
         res = f(outs, in_ptrs, values, like)
-        if res is not None:
-            return res
     elif f is None:
         fl[0] = _flat(rec)
-    return _execute(rec, outs, in_ptrs, values, like)
+    if res is None:
+        res = _execute(rec, outs, in_ptrs, values, like)
+    if outs is not None and rec.kind == A.TORCH_CUDA:
+        written(outs)
+    return res
+
+
+def written(outs):
+    """torch tensors written through their memory (``out=``): their version
+    counters bumped, as torch's own out= ops do, so that autograd refuses a
+    backward that saved one (it would read the new values: a wrong gradient,
+    silently). With grad mode on only (no graph is recorded without it);
+    inference tensors keep no version."""
+    t = A.torch()
+    if t is not None and t.is_grad_enabled():
+        mark = [o for o in outs if isinstance(o, t.Tensor) and not o.is_inference()]
+        if mark:
+            t.autograd.graph.increment_version(mark)
 
 
 def _execute(rec, outs, in_ptrs, values, like):

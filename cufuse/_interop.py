@@ -18,6 +18,9 @@ def from_torch(t: Any) -> Any:
     """
     if not A.is_torch_tensor(t):
         raise TypeError(f"cufuse.from_torch: expected a torch.Tensor, got {type(t).__module__}.{type(t).__name__}")
+    if t.is_neg():  # (DLPack would drop the bit: the values negated, silently)
+        raise TypeError("cufuse.from_torch: the tensor has its negative bit set (a lazy negation, such as "
+                        "z.conj().imag), whose memory holds the values negated; pass t.resolve_neg()")
     if t.is_cuda:
         from ._runtime import _cp, CUDA_AVAILABLE
         if _cp is None or not CUDA_AVAILABLE:
@@ -42,6 +45,10 @@ def to_torch(a: Any) -> Any:
         except ImportError:
             raise ImportError("cufuse.to_torch needs PyTorch installed") from None
     if isinstance(a, np.ndarray):
+        try:
+            A.kind_of(a)  # (a masked array or np.matrix: refused, as by every op)
+        except TypeError as e:
+            raise TypeError(f"cufuse.to_torch: {e}") from None
         return A.torch_from_numpy(a)
     if isinstance(a, A.CupyArray):
         return torch.from_dlpack(a)

@@ -573,6 +573,12 @@ def _register_fused(torch):
 # ------------------------------------------------------------ cross entropy
 
 
+
+def _ce_ignore(name, ignore_index):
+    """ignore_index under torch.compile: an int in int64's range, as eager mode checks (int() truncated a float)."""
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -2**63 <= ignore_index < 2**63:
+        raise TypeError(f"{name}: ignore_index must be an int in int64's range, got {ignore_index!r}")
+
 def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reduction, dtype):
     """cufuse.cross_entropy through its registered operator (torch.compile):
     checked with torch's attributes only (Dynamo traces this), then the
@@ -593,6 +599,7 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reducti
         raise ValueError(f"{name}: reduction must be one of ('mean', 'sum', 'none'), got {reduction!r}")
     if dtype is not None and dtype not in A.torch_floats():
         raise TypeError(f"{name}: under torch.compile, dtype must be a torch float dtype, got {dtype!r}")
+    _ce_ignore(name, ignore_index)
     register()
     return _OPS["cross_entropy"](logits, target.to(torch.int64), int(ignore_index), float(label_smoothing),
                                  float(z_loss), reduction, dtype)[0]
@@ -668,6 +675,7 @@ def linear_cross_entropy(hidden, weight, bias, target, ignore_index, label_smoot
         raise TypeError(f"{name}: under torch.compile, dtype must be a torch float dtype, got {dtype!r}")
     if chunk_rows is not None and (not isinstance(chunk_rows, int) or isinstance(chunk_rows, bool) or chunk_rows < 1):
         raise ValueError(f"{name}: chunk_rows must be an int >= 1 or None, got {chunk_rows!r}")
+    _ce_ignore(name, ignore_index)
     grad = torch.is_grad_enabled()
     need = [grad and a is not None and a.requires_grad for a in (hidden, weight, bias)]
     register()

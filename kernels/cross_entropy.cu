@@ -143,9 +143,10 @@ cross_entropy_backward(T* dx, const T* x, const long long* __restrict__ target,
         const long long t = target[r];
         const bool ignored = t == ignore_index;
         const C l = lse[r];
-        const C sc = scale[r * sstride];
+        // a target out of range (not ignored): its loss is NaN, and so is every element of its gradient
+        const C sc = (t >= 0 && t < cols) ? scale[r * sstride] : quiet_nan<C>();
         const C pz = z != 0.0 ? C(1) + C(2) * static_cast<C>(z) * l : C(1);
-        const C hit = (t >= 0 && t < cols) ? C(1) - e : quiet_nan<C>();
+        const C hit = C(1) - e;
         T* drow = dx + r * ldd;
         each_pack(x + r * ldx, cols, vec, [&](long long e0, const C* tv, int n) {
             C o[V];

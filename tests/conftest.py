@@ -5,9 +5,28 @@ Tolerances, the float64 reference and the backend helpers live in
 """
 from __future__ import annotations
 
+import hashlib
+import os
+import pathlib
+import tempfile
 from typing import NamedTuple
 
 import pytest
+
+
+def _compile_cache_dir():
+    """torch.compile's on-disk caches for this suite, one per version of cufuse's operators: its
+    autograd cache keys a graph by its forward, not by the backward formula a custom operator
+    registers, so a graph compiled before an operator's backward changed would be replayed with the
+    old backward's arguments (docs/pytorch.md)."""
+    src = pathlib.Path(__file__).resolve().parent.parent / "cufuse"
+    h = hashlib.sha1()
+    for f in sorted(src.rglob("*.py")):
+        h.update(f.read_bytes())
+    return os.path.join(tempfile.gettempdir(), f"cufuse-tests-inductor-{h.hexdigest()[:12]}")
+
+
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", _compile_cache_dir())  # (before torch is imported)
 
 import cufuse
 from cufuse import _driver as D

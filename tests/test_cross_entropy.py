@@ -241,6 +241,8 @@ def test_under_compile(device):
         torch.library.opcheck(torch.ops.cufuse.cross_entropy, args)
     with pytest.raises(Exception, match="must be \\(rows, classes\\)"):
         torch.compile(lambda x: cufuse.cross_entropy(x, t), fullgraph=True)(x0[None])
+    with pytest.raises(Exception, match="ignore_index must be an int"):  # (int() truncated it: a row ignored)
+        torch.compile(lambda x: cufuse.cross_entropy(x, t, ignore_index=2.7), fullgraph=True)(x0)
 
 
 def test_dtype_of_the_loss(backend):
@@ -279,6 +281,42 @@ def test_in_place_never_into_a_leaf(device):
     cufuse.cross_entropy(logits, t).backward()
     if device == "cuda":
         assert seen["ptr"] == logits.data_ptr()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunks_of_one_logits_tensor(device):
+    """The loss of each chunk of one logits tensor (z.split(), to save
+    memory): the same gradients as torch's. (Written in place into one chunk,
+    the version counter the chunks share failed the others' backward.)"""
+    g = torch.Generator().manual_seed(18)
+    h = torch.randn(12, 6, generator=g).to(device).requires_grad_(True)
+    w = torch.randn(20, 6, generator=g).to(device)
+    t = torch.randint(0, 20, (12,), generator=g).to(device)
+    z = h @ w.T
+    sum(cufuse.cross_entropy(a, b, reduction="sum") for a, b in zip(z.split(4), t.split(4))).backward()
+    ref = h.detach().clone().requires_grad_(True)
+    torch.nn.functional.cross_entropy(ref @ w.T, t, reduction="sum").backward()
+    torch.testing.assert_close(h.grad, ref.grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_target_out_of_range_gives_nan_rows(device):
+    """A target outside [0, classes) that is not ignore_index: its row's loss
+    is NaN and so is every element of its gradient (the GPU gave a finite,
+    wrong gradient; the CPU NaN in one column), for cross_entropy and
+    linear_cross_entropy; the other rows' gradients stay finite."""
+    g = torch.Generator().manual_seed(19)
+    t = torch.tensor([0, 5, -1, 2]).to(device)
+    x = torch.randn(4, 5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    cufuse.cross_entropy(x, t, reduction="none").sum().backward()
+    assert torch.isnan(x.grad[1:3]).all() and torch.isfinite(x.grad[[0, 3]]).all()
+    h = torch.randn(4, 3, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    w = torch.randn(5, 3, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+    loss = cufuse.linear_cross_entropy(h, w, t, reduction="none")
+    assert torch.isnan(loss[1:3]).all()
+    loss.sum().backward()
+    assert torch.isnan(h.grad[1:3]).all() and torch.isfinite(h.grad[[0, 3]]).all()
+    assert torch.isnan(w.grad).any()
 
 
 # ------------------------------------------------- linear_cross_entropy

@@ -37,6 +37,44 @@ def test_to_torch_rejects_non_array(bad):
         cufuse.to_torch(bad)
 
 
+def test_arrays_whose_memory_is_not_their_values():
+    """np.matrix (its * is a matrix product: the fallbacks' math gave
+    products), a masked array given to to_torch (its mask dropped), and a
+    torch tensor with its negative bit set (DLPack and the kernels read the
+    un-negated memory) are refused, each with its way out."""
+    torch = _torch()
+    m = np.matrix([[1.0, 2.0], [3.0, 4.0]])
+    with pytest.raises(TypeError, match="numpy.matrix"):
+        cufuse.fma(m, np.matrix(np.eye(2)), 0.0)
+    with pytest.raises(TypeError, match="cufuse.to_torch: got a numpy.ma.MaskedArray"):
+        cufuse.to_torch(np.ma.masked_array([1.0, 2.0], [True, False]))
+    neg = torch.tensor([1 + 2j, 3 - 4j]).conj().imag  # tensor([-2., 4.]) in memory [2, -4]
+    assert neg.is_neg()
+    with pytest.raises(TypeError, match="negative bit"):
+        cufuse.from_torch(neg)
+    with pytest.raises(TypeError, match="negative bit"):
+        cufuse.add_relu(neg, 0.0)
+    np.testing.assert_array_equal(cufuse.add_relu(neg.resolve_neg(), 0.0).numpy(), [0.0, 4.0])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_out_bumps_torch_version(device):
+    """A torch out= written by cufuse counts as an in-place change, as torch's
+    own out= does: a backward that saved the tensor raises (it read the new
+    values and gave a wrong gradient, silently)."""
+    torch = _torch() if device == "cpu" else _torch_cuda()
+    for write in (lambda t: cufuse.add_relu(torch.full((3, 4), 10.0, device=device), 1.0, out=t),
+                  lambda t: cufuse.softmax(torch.rand(3, 4, device=device), out=t)):
+        w = torch.ones(3, 4, device=device, requires_grad=True)
+        t = torch.rand(3, 4, device=device)
+        y = (w * t).sum()  # t saved for the backward
+        before = t._version
+        write(t)
+        assert t._version > before
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+
+
 # --------------------------------------------------------------- CPU: NumPy
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
 def test_from_torch_cpu_shares_memory(layout):

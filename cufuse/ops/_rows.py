@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import _arrays as A
+from .. import _driver as D
 
 FLOATS = A.FLOAT_DTYPES
 
@@ -31,6 +32,8 @@ def from_numpy(res, kind, out):
     """A fallback result in the caller's kind, or written into ``out``."""
     if out is not None:
         np.copyto(to_numpy(out, kind), res)
+        if kind == A.TORCH_CPU:
+            D.written((out,))
         return out
     if kind == A.TORCH_CPU:
         res = np.asarray(res)

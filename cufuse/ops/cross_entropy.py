@@ -33,10 +33,13 @@ _TARGET_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 # --------------------------------------------------------------- validation
 def _number(name, what, v, lo, hi, kind=float):
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise TypeError(f"cufuse.{name}: {what} must be a {kind.__name__}, got {type(v).__name__}")
+        raise TypeError(f"cufuse.{name}: {what} must be {'an int' if kind is int else 'a float'}, got "
+                        f"{type(v).__name__}")
     if kind is int:
         if not isinstance(v, (int, np.integer)):
             raise TypeError(f"cufuse.{name}: {what} must be an int, got {type(v).__name__}")
+        if not -2**63 <= int(v) < 2**63:  # (the kernels compare int64 targets with it)
+            raise ValueError(f"cufuse.{name}: {what} must be in int64's range, got {v!r}")
         return int(v)
     f = float(v)
     if not (lo <= f <= hi):
@@ -114,8 +117,8 @@ def _np_backward(x, t, lse, scale, ignore, eps, z):
         d = (p * (1 + 2 * z * lse[:, None]) if z else p) - eps / x.shape[1]
         rows = np.arange(x.shape[0])
         inside = (t >= 0) & (t < x.shape[1])
-        d[rows, np.clip(t, 0, x.shape[1] - 1)] -= np.where(inside, 1 - eps, np.nan)
-        d = d * scale.reshape(-1, 1)
+        d[rows, np.clip(t, 0, x.shape[1] - 1)] -= np.where(inside, 1 - eps, 0.0)
+        d = np.where(inside[:, None], d * scale.reshape(-1, 1), np.nan)  # (a target out of range: NaN, as its loss)
     return np.where((t != ignore)[:, None], d, 0).astype(x.dtype)
 
 
@@ -295,7 +298,11 @@ def _function(torch):
             cdt = lse.dtype
             scale = g.to(cdt) / count.to(cdt) if ctx.reduction == "mean" else g.to(cdt).contiguous()
             x = logits.detach()
-            dx = _backward(kind, dt, dev, x, t, lse, scale, ignore, eps, z, ctx.inplace)
+            # in place only where the logits are their storage's whole tensor: written into a part (a chunk
+            # of z.split()), the shared version counter would fail the backward of the other parts
+            base = logits._base
+            inplace = ctx.inplace and (base is None or base.numel() == logits.numel())
+            dx = _backward(kind, dt, dev, x, t, lse, scale, ignore, eps, z, inplace)
             if dx is x:  # the logits now hold their gradient: a backward that saved them must say so
                 torch.autograd.graph.increment_version(logits)
             return dx, None, None, None, None

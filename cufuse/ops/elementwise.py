@@ -211,6 +211,8 @@ class ElementwiseOp:
         if plan.out is not None:
             target = A.torch_numpy(plan.out) if torch_cpu else plan.out
             np.copyto(target, res)
+            if torch_cpu:
+                D.written((plan.out,))
             return plan.out
         return A.torch_from_numpy(res) if torch_cpu else res
 
