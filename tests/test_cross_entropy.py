@@ -285,18 +285,30 @@ def test_in_place_never_into_a_leaf(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunks_of_one_logits_tensor(device):
-    """The loss of each chunk of one logits tensor (z.split(), to save
-    memory): the same gradients as torch's. (Written in place into one chunk,
-    the version counter the chunks share failed the others' backward.)"""
+    """The loss of each chunk of one logits tensor (z.split()): with
+    inplace_backward=False the same gradients as torch's; on the GPU the
+    default writes each chunk's gradient in place, and the chunks share one
+    version counter, so the next chunk's backward raises torch's in-place
+    error (docs/ops.md) rather than reading a changed tensor."""
     g = torch.Generator().manual_seed(18)
-    h = torch.randn(12, 6, generator=g).to(device).requires_grad_(True)
+    h0 = torch.randn(12, 6, generator=g).to(device)
     w = torch.randn(20, 6, generator=g).to(device)
     t = torch.randint(0, 20, (12,), generator=g).to(device)
-    z = h @ w.T
-    sum(cufuse.cross_entropy(a, b, reduction="sum") for a, b in zip(z.split(4), t.split(4))).backward()
-    ref = h.detach().clone().requires_grad_(True)
+    ref = h0.clone().requires_grad_(True)
     torch.nn.functional.cross_entropy(ref @ w.T, t, reduction="sum").backward()
-    torch.testing.assert_close(h.grad, ref.grad, rtol=1e-5, atol=1e-5)
+
+    def run(inplace):
+        h = h0.clone().requires_grad_(True)
+        z = h @ w.T
+        sum(cufuse.cross_entropy(a, b, reduction="sum", inplace_backward=inplace)
+            for a, b in zip(z.split(4), t.split(4))).backward()
+        return h.grad
+    torch.testing.assert_close(run(False), ref.grad, rtol=1e-5, atol=1e-5)
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="modified inplace|inplace operation"):
+            run(True)
+    else:  # (CPU logits are never written in place)
+        torch.testing.assert_close(run(True), ref.grad, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -298,11 +298,7 @@ def _function(torch):
             cdt = lse.dtype
             scale = g.to(cdt) / count.to(cdt) if ctx.reduction == "mean" else g.to(cdt).contiguous()
             x = logits.detach()
-            # in place only where the logits are their storage's whole tensor: written into a part (a chunk
-            # of z.split()), the shared version counter would fail the backward of the other parts
-            base = logits._base
-            inplace = ctx.inplace and (base is None or base.numel() == logits.numel())
-            dx = _backward(kind, dt, dev, x, t, lse, scale, ignore, eps, z, inplace)
+            dx = _backward(kind, dt, dev, x, t, lse, scale, ignore, eps, z, ctx.inplace)
             if dx is x:  # the logits now hold their gradient: a backward that saved them must say so
                 torch.autograd.graph.increment_version(logits)
             return dx, None, None, None, None
