@@ -50,6 +50,19 @@ def build(family, small, device, dtype):
     return cls(config(small, family)).to(device=device, dtype=dtype)
 
 
+def cuda_llama(dtype):
+    """(the benchmark's Llama in ``dtype`` on CUDA, a 4 x 1024 batch of ids,
+    its ``variants``, its modeling module, that module's own
+    apply_rotary_pos_emb): what the scripts that time its step start from
+    (a patch replaces the rope function for the whole module, so each variant
+    puts it back first)."""
+    import sys
+    base = build("llama", False, "cuda", dtype)
+    ids = torch.randint(0, base.config.vocab_size, (4, 1024), device="cuda")
+    module = sys.modules[type(base).__module__]
+    return base, ids, variants(base), module, getattr(module, "apply_rotary_pos_emb", None)
+
+
 def timed(fn, reps, device):
     for _ in range(2):
         fn()

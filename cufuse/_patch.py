@@ -115,11 +115,11 @@ def _rms_probe(old):
     return None, out.dtype == other and torch.promote_types(w.dtype, other) != other
 
 
-def _rms(old):
+def _rms(old, input_dtype=False):
     w = old.weight
     new = RMSNorm(tuple(w.shape), eps=float(old.variance_epsilon), device="meta")
     new.weight = w
-    new.input_dtype = _rms_probe(old)[1]
+    new.input_dtype = input_dtype  # (_rms_probe's finding, made when the norm was planned)
     return new
 
 
@@ -344,8 +344,8 @@ def _plan(name, mod):
                                                                                  nn.Parameter):
         if len(list(mod.children())) or len(list(mod.parameters(recurse=False))) != 1:
             return None, "an RMSNorm with more than a weight"
-        why = _rms_probe(mod)[0]
-        return (None, why) if why else (_rms, None)
+        why, input_dtype = _rms_probe(mod)
+        return (None, why) if why else (functools.partial(_rms, input_dtype=input_dtype), None)
     if type(mod) is nn.GELU:
         return _gelu(mod.approximate), None
     if t in _GELU_ERF and not isinstance(mod, nn.GELU):

@@ -124,11 +124,7 @@ def main():
     ap.add_argument("--reps", type=int, default=10)
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
-    base = model_probe.build("llama", False, "cuda", dt)
-    ids = torch.randint(0, base.config.vocab_size, (4, 1024), device="cuda")
-    makers = model_probe.variants(base)
-    module = sys.modules[type(base).__module__]
-    rope = getattr(module, "apply_rotary_pos_emb", None)  # a patch replaces it: each variant starts from it
+    base, ids, makers, module, rope = model_probe.cuda_llama(dt)
     mods = {}
     for label in a.variants.split(","):
         if rope is not None:

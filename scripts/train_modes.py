@@ -41,11 +41,7 @@ def main():
                     "captured, foreach AdamW must be capturable, which made it 1.7x slower on an H200)")
     a = ap.parse_args()
     dt = getattr(torch, a.dtype)
-    base = model_probe.build("llama", False, "cuda", dt)
-    ids = torch.randint(0, base.config.vocab_size, (4, 1024), device="cuda")
-    makers = model_probe.variants(base)
-    module = sys.modules[type(base).__module__]
-    rope = getattr(module, "apply_rotary_pos_emb", None)
+    base, ids, makers, module, rope = model_probe.cuda_llama(dt)
     for label in a.variants.split(","):
         graphs, captured = label.endswith("-ro"), label.endswith("+graph")
         if rope is not None:
