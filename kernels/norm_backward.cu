@@ -23,7 +23,11 @@
 // own slots of the block's shared memory, and writes its block's partial sums,
 // pw[blockIdx.x][col] and pb[...], which column_sums adds over the blocks (the
 // second stage). Nothing is added atomically: the result does not depend on
-// timing. A block loads its next row before it reduces the current one.
+// timing. A block keeps its next `stages` rows in flight (host-chosen,
+// 0-4): each thread copies its packs of them (x, g and gadd) into its own
+// slots of shared memory (cp.async, sm_80+), so that the loads neither wait
+// for the row's reductions nor take registers. With stages = 0 (older GPUs,
+// or rows whose slots do not fit) a block loads each row when it starts it.
 //
 // Rows must be whole 16-byte packs at 16-byte aligned addresses (the host
 // checks: cufuse/_autograd.py); other rows take the generated-kernel path.
@@ -134,6 +138,14 @@ __device__ __forceinline__ void load_rows(const T* a, const T* b, long long r, i
     }
 }
 
+// wait_async<n> for a run-time n in [0, 3] (a uniform branch: wait_group takes an immediate).
+__device__ __forceinline__ void wait_async_upto(int n) {
+    if (n >= 3) wait_async<3>();
+    else if (n == 2) wait_async<2>();
+    else if (n == 1) wait_async<1>();
+    else wait_async<0>();
+}
+
 // 16 bytes of C values: one 128-bit shared-memory access
 template <typename C> struct alignas(16) Quad {
     C v[16 / sizeof(C)];
@@ -150,7 +162,8 @@ template <typename T, int NP, bool Center, bool Relu>
 __global__ void __launch_bounds__(cufuse::kNormBwdMaxThreads, cufuse::kNormBwdMinBlocks<NP, T>)
 norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse::compute_t<T>* __restrict__ pb,
               const T* __restrict__ g, const T* __restrict__ x, const T* __restrict__ w,
-              const T* __restrict__ b, const T* __restrict__ gadd, long long rows, int cols, double eps) {
+              const T* __restrict__ b, const T* __restrict__ gadd, long long rows, int cols, double eps,
+              int stages) {
     using namespace cufuse;
     using C = compute_t<T>;
     constexpr int V = 16 / sizeof(T);
@@ -171,6 +184,11 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
     Q* ab = aw + NP * QP * blockDim.x;
     P* wk = reinterpret_cast<P*>(ab + NP * QP * blockDim.x);
     P* bk = wk + NP * blockDim.x;
+    // then the stages' slots: slot s of array a (x, g, gadd) holds pack j of thread t at
+    // ((s NA + a) NP + j) blockDim.x + t, each thread's own (it alone copies and reads them: no barrier)
+    P* ring = bk + NP * blockDim.x;
+    const int na = gadd ? 3 : 2;
+    const auto at = [&](int s, int a, int j) { return ring + ((s * na + a) * NP + j) * blockDim.x + threadIdx.x; };
 #pragma unroll
     for (int j = 0; j < NP; ++j) {
         const int k = threadIdx.x + j * blockDim.x;
@@ -190,13 +208,42 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
             if (!b) bv[v] = C(0);
         }
     };
-    // the next row's packs of x and g are loaded before this row's reductions, so that a block always has a
-    // row's loads in flight (one block of 512 threads per SM holds one row otherwise)
-    P xp[NP], gp[NP];
-    if (blockIdx.x < rows) load_rows(x, g, blockIdx.x, cols, has, xp, gp);
+    // One commit group per row, empty past the last: the wait for the oldest is always wait_async<stages - 1>.
+    const auto issue = [&](long long r, int s) {
+        if (r < rows) {
+#pragma unroll
+            for (int j = 0; j < NP; ++j)
+                if (has[j]) {
+                    const long long k = r * (cols / V) + threadIdx.x + j * blockDim.x;
+                    copy_async_16(at(s, 0, j), reinterpret_cast<const P*>(x) + k);
+                    copy_async_16(at(s, 1, j), reinterpret_cast<const P*>(g) + k);
+                    if (gadd) copy_async_16(at(s, 2, j), reinterpret_cast<const P*>(gadd) + k);
+                }
+        }
+        commit_async();
+    };
+    for (int d = 0; d < stages; ++d) issue(blockIdx.x + static_cast<long long>(d) * gridDim.x, d);
+    int slot = 0;
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
-        P xn[NP], gn[NP];
-        if (r + gridDim.x < rows) load_rows(x, g, r + gridDim.x, cols, has, xn, gn);
+        P xp[NP], gp[NP], ap[NP];
+        if (stages > 0) {
+            wait_async_upto(stages - 1);  // this thread's copies of row r have landed
+#pragma unroll
+            for (int j = 0; j < NP; ++j)
+                if (has[j]) {
+                    xp[j] = *at(slot, 0, j);
+                    gp[j] = *at(slot, 1, j);
+                    if (gadd) ap[j] = *at(slot, 2, j);
+                }
+            issue(r + static_cast<long long>(stages) * gridDim.x, slot);
+            slot = slot + 1 == stages ? 0 : slot + 1;
+        } else {
+            load_rows(x, g, r, cols, has, xp, gp);
+            const P* ar = reinterpret_cast<const P*>(gadd + r * cols);
+#pragma unroll
+            for (int j = 0; j < NP; ++j)
+                if (gadd && has[j]) ap[j] = load_pack(ar + threadIdx.x + j * blockDim.x);
+        }
         C mean = C(0), rstd, s1 = C(0), s2;  // s1 = sum(gm w), s2 = sum(gm w xhat), then / n
         if constexpr (Relu) {
             // the mask needs xhat: the statistics (two reductions), then s1 and s2 (a third)
@@ -248,7 +295,6 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
         s1 *= inv_n;
         s2 *= inv_n;
         P* dr = reinterpret_cast<P*>(dx + r * cols);
-        const P* ar = reinterpret_cast<const P*>(gadd + r * cols);
 #pragma unroll
         for (int j = 0; j < NP; ++j)
             if (has[j]) {
@@ -257,7 +303,7 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
                 unpack(gp[j], gg);
                 wb(j, wv, bv);
                 if (gadd) {
-                    unpack(load_pack(ar + threadIdx.x + j * blockDim.x), ga);
+                    unpack(ap[j], ga);
                 } else {
 #pragma unroll
                     for (int v = 0; v < V; ++v) ga[v] = C(0);
@@ -281,12 +327,8 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
                 }
                 store_pack(dr + threadIdx.x + j * blockDim.x, o);
             }
-#pragma unroll
-        for (int j = 0; j < NP; ++j) {
-            xp[j] = xn[j];
-            gp[j] = gn[j];
-        }
     }
+    wait_async<0>();  // the empty groups past the last row
     if (pw == nullptr && pb == nullptr) return;
 #pragma unroll
     for (int j = 0; j < NP; ++j)

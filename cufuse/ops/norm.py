@@ -265,24 +265,31 @@ _SUM_X, _SUM_Y = 32, 16
 _BWD_PLANS: dict = {}  # (dtype (torch or NumPy), kind, n, device) -> (kernel, threads, most blocks), or None
 
 
-def _bwd_shared(kind, dt, np_, threads):
+# Rows norm_backward keeps in flight through shared memory on sm_80+ (cp.async; kernels/norm_backward.cu
+# takes 0-4; fewer where their slots would not fit the device's shared memory). One: on an H200 two to four
+# gave the same times, and their slots keep blocks off the SM where the residual's gradient travels too
+# (bfloat16 16384x4096 with it: 140 us at one, 173 at three; bench/NOTES.md).
+_BWD_STAGES = 1
+
+
+def _bwd_shared(kind, dt, np_, threads, add, stages):
     """Dynamic shared bytes of the one-pass kernel ``kind``: norm_backward holds the weight and bias
-    column sums (compute type) and w and b (packs) there (kernels/norm_backward.cu); the others none."""
+    column sums (compute type), w and b (packs), and the packs of ``stages`` rows in flight (x, g and,
+    with ``add``, the residual's gradient) there (kernels/norm_backward.cu); the others none."""
     if _BWD_KINDS[kind][0] != "norm_backward":
         return 0
     acc = 8 if dt == np.float64 else 4
-    return np_ * threads * (2 * (16 // dt.itemsize) * acc + 2 * 16)
+    return np_ * threads * (2 * (16 // dt.itemsize) * acc + 2 * 16 + stages * (3 if add else 2) * 16)
 
 
-# The norm backward without a residual's gradient, bfloat16 rows of 2049-4096 elements: 256 threads of
-# two packs each, not 512 of one (16384x4096 on an H200: layer_norm 182 -> 169 us, rms_norm 135 -> 121).
-# Slower elsewhere in the same runs: with the residual's gradient to add (160 -> 181) and for float16
-# (layer_norm 178 -> 185, rms_norm 129 -> 151).
-_BWD_TWO_PACKS = ("layer", "rms")
+# The norm backward over 16-bit rows of 64 packs or more: two packs a thread in half the threads, not one
+# (with the rows in flight through shared memory; H200, bfloat16 rms_norm 32768x2048 156 -> 118 us, 16384x1024
+# 52 -> 41, the residual-add backward 16384x4096 198 -> 140; bench/NOTES.md).
+_BWD_TWO_PACKS = ("layer", "layer_relu", "rms")
 
 
 def _bwd_plan(kind, dtype, n, dev, add=False):
-    """(kernel, threads, most blocks, dynamic shared bytes) of the one-pass
+    """(kernel, threads, most blocks, dynamic shared bytes, rows in flight) of the one-pass
     kernel ``kind`` for rows of ``n`` elements of ``dtype`` (a torch or NumPy
     dtype), ``add``: with a second row-wise input (the residual's gradient),
     or None where they are not whole packs or too long for it. Most
@@ -295,13 +302,17 @@ def _bwd_plan(kind, dtype, n, dev, add=False):
         if dt in R.FLOAT_CTYPES and n % (16 // dt.itemsize) == 0:
             npack = n // (16 // dt.itemsize)
             np_ = next((k for k in _BWD_KINDS[kind][2] if npack <= _BWD_THREADS * k), None)
-            if kind in _BWD_TWO_PACKS and not add and dt.name == "bfloat16" and _BWD_THREADS // 2 < npack <= _BWD_THREADS:
+            if kind in _BWD_TWO_PACKS and dt.itemsize == 2 and 64 <= npack <= 2 * _BWD_THREADS:
                 np_ = 2
             if np_ is not None:
                 threads = min(_BWD_THREADS, max(32, 1 << (-(-npack // np_) - 1).bit_length()))
                 fn = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _BWD_EXPRS[(dt, kind, np_)], dev)
-                shared = _bwd_shared(kind, dt, np_, threads)
-                plan = (fn, threads, R.resident_blocks(fn, dev, threads, shared), shared)
+                staged = _BWD_KINDS[kind][0] == "norm_backward" and R.compute_capability(dev) >= 80
+                stages = _BWD_STAGES if staged else 0
+                while stages and _bwd_shared(kind, dt, np_, threads, add, stages) > R.shared_optin(dev):
+                    stages -= 1
+                shared = _bwd_shared(kind, dt, np_, threads, add, stages)
+                plan = (fn, threads, R.resident_blocks(fn, dev, threads, shared), shared, stages)
         _BWD_PLANS[key] = plan
     return plan
 
@@ -309,6 +320,7 @@ def _bwd_plan(kind, dtype, n, dev, add=False):
 class _BwdSetup(NamedTuple):
     fn: object      # the one-pass kernel
     shared: int     # its dynamic shared bytes
+    stages: int     # rows in flight through shared memory (norm_backward)
     threads: int
     grid: int       # blocks: the rows, at most those the device runs at once
     rows: int
@@ -329,12 +341,12 @@ def _bwd_setup(kind, x, rowwise, n, per_column=(), akind=A.TORCH_CUDA):
     plan = _bwd_plan(kind, x.dtype, n, dev, any(a is not None for a in rowwise[1:]))
     if plan is None:
         return None
-    fn, threads, most, shared = plan
+    fn, threads, most, shared, stages = plan
     ts = tuple(None if a is None else D.contiguous(a, akind) for a in (x, *rowwise, *per_column))
     if any(a is not None and A.pointer_of(a, akind) % 16 for a in ts):
         return None
     rows = A.count(tuple(x.shape)) // n if n else 0
-    return _BwdSetup(fn, shared, threads, max(1, min(rows, most)), rows, ts)
+    return _BwdSetup(fn, shared, stages, threads, max(1, min(rows, most)), rows, ts)
 
 
 # Recipes of the backward kernels by call signature (dx and, for the norms,
@@ -404,7 +416,8 @@ def backward_rows(kind, g, x, n, w, b, eps, gadd=None):
         (dw, pw), (db, pb) = grads
         if setup.rows:
             bld.launch(setup.fn, (setup.grid,), (setup.threads,),
-                       (D.out_(0), pw, pb, sg, sx, sw, sb, sa, np.int64(setup.rows), np.int32(n), D.val(0)),
+                       (D.out_(0), pw, pb, sg, sx, sw, sb, sa, np.int64(setup.rows), np.int32(n), D.val(0),
+                        np.int32(setup.stages)),
                        setup.shared)
         if n and (wc is not None or bc is not None):
             sums = R.get_function(f"{_BWD_FAMILY}:{dt.name}", _SUM_EXPRS[dt], dev)
