@@ -1027,6 +1027,12 @@ def _fast_call(e: _Launcher, images, out):
     return res
 
 
+def _written(out, kind):
+    """A torch CUDA out= that a launch wrote: its version bumped, as every op's (_driver.written)."""
+    if out is not None and kind == A.TORCH_CUDA:
+        D.written(tuple(out) if isinstance(out, (list, tuple)) else (out,))
+
+
 def _run(p: Pipeline, images, rects, sources, hflip, vflip, out):
     key = _fast_key(images, rects, sources, hflip, vflip, out)
     if key is not None:
@@ -1034,11 +1040,13 @@ def _run(p: Pipeline, images, rects, sources, hflip, vflip, out):
         if e is not None:
             res = _fast_call(e, images, out)
             if res is not None:
+                _written(out, e.kind)
                 return res
     plan = _plan(p, images, rects, sources, hflip, vflip, out)
     if plan.kind in A.GPU_KINDS:
         keep: dict | None = {} if key is not None else None
         res = _gpu_run(plan, out, p.out_layout, keep)
+        _written(out, plan.kind)
         if keep:
             if len(p._fast) >= _FAST_MAX:
                 p._fast.clear()

@@ -63,16 +63,26 @@ def test_out_bumps_torch_version(device):
     own out= does: a backward that saved the tensor raises (it read the new
     values and gave a wrong gradient, silently)."""
     torch = _torch() if device == "cpu" else _torch_cuda()
-    for write in (lambda t: cufuse.add_relu(torch.full((3, 4), 10.0, device=device), 1.0, out=t),
-                  lambda t: cufuse.softmax(torch.rand(3, 4, device=device), out=t)):
-        w = torch.ones(3, 4, device=device, requires_grad=True)
-        t = torch.rand(3, 4, device=device)
+    from cufuse import image
+    pipe = image.Pipeline().resize((3, 4))  # one pipeline: its second call takes the fast path
+    frame = torch.randint(0, 256, (10, 12, 3), dtype=torch.uint8, device=device)
+    for shape, write in (((3, 4), lambda t: cufuse.add_relu(torch.full((3, 4), 10.0, device=device), 1.0, out=t)),
+                         ((3, 4), lambda t: cufuse.softmax(torch.rand(3, 4, device=device), out=t)),
+                         ((1, 3, 3, 4), lambda t: pipe(frame, [(0, 0, 12, 10)], out=t)),
+                         ((1, 3, 3, 4), lambda t: pipe(frame, [(0, 0, 12, 10)], out=t))):
+        w = torch.ones(shape, device=device, requires_grad=True)
+        t = torch.rand(shape, device=device)
         y = (w * t).sum()  # t saved for the backward
         before = t._version
         write(t)
         assert t._version > before
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.backward()
+    with torch.inference_mode():  # an inference tensor keeps no version: written all the same
+        t = torch.rand(3, 4, device=device)
+    with torch.enable_grad():
+        cufuse.add_relu(torch.full((3, 4), 10.0, device=device), 1.0, out=t)
+    assert float(t.min()) == 11.0
 
 
 # --------------------------------------------------------------- CPU: NumPy
