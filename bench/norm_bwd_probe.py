@@ -6,8 +6,8 @@ the residual-add norm's backward, also reads the residual's gradient). To
 compare trees, run it once per tree (PYTHONPATH) in the same device call:
     PYTHONPATH=<tree> python3 bench/norm_bwd_probe.py [dtype ...]
 Variants of the norm backward's plan, for this process: stages=K (rows in flight through shared
-memory, cufuse/ops/norm.py: _BWD_STAGES), onepack (bfloat16 rows of 2049-4096 as 512 threads of one
-pack, not 256 of two)."""
+memory, cufuse/ops/norm.py: _BWD_STAGES), onepack (16-bit rows of 512-4096 elements as one pack a
+thread, not two), threads=T (blocks of at most T threads, up to 8 packs a thread)."""
 import sys
 
 import torch

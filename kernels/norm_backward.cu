@@ -25,12 +25,13 @@
 // second stage). Nothing is added atomically: the result does not depend on
 // timing. A block keeps its next `stages` rows in flight (host-chosen,
 // 0-4): each thread copies its packs of them (x, g and gadd) into its own
-// slots of shared memory (cp.async, sm_80+), so that the loads neither wait
-// for the row's reductions nor take registers. With stages = 0 (older GPUs,
-// or rows whose slots do not fit) a block loads each row when it starts it.
+// slots of shared memory (cp.async, sm_80+), so that those loads neither
+// wait for the current row's reductions nor take registers (the current
+// row's packs are held in registers). With stages = 0 (older GPUs, or rows
+// whose slots do not fit) a block loads each row when it starts it.
 //
 // Rows must be whole 16-byte packs at 16-byte aligned addresses (the host
-// checks: cufuse/_autograd.py); other rows take the generated-kernel path.
+// checks: cufuse/ops/norm.py, _bwd_setup); other rows take the generated-kernel path.
 #include "common.cuh"
 
 namespace cufuse {
@@ -222,6 +223,7 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
         }
         commit_async();
     };
+    if (!kAsyncCopy) stages = 0;  // (built for a GPU without cp.async: the copies would be no-ops)
     for (int d = 0; d < stages; ++d) issue(blockIdx.x + static_cast<long long>(d) * gridDim.x, d);
     int slot = 0;
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {

@@ -283,6 +283,43 @@ def test_norm_backward_kernel(kind, shape, dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("stages", [0, 2, 4])
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+def test_norm_backward_kernel_rows_in_flight(monkeypatch, kind, stages):
+    """The kernel with 0 rows in flight (each loaded when its block starts it), 2 and 4 (through
+    shared memory; the host chooses 1 on sm_80+), with and without a residual's gradient, over many
+    more rows than blocks (the slots wrap around): dx has the bits of the chosen plan's, dw and db
+    (summed over a grid that may differ) match torch's float64 autograd."""
+    from cufuse import _driver as D
+    from cufuse.ops import norm as N
+    dtype = BF16[0] if BF16 else torch.float16
+    for n, add in ((768, True), (4096, False)):
+        g = torch.Generator().manual_seed(n)
+        x, dy, ga = (torch.randn(3000, n, generator=g, dtype=torch.float64).to(dtype).cuda() for _ in range(3))
+        w = torch.randn(n, generator=g, dtype=torch.float64).to(dtype).cuda()
+        b = torch.randn(n, generator=g, dtype=torch.float64).to(dtype).cuda() if kind == "layer" else None
+        ga = ga if add else None
+        want = N.backward_rows(kind, dy, x, n, w, b, 1e-5, ga)
+        with monkeypatch.context() as m:
+            m.setattr(N, "_BWD_STAGES", stages)
+            m.setattr(N, "_BWD_PLANS", {})
+            m.setattr(N, "_BWD_FAST", D.FastPath("norm_backward stages test"))
+            assert N._bwd_plan(kind, dtype, n, x.get_device(), add)[4] == stages
+            got = N.backward_rows(kind, dy, x, n, w, b, 1e-5, ga)
+        assert torch.equal(got[0], want[0]), f"{kind} n={n} stages={stages}: dx"
+        xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
+        br = b.double().requires_grad_(True) if b is not None else None
+        y = TF.layer_norm(xr, (n,), wr, br, 1e-5) if kind == "layer" else TF.rms_norm(xr, (n,), wr, 1e-5)
+        y.backward(dy.double())
+        for a, r in ((got[1], wr.grad), (got[2], br.grad if br is not None else None)):
+            if r is None:
+                assert a is None
+                continue
+            tol = TOL[dtype]
+            torch.testing.assert_close(a.double(), r, rtol=tol[0] * 4, atol=tol[1] * 4 * float(r.abs().max()))
+
+
+@pytest.mark.cuda
 def test_norm_backward_kernel_rows_far_from_zero():
     """Rows whose mean is 300 standard deviations from zero: the kernel's
     two-pass statistics keep the variance (E[x^2] - E[x]^2 in float32 is

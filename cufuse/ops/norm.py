@@ -262,7 +262,7 @@ _SUM_EXPRS = {dt: R.register(f"{_BWD_FAMILY}:{dt.name}", R.name_expression("colu
                              dt.name) for dt, ct in R.FLOAT_CTYPES.items()}
 _SUM_X, _SUM_Y = 32, 16
 
-_BWD_PLANS: dict = {}  # (dtype (torch or NumPy), kind, n, device) -> (kernel, threads, most blocks), or None
+_BWD_PLANS: dict = {}  # (dtype (torch or NumPy), kind, n, device, add) -> _bwd_plan's tuple, or None
 
 
 # Rows norm_backward keeps in flight through shared memory on sm_80+ (cp.async; kernels/norm_backward.cu
@@ -293,7 +293,8 @@ def _bwd_plan(kind, dtype, n, dev, add=False):
     kernel ``kind`` for rows of ``n`` elements of ``dtype`` (a torch or NumPy
     dtype), ``add``: with a second row-wise input (the residual's gradient),
     or None where they are not whole packs or too long for it. Most
-    blocks: those the device runs at once (one row in flight each)."""
+    blocks: those the device runs at once (each with its current row and
+    ``stages`` more in flight)."""
     key = (dtype, kind, n, dev, add)
     plan = _BWD_PLANS.get(key, False)
     if plan is False:
