@@ -54,19 +54,28 @@ class LayerNorm(nn.LayerNorm):
                                    _as(self.bias, x), self.eps)
 
 
+def _rms_eps(eps, x):
+    """``eps``, or torch's default for None: the machine epsilon of the type torch computes in,
+    float32 for 16-bit inputs (their own epsilon, 1e-3 for float16 and 8e-3 for bfloat16, would
+    shrink small activations' outputs by a third)."""
+    if eps is not None:
+        return eps
+    return torch.finfo(torch.float64 if x.dtype == torch.float64 else torch.float32).eps
+
+
 class RMSNorm(nn.RMSNorm):
     """``torch.nn.RMSNorm`` (same arguments and parameters) through
-    ``cufuse.rms_norm``; ``eps=None`` is the input dtype's machine epsilon, as in torch."""
+    ``cufuse.rms_norm``; ``eps=None`` is torch's default (float32's machine
+    epsilon for 16-bit and float32 inputs, float64's for float64)."""
 
     def forward(self, x):
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return _ops.rms_norm(x, tuple(self.normalized_shape), _as(self.weight, x), eps)
+        return _ops.rms_norm(x, tuple(self.normalized_shape), _as(self.weight, x), _rms_eps(self.eps, x))
 
     def add_and_norm(self, x, residual):
         """``(self(x + residual), x + residual)`` in one pass (``cufuse.add_rms_norm``): a
         block's residual connection and this norm; the second result is the next residual."""
-        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return _ops.add_rms_norm(x, residual, tuple(self.normalized_shape), _as(self.weight, x), eps)
+        return _ops.add_rms_norm(x, residual, tuple(self.normalized_shape), _as(self.weight, x),
+                                 _rms_eps(self.eps, x))
 
 
 class GELU(nn.GELU):

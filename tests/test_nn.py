@@ -94,6 +94,20 @@ def test_forward_and_gradients_match_torch(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_rms_norm_default_eps_of_16bit_input(device):
+    """eps=None with a 16-bit input is float32's epsilon, as torch's: with the input's own
+    (1e-3 for float16, 8e-3 for bfloat16) activations of 0.01 came out a third of torch's."""
+    for dtype in [torch.float16] + ([torch.bfloat16] if A.BF16 is not None else []):
+        g = torch.Generator().manual_seed(4)
+        x = (torch.randn(6, 32, generator=g, dtype=torch.float64) * 0.01).to(dtype).to(device)
+        ours, theirs = cnn.RMSNorm(32).to(device, dtype), nn.RMSNorm(32).to(device, dtype)
+        want = theirs(x).double()
+        torch.testing.assert_close(ours(x).double(), want, rtol=2e-2, atol=2e-2)
+        y, h = ours.add_and_norm(x, x)
+        torch.testing.assert_close(y.double(), theirs(x + x).double(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_float32_weights_under_16bit_input(device):
     """Parameters kept in float32 (master weights) with a 16-bit input: cast
     in the forward, gradients in float32."""
