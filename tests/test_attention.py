@@ -516,6 +516,14 @@ def test_compiled_checks_mask_and_scale():
                       fullgraph=True)(q)
     with pytest.raises(Exception, match="scale must be a finite"):
         torch.compile(lambda a: cufuse.attention(a, a, a, scale=float("inf")), fullgraph=True)(q)
+    # a mask of q's batch against a dynamic batch (its size compared with a symbolic one by `in (1, w)`
+    # read as a mismatch)
+    q2 = torch.randn(2, 4, 33, 16)
+    m = torch.randn(2, 1, 33, 33)
+    torch._dynamo.reset()
+    torch._dynamo.maybe_mark_dynamic(q2, 0)
+    f = lambda a: cufuse.attention_score(a, a, mask=m)  # noqa: E731
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q2), f(q2), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.cuda

@@ -212,6 +212,22 @@ def test_compile_checks_like_eager():
         torch.compile(lambda q, c: cufuse.rope(q, None, c, sin), fullgraph=True)(q, cos.clone().requires_grad_(True))
     with pytest.raises(Exception, match="unsqueeze_dim"):
         torch.compile(lambda q: cufuse.rope(q, None, cos, sin, unsqueeze_dim=-3), fullgraph=True)(q)
+    # position_ids gather rows of (positions, r) tables; batched tables were gathered as if they were
+    pos = torch.arange(shape[2]).expand(shape[0], shape[2])
+    with pytest.raises(Exception, match="tables"):
+        torch.compile(lambda q, p: cufuse.rope(q, None, cos, sin, position_ids=p), fullgraph=True)(q, pos)
+
+
+def test_compile_with_a_dynamic_batch():
+    """Tables of q's batch against q whose batch dim is dynamic under torch.compile (the table's
+    size compared with a symbolic one by `in (1, m)` had read as a mismatch)."""
+    shape, kh, r, ud, inter = CASES["bhtd"]
+    cos, sin = (torch.from_numpy(v) for v in _tables(shape[0], shape[2], r, np.float32, 24))
+    q = torch.randn(shape)
+    torch._dynamo.reset()
+    torch._dynamo.maybe_mark_dynamic(q, 0)
+    f = lambda q: cufuse.rope(q, None, cos, sin)[0]  # noqa: E731
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q), f(q), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)

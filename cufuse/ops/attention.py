@@ -658,7 +658,8 @@ def _score_compiled(q, k, scale, mask):
             raise TypeError(f"{name}: mask must be a tensor on q's device")
         want = (*q.shape[:3], k.shape[2]) if not three else (q.shape[0], q.shape[2], k.shape[2])
         ms = tuple(mask.shape)  # (compared by hand: Dynamo traces torch.broadcast_shapes)
-        if len(ms) > len(want) or any(m not in (1, w) for m, w in zip(reversed(ms), reversed(want))):
+        # (== rather than `in`: under torch.compile `4 in (1, w)` of a symbolic w is False, not a guard)
+        if len(ms) > len(want) or any(not (m == 1 or m == w) for m, w in zip(reversed(ms), reversed(want))):
             raise ValueError(f"{name}: mask of shape {tuple(mask.shape)} does not broadcast to the scores' shape "
                              f"{tuple(want)}")
         if mask.dtype != torch.bool:

@@ -123,7 +123,8 @@ def _fits(table_lead, lead):
     """Whether tables with leading dims ``table_lead`` broadcast to rows ``lead`` (never growing them)."""
     if len(table_lead) > len(lead):
         return False
-    return all(n in (1, m) for n, m in zip(reversed(table_lead), reversed(lead)))
+    # (== rather than `in`: under torch.compile `4 in (1, m)` of a symbolic m is False, not a guard)
+    return all(n == 1 or n == m for n, m in zip(reversed(table_lead), reversed(lead)))
 
 
 def _tables_for_kernel(cos, sin, kind):
@@ -374,6 +375,9 @@ def _compiled(q, k, cos, sin, position_ids, unsqueeze_dim, interleaved):
     if position_ids is not None:
         if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
             raise TypeError(f"{name}: position_ids must hold integers, got {position_ids.dtype}")
+        if cos.dim() != 2:
+            raise ValueError(f"{name}: with position_ids, cos and sin are tables (positions, {r}); got shape "
+                             f"{tuple(cos.shape)}")
         pos = position_ids.long()  # (torch reads uint8 indices as a mask)
         cos, sin = cos[pos], sin[pos]
     if q.dim() > 2 and cos.dim() == q.dim() - 1:
