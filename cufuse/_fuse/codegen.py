@@ -35,6 +35,7 @@ _CALL = {  # ops written as a call on compute-typed operands ({T}: the node's st
     "round": "cufuse::math::rint", "floor": "cufuse::math::floor", "ceil": "cufuse::math::ceil",
     "floordiv": "cufuse::math::floordiv", "mod": "cufuse::math::pymod", "pow": "cufuse::math::power",
     "minimum": "cufuse::math::minimum", "maximum": "cufuse::math::maximum",
+    "clip_lo": "cufuse::math::maximum", "clip_hi": "cufuse::math::minimum",  # (graph.clip)
 }
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "and": "&", "or": "|", "xor": "^",
           "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}

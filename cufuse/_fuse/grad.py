@@ -120,6 +120,10 @@ def _rule(nd, x, y, g):
         tie = x[0] == x[1]
         return [(0, F.where(first, g, F.where(tie, 0.5 * g, 0.0))),
                 (1, F.where(first, 0.0, F.where(tie, 0.5 * g, g)))]
+    if op == "clip_lo":  # maximum(x, lo) in clip: torch.clamp's x >= lo to x, x < lo to lo
+        return [(0, F.where(x[0] >= x[1], g, 0.0)), (1, F.where(x[0] < x[1], g, 0.0))]
+    if op == "clip_hi":  # minimum(m, hi) in clip: m <= hi to m, m > hi to hi
+        return [(0, F.where(x[0] <= x[1], g, 0.0)), (1, F.where(x[0] > x[1], g, 0.0))]
     if op == "where":
         return [(1, F.where(x[0], g, 0.0)), (2, F.where(x[0], 0.0, g))]
     v = x[0]

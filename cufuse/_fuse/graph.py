@@ -458,13 +458,15 @@ def clip(x, lo, hi):
     if g.torch_float is not None and not x.weak and x.dtype.kind in "iu":
         # torch.clip: each int bound must fit the tensor's type
         lo, hi = (cast(v, x.dtype) if v.weak and v.dtype.kind == "i" else v for v in (lo, hi))
+    # clip_lo / clip_hi: maximum / minimum by value, with torch.clamp's gradient (an input on a bound
+    # keeps all of it; maximum and minimum split it at ties: half of it at the bounds)
     if x.weak or x.dtype.kind not in "iu" or g.torch_float is not None:
-        return binary("minimum", binary("maximum", x, lo), hi)
+        return binary("clip_hi", binary("clip_lo", x, lo), hi)
     # NumPy: the result type of all three (Python scalars weak: a float bound makes it a float, a wider
     # integer array wider), each bound then applied in it
     dt = promote(x, lo, hi)
     if dt.kind not in "iu":
-        return binary("minimum", binary("maximum", cast(x, dt), lo), hi)
+        return binary("clip_hi", binary("clip_lo", cast(x, dt), lo), hi)
     x = cast(x, dt)
     for bound, op, side in ((lo, "maximum", "lo"), (hi, "minimum", "hi")):
         if bound.weak and bound.dtype.kind == "i":
