@@ -413,8 +413,10 @@ def check_out(name, out, kind, dtype, shape, device):
         raise ValueError(f"cufuse.{name}: out has shape {tuple(out.shape)}; the result shape is {tuple(shape)}")
     if kind in GPU_KINDS and device_of(out, ok) != device:
         raise ValueError(f"cufuse.{name}: out is on GPU {device_of(out, ok)} but the operands are on GPU {device}")
-    if kind in (TORCH_CPU, TORCH_CUDA):
-        check_grad(out, name)
+    if kind in (TORCH_CPU, TORCH_CUDA) and out.requires_grad and torch().is_grad_enabled():
+        raise RuntimeError(f"cufuse.{name}: out requires grad; a result written into out= is not recorded for "
+                           "autograd (as with torch's out= functions): pass out.detach(), or call under "
+                           "torch.no_grad()")
     if kind == NUMPY and not out.flags.writeable:
         raise ValueError(f"cufuse.{name}: out is a read-only numpy array")
     st = strides_of(out, ok)

@@ -96,8 +96,8 @@ class GELUDropout(nn.Module):
 
     def __init__(self, p: float = 0.1, approximate: str = "none"):
         super().__init__()
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"cufuse.nn.GELUDropout: p must be in [0, 1), got {p}")
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+            raise ValueError(f"cufuse.nn.GELUDropout: p must be a number in [0, 1), got {p!r}")
         self.p, self.approximate = p, approximate
 
     def forward(self, x):
@@ -209,14 +209,21 @@ class CrossEntropyLoss(nn.Module):
     """``torch.nn.CrossEntropyLoss`` over (rows, classes) logits and (rows,)
     class indices through ``cufuse.cross_entropy`` (one kernel forward, one
     backward, the gradient in place of non-leaf logits), with a ``z_loss``
-    term; class ``weight`` and probability targets are not supported."""
+    term; class ``weight`` and probability targets are not supported. The
+    arguments are torch's, in torch's order (``size_average`` and ``reduce``,
+    deprecated there, are refused), then the keyword-only ``z_loss`` and
+    ``inplace_backward``."""
 
-    def __init__(self, weight=None, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
-                 z_loss: float = 0.0, inplace_backward: bool = True):
+    def __init__(self, weight=None, size_average=None, ignore_index: int = -100, reduce=None, reduction: str = "mean",
+                 label_smoothing: float = 0.0, *, z_loss: float = 0.0, inplace_backward: bool = True):
         super().__init__()
         if weight is not None:
             raise NotImplementedError("cufuse.nn.CrossEntropyLoss: class weights are not supported; use "
                                       "torch.nn.CrossEntropyLoss for them")
+        if size_average is not None or reduce is not None:
+            raise NotImplementedError("cufuse.nn.CrossEntropyLoss: size_average and reduce (deprecated in torch) are "
+                                      f"not supported, got size_average={size_average!r}, reduce={reduce!r}; pass "
+                                      "reduction='mean', 'sum' or 'none'")
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
         self.z_loss, self.inplace_backward = z_loss, inplace_backward
 

@@ -158,8 +158,9 @@ def test_gelu_dropout_module(device):
     assert torch.equal(x.grad != 0, kept)  # the gradient goes through exactly the kept elements
     m.eval()
     torch.testing.assert_close(m(x), nn.functional.gelu(x), rtol=1e-5, atol=1e-6)
-    with pytest.raises(ValueError, match="p must be in"):
-        cnn.GELUDropout(1.0)
+    for p in (1.0, "0.1", True):
+        with pytest.raises(ValueError, match="p must be a number in"):
+            cnn.GELUDropout(p)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -203,6 +204,10 @@ def test_cross_entropy_loss_module(device):
     assert "ignore_index=-1" in repr(ours)
     with pytest.raises(NotImplementedError, match="class weights"):
         cnn.CrossEntropyLoss(weight=torch.ones(77))
+    # torch's positional order: the third argument is ignore_index (it had been reduction's place)
+    assert cnn.CrossEntropyLoss(None, None, 7).ignore_index == 7
+    with pytest.raises(NotImplementedError, match="size_average and reduce"):
+        cnn.CrossEntropyLoss(None, False)
 
 
 @pytest.mark.parametrize("device", DEVICES)
