@@ -79,7 +79,13 @@ def once_differentiable(fn):
     that differentiating it raises. torch's ``once_differentiable`` marks them
     only when an incoming gradient requires grad, so the gradient of a loss
     such as ``o.sum()`` came back as a constant and a penalty on it (a
-    double backward) silently added nothing."""
+    double backward) silently added nothing. The mark (a node that raises)
+    also takes the saved tensors and incoming gradients that require grad as
+    inputs: it is then on the path from the gradients to the op's inputs, so
+    ``torch.autograd.grad(penalty, params)`` and hessians raise too (a mark
+    on fresh leaves alone was not on that path: they silently left this op's
+    terms out). Where nothing links it so (an op that saved no such tensor),
+    a backward recorded for differentiation raises at once."""
     import functools
 
     import torch
@@ -98,10 +104,16 @@ def once_differentiable(fn):
         with torch.no_grad():
             outs = fn(ctx, *grads)
         outs_ = outs if isinstance(outs, tuple) else (outs,)
+        links = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not links and any(ctx.needs_input_grad):
+            raise RuntimeError("cufuse: trying to differentiate twice: a cufuse op's backward is not differentiable, "
+                               "and this op's create_graph=True gradients could not be marked to raise when "
+                               "differentiated again; use create_graph=False, or the torch op")
         err = delayed(b"cufuse: trying to differentiate twice: a cufuse op's backward is not differentiable "
-                      b"(its create_graph=True gradients cannot be differentiated again)", len(outs_))
-        res = err(*[fake_requires_grad(v) for v in outs_])
-        return res if isinstance(outs, tuple) else res[0] if isinstance(res, tuple) else res
+                      b"(its create_graph=True gradients cannot be differentiated again)", len(outs_) + len(links))
+        res = err(*[fake_requires_grad(v) for v in outs_], *links)
+        res = res if isinstance(res, tuple) else (res,)
+        return tuple(res[:len(outs_)]) if isinstance(outs, tuple) else res[0]
     return backward
 
 

@@ -609,3 +609,10 @@ def test_first_gradient_with_create_graph_and_no_second(name, device):
     assert gx.requires_grad
     with pytest.raises(RuntimeError, match="twice"):
         (gx ** 2).sum().backward()
+    # and by autograd.grad towards the op's inputs (a penalty's gradient for the weights, a hessian): the
+    # mark had been on fresh leaves off that path, and those calls silently left this op's terms out
+    gx, = torch.autograd.grad(calls[name](x, w).sum(), (x,), create_graph=True)
+    with pytest.raises(RuntimeError, match="twice"):
+        torch.autograd.grad((gx ** 2).sum(), (w,))
+    with pytest.raises(RuntimeError, match="twice"):
+        torch.autograd.functional.hessian(lambda v: (calls[name](v, w.detach()) ** 3).sum(), x.detach())
