@@ -312,6 +312,23 @@ def test_chunks_of_one_logits_tensor(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_target_changed_in_place_after_the_loss(device):
+    """A target changed in place between the loss and its backward: the backward raises, as
+    F.cross_entropy's does (the target was kept unsaved, and the gradient used the new classes)."""
+    g = torch.Generator().manual_seed(12)
+    for loss in (lambda x, h, w, t: cufuse.cross_entropy(x, t),
+                 lambda x, h, w, t: cufuse.linear_cross_entropy(h, w, t, reduction="none").sum()):
+        x = torch.randn(4, 5, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+        h = torch.randn(4, 3, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+        w = torch.randn(5, 3, generator=g, dtype=torch.float64).to(device).requires_grad_(True)
+        t = torch.tensor([0, 1, 2, 3], device=device)
+        out = loss(x, h, w, t)
+        t.fill_(4)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_target_out_of_range_gives_nan_rows(device):
     """A target outside [0, classes) that is not ignore_index: its row's loss
     is NaN and so is every element of its gradient (the GPU gave a finite,

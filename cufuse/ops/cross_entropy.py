@@ -287,14 +287,14 @@ def _function(torch):
             loss, lse = _forward(kind, dt, dev, logits.detach(), t, ignore, eps, z)
             res, count = _reduce(kind, loss, t, ignore, reduction, odt)
             ctx.args, ctx.reduction, ctx.inplace = args, reduction, inplace
-            ctx.save_for_backward(logits, lse, count)
+            ctx.save_for_backward(logits, lse, count, t)  # (saved: a target changed in place since raises)
             return res
 
         @staticmethod
         @AG.once_differentiable
         def backward(ctx, g):
-            logits, lse, count = ctx.saved_tensors
-            kind, dt, dev, rows, cols, t, ignore, eps, z = ctx.args
+            logits, lse, count, t = ctx.saved_tensors
+            kind, dt, dev, rows, cols, _, ignore, eps, z = ctx.args
             cdt = lse.dtype
             scale = g.to(cdt) / count.to(cdt) if ctx.reduction == "mean" else g.to(cdt).contiguous()
             x = logits.detach()
@@ -607,8 +607,8 @@ def _linear_function(torch):
             ctx.args, ctx.reduction, ctx.odt = args, reduction, odt
             loss, ctx.count, ctx.grads = _linear_forward(args, h, w, b, reduction, odt, ctx.needs_input_grad[:3])
             ctx.made = ctx.grads is not None
-            if not ctx.made:
-                ctx.save_for_backward(h, w, b)
+            if not ctx.made:  # (the target saved too: one changed in place since raises)
+                ctx.save_for_backward(h, w, b, args[5])
             return loss
 
         @staticmethod
@@ -622,8 +622,9 @@ def _linear_function(torch):
                 grads, ctx.grads = ctx.grads, None
                 gh, gw, gb = _scaled(grads, g)
             else:
-                h, w, b = ctx.saved_tensors
-                gh, gw, gb = _linear_backward(ctx.args, h, w, b, ctx.reduction, ctx.odt, g, ctx.count,
+                h, w, b, t = ctx.saved_tensors
+                args = ctx.args[:5] + (t,) + ctx.args[6:]
+                gh, gw, gb = _linear_backward(args, h, w, b, ctx.reduction, ctx.odt, g, ctx.count,
                                               ctx.needs_input_grad[:3])
             return gh, gw, gb, None, None, None
 
