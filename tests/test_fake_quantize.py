@@ -116,6 +116,13 @@ def test_compiled_checks_like_eager():
         torch.compile(lambda t: cufuse.fake_quantize_int8(t, torch.ones(3), axis=5), fullgraph=True)(x)
     with pytest.raises(Exception, match="in torch.float32"):
         torch.compile(lambda t: cufuse.fake_quantize_int8(t, 1e-46), fullgraph=True)(x)
+    # a per-channel scale that requires grad: eager refuses it; compiled, it had been detached (no gradient)
+    s = torch.tensor([0.1, 0.2, 0.05], requires_grad=True)
+    with pytest.raises(Exception, match="requires grad"):
+        cufuse.fake_quantize_int8(x.clone().requires_grad_(True), s, 0.0, axis=1)
+    with pytest.raises(Exception, match="requires grad"):
+        torch.compile(lambda t, s: cufuse.fake_quantize_int8(t, s, 0.0, axis=1), fullgraph=True)(
+            x.clone().requires_grad_(True), s)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -466,6 +466,9 @@ def _fq_params_traced(name, x, scale, zero_point, axis):
         if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.shape[0] != x.shape[axis]:
             raise TypeError(f"cufuse.{name}: under torch.compile, a per-channel {what} must be a 1-D tensor of "
                             f"length {x.shape[axis]}")
+        if v.requires_grad and torch.is_grad_enabled():  # as eager: it would get no gradient, silently
+            raise NotImplementedError(f"cufuse.{name}: {what} requires grad; the quantization parameters get no "
+                                      f"gradient here (pass {what}.detach(), or use torch's fake quantization)")
         out.append(v.detach().to(device=x.device, dtype=real).reshape(shape))
     return out
 
