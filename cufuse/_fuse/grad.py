@@ -13,7 +13,9 @@ argument's dtype and the broadcast shape of the call (the caller sums it
 down to the argument's shape).
 
 Operations without a derivative (comparisons, bitwise and integer
-operations, rounding) pass no gradient, as in torch; ``max`` / ``min``
+operations) pass no gradient, and rounding a zero gradient, as in torch (an
+argument reached only through a comparison gets None, one through floor
+zeros); ``max`` / ``min``
 reductions are not differentiable here (``NotImplementedError``).
 """
 from __future__ import annotations
@@ -23,8 +25,7 @@ import math
 from . import functions as F
 from . import graph as G
 
-_NO_GRAD = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor", "invert", "round", "floor", "ceil",
-            "floordiv"}
+_NO_GRAD = {"lt", "le", "gt", "ge", "eq", "ne", "and", "or", "xor", "invert", "floordiv"}
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -126,6 +127,8 @@ def _rule(nd, x, y, g):
         return [(0, F.where(x[0] <= x[1], g, 0.0)), (1, F.where(x[0] > x[1], g, 0.0))]
     if op == "where":
         return [(1, F.where(x[0], g, 0.0)), (2, F.where(x[0], 0.0, g))]
+    if op in ("round", "floor", "ceil"):  # torch's zeros (0 * g would be NaN where g is not finite)
+        return [(0, F.where(g != g, 0.0, 0.0))]
     v = x[0]
     if op == "neg":
         return [(0, -g)]
