@@ -144,7 +144,7 @@ def _grads():
         t = F.tanh(c * (v + 0.044715 * v * v * v))
         return 0.5 * (1.0 + t) + 0.5 * v * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * v * v)
 
-    relu_b = Fused(lambda g, y: F.where(y > 0, g, 0.0), name="add_relu_backward")
+    relu_b = Fused(lambda g, y: F.where(y <= 0, 0.0, g), name="add_relu_backward")  # (NaN passes g, as torch)
     exp_b = Fused(lambda g, y: g * y * 2.0, name="add_mul_exp_backward")
     tanh_b = Fused(lambda g, a, b, y: ((1.0 - y * y) * g * b, (1.0 - y * y) * g * a), name="mul_tanh_backward")
     fma_b = Fused(lambda g, q, k: (g * k, g * q), name="fma_backward")

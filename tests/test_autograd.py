@@ -49,6 +49,16 @@ def test_gradcheck(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_add_relu_gradient_at_nan(device):
+    """A NaN sum passes its gradient, as torch.relu's threshold_backward (g unless <= 0) does."""
+    a = torch.tensor([float("nan"), 1.0, -1.0, 0.0], dtype=torch.float64, device=device, requires_grad=True)
+    cufuse.add_relu(a, 0.5).sum().backward()
+    ar = a.detach().clone().requires_grad_(True)
+    torch.relu(ar + 0.5).sum().backward()
+    torch.testing.assert_close(a.grad, ar.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + BF16, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradients_match_torch(name, dtype, device):

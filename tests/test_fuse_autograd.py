@@ -147,6 +147,7 @@ def test_gradients_where_torch_masks(device):
         (lambda a, b: cufuse.maximum(a, b), torch.maximum, [[1., 2., 0.], [1., 1., 3.]]),
         (lambda a, b: cufuse.minimum(a, b), torch.minimum, [[1., 2., 0.], [1., 1., 3.]]),
         (lambda a: cufuse.maximum(a, 0.0), lambda a: torch.maximum(a, torch.zeros_like(a)), [[0., 1., -1.]]),
+        (lambda a: cufuse.relu(a), torch.relu, [[float("nan"), 1., -1., 0.]]),  # a NaN passes its gradient
         (lambda a: np.clip(a, 0.0, 6.0), lambda a: torch.clamp(a, 0.0, 6.0), [[-1., 0., 3., 6., 7.]]),
         (lambda a, lo, hi: cufuse.clip(a, lo, hi), torch.clamp,
          [[-1., 0., 3., 6., 7., 2.], [0., 0., 1., 1., 1., 5.], [6., 6., 6., 6., 6., 1.]]),

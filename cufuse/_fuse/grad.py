@@ -134,8 +134,8 @@ def _rule(nd, x, y, g):
         return [(0, -g)]
     if op == "abs":
         return [(0, F.where(v > 0, g, F.where(v < 0, -g, 0.0)))]
-    if op == "relu":
-        return [(0, F.where(v > 0, g, 0.0))]
+    if op == "relu":  # torch's threshold_backward: g unless v <= 0 (a NaN passes it)
+        return [(0, F.where(v <= 0, 0.0, g))]
     d = {
         "exp": lambda: y,
         "exp2": lambda: y * math.log(2.0),
