@@ -12,13 +12,13 @@ from .. import _driver as D
 FLOATS = A.FLOAT_DTYPES
 
 
-def data_arg(name, x):
-    """(kind, dtype, device) of the data operand; TypeError for anything but a
-    float16/32/64 array (or a tensor that requires grad)."""
-    kind = A.array_kind(name, x, "x")
+def data_arg(name, x, what="x"):
+    """(kind, dtype, device) of the data operand (named ``what`` in errors); TypeError for anything
+    but a float array (or a tensor that requires grad)."""
+    kind = A.array_kind(name, x, what)
     dt = A.dtype_of(x, kind)
     if dt not in FLOATS:
-        raise TypeError(f"cufuse.{name}: x is {A.describe(x, kind)}; accepted dtypes are {A.FLOAT_NAMES}")
+        raise TypeError(f"cufuse.{name}: {what} is {A.describe(x, kind)}; accepted dtypes are {A.FLOAT_NAMES}")
     if kind in (A.TORCH_CPU, A.TORCH_CUDA):
         A.check_grad(x, name)
     return kind, dt, A.device_of(x, kind)

@@ -52,7 +52,7 @@ def _args(name, logits, target, ignore_index, label_smoothing, z_loss, reduction
     if DK.is_dask(logits) or DK.is_dask(target):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported (the classes of a row lie in one chunk: "
                         "call it per chunk with dask.array.map_blocks)")
-    kind, dt, dev = _rows.data_arg(name, logits)
+    kind, dt, dev = _rows.data_arg(name, logits, "logits")
     shape = tuple(logits.shape)
     if len(shape) != 2:
         raise ValueError(f"cufuse.{name}: logits must be 2-D (rows, classes), got shape {shape}; flatten the "
