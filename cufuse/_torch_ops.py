@@ -302,8 +302,11 @@ def _register_dropout(torch):
     def gelu_dropout_backward(g, x, p, seed, approximate):
         return E.gelu_dropout_grad(g, x, p, int(seed.item()) & _U64, approximate)
 
-    gelu_dropout.register_fake(lambda x, p, seed, approximate: torch.empty_like(x))
-    gelu_dropout_backward.register_fake(lambda g, x, p, seed, approximate: torch.empty_like(x))
+    # (C order, as the kernels write them: a transposed x's strides would be a fake the eager result breaks)
+    gelu_dropout.register_fake(
+        lambda x, p, seed, approximate: torch.empty_like(x, memory_format=torch.contiguous_format))
+    gelu_dropout_backward.register_fake(
+        lambda g, x, p, seed, approximate: torch.empty_like(x, memory_format=torch.contiguous_format))
 
     def setup(ctx, inputs, output):
         x, p, seed, approximate = inputs
@@ -392,8 +395,8 @@ def _register_rows(torch):
     @norm_backward.register_fake
     def _(kind, g, x, n, w, b, eps):
         return [torch.empty_like(x, memory_format=torch.contiguous_format),
-                x.new_empty((0,)) if w is None else torch.empty_like(w),
-                x.new_empty((0,)) if b is None else torch.empty_like(b)]
+                x.new_empty((0,)) if w is None else torch.empty_like(w, memory_format=torch.contiguous_format),
+                x.new_empty((0,)) if b is None else torch.empty_like(b, memory_format=torch.contiguous_format)]
 
     def norm_grads(kind, ctx, g):
         x, w, b = ctx.saved_tensors

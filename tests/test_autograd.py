@@ -49,6 +49,29 @@ def test_gradcheck(name, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_compiled_ops_on_transposed_inputs(device):
+    """Transposed operands and weights under torch.compile: the registered operators' fakes say C order,
+    as the results are (the CPU path had kept a transposed input's layout, and gelu_dropout's and the norm
+    weight gradient's fakes a transposed operand's: Inductor's stride checks failed)."""
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(21)
+    x = torch.randn(4, 3, generator=g).to(device).t()
+    b = torch.randn(4, generator=g).to(device)
+    f = torch.compile(lambda x, b: cufuse.add_relu(x, b) * 2, fullgraph=True)
+    torch.testing.assert_close(f(x, b), torch.relu(x + b) * 2)
+    xg = x.detach().clone().t().contiguous().t().requires_grad_(True)
+    torch.compile(lambda v: cufuse.gelu_dropout(v, 0.2, seed=5) * 2, fullgraph=True)(xg).sum().backward()
+    assert xg.grad.shape == (3, 4)
+    w = torch.randn(4, 3, generator=g).to(device).t().requires_grad_(True)
+    bb = torch.randn(3, 4, generator=g).to(device).requires_grad_(True)
+    h = torch.randn(2, 3, 4, generator=g).to(device).requires_grad_(True)
+    torch.compile(lambda h, w, bb: cufuse.layer_norm(h, (3, 4), w, bb), fullgraph=True)(h, w, bb).sum().backward()
+    wr = w.detach().clone().requires_grad_(True)
+    TF.layer_norm(h.detach(), (3, 4), wr, bb.detach()).sum().backward()
+    torch.testing.assert_close(w.grad, wr.grad, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_add_relu_gradient_at_nan(device):
     """A NaN sum passes its gradient, as torch.relu's threshold_backward (g unless <= 0) does."""
     a = torch.tensor([float("nan"), 1.0, -1.0, 0.0], dtype=torch.float64, device=device, requires_grad=True)
