@@ -438,6 +438,8 @@ PROMOTION_GROUPS = {
         P("where(c,i32,i32)", lambda F, c, x, y: F.where(c, x, y), [BOOL, I32, I32], I32),
         P("where(c,f16,2)", lambda F, c, x: F.where(c, x, 2), [BOOL, F16], F16),
         P("where(c,i32,2.5)", lambda F, c, x: F.where(c, x, 2.5), [BOOL, I32], F64, torch=F32),
+        P("where(c,2.5,-1.0)", lambda F, c: F.where(c, 2.5, -1.0), [BOOL], F64, torch=F32),
+        P("where(c,2,-1)", lambda F, c: F.where(c, 2, -1), [BOOL], I64),
         P("where(c,f16,f32)", lambda F, c, x, y: F.where(c, x, y), [BOOL, F16, F32], F32),
         P("where(x>y,x,y)", lambda F, x, y: F.where(x > y, x, y), [F32, F32], F32),
         P("minimum(i32,2.5)", lambda F, x: F.minimum(x, 2.5), [I32], F64, torch=F32),

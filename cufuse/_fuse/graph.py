@@ -442,6 +442,8 @@ def where(c, a, b):
     g = _graph_of(c, a, b)
     c, a, b = lift(g, c), lift(g, a), lift(g, b)
     dt = promote(a, b)
+    if g.torch_float is not None and a.weak and b.weak and not c.weak and is_float(dt):
+        dt = g.default_float()  # torch.where(tensor, 2.5, -1.0) is a tensor of the default dtype, not float64
     # torch.where raises for an int that does not fit; numpy.where converts unchecked
     # up to NumPy 2.4 and raises from 2.5: as the installed NumPy does
     chk = g.torch_float is not None or _numpy_where_checks()
