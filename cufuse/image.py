@@ -370,10 +370,14 @@ def _sources_arr(sources, n, m):
 
 
 def _flags(what, v, n):
+    """Per-item flags from a bool or n bools (integers 0 and 1 too; the string "False" or 0.5 are refused,
+    not read as true)."""
     f = np.asarray(v)
+    if f.dtype.kind not in "bui" or (f.dtype.kind != "b" and np.any((f != 0) & (f != 1))):
+        raise ValueError(_err(f"{what} must be a bool or {n} bools (one per item), got {v!r}"))
     if f.ndim == 0:
         f = np.full(n, bool(f))
-    if f.shape != (n,) or f.dtype.kind not in "bui":
+    if f.shape != (n,):
         raise ValueError(_err(f"{what} must be a bool or {n} bools (one per item), got {v!r}"))
     return f.astype(bool)
 
@@ -1160,7 +1164,7 @@ class Compose:
 
     def __init__(self, transforms: Sequence[Any], layout: str | None = None):
         self.transforms = list(transforms)
-        last = -1
+        last, seen = -1, None
         for t in self.transforms:
             rank = self._ORDER.get(type(t))
             if rank is None:
@@ -1169,6 +1173,19 @@ class Compose:
                 raise ValueError(_err(f"{type(t).__name__} after a later step: the order is crop, resize and "
                                       "flips, color, ToDtype, Normalize"))
             last = rank
+            # one step of each kind but flips (two flips undo each other): the Pipeline holds one crop, one
+            # size, one color conversion, one cast and one normalization, and a second would have replaced
+            # the first (torchvision applies both)
+            if not isinstance(t, (HorizontalFlip, VerticalFlip)):
+                kind = "Resize or Letterbox" if isinstance(t, (Resize, Letterbox)) else type(t).__name__
+                if seen is not None and kind in seen:
+                    raise ValueError(_err(f"Compose takes one {kind}; got a second ({t!r}): a fused pipeline "
+                                          "applies each kind of step once"))
+                seen = (seen or set()) | {kind}
+            if isinstance(t, Resize) and isinstance(t.size, (int, np.integer)):
+                raise TypeError(_err(f"Resize({t.size!r}) in Compose: pass the output size as (height, width). "
+                                     "torchvision's Resize(int) matches the shorter edge, keeping each crop's "
+                                     "aspect ratio, so crops of different shapes would not fit one batch"))
         sizing = None  # the Resize or Letterbox met so far
         for t in self.transforms:
             if isinstance(t, (Resize, Letterbox)):

@@ -521,6 +521,25 @@ def test_compose_flip_and_resize_order(backend):
                 I.Compose([sizing, flip])
 
 
+def test_compose_refuses_what_one_pipeline_cannot_apply():
+    """A second step of a kind (each had replaced the one before: two Resizes ran as the second alone,
+    two Normalizes as the second) and torchvision's Resize(int) (the shorter edge: a size per crop) raise;
+    hflip / vflip take bools (the string "False" had flipped)."""
+    for steps in ([I.Resize((15, 20)), I.Resize((10, 10))], [I.Normalize(0, 1), I.Normalize(1, 2)],
+                  [I.Letterbox((16, 16)), I.Resize((8, 8))], [I.CenterCrop(10), I.CenterCrop(20)],
+                  [I.ConvertColor("bgr2rgb"), I.ConvertColor("rgb2gray")],
+                  [I.ToDtype(np.float32), I.ToDtype(np.float16)]):
+        with pytest.raises(ValueError, match="Compose takes one"):
+            I.Compose(steps)
+    with pytest.raises(TypeError, match="shorter edge"):
+        I.Compose([I.Resize(20)])
+    x = np.arange(6, dtype=np.uint8).reshape(1, 6, 1)
+    for bad in ("False", 0.5, [2]):
+        with pytest.raises(ValueError, match="hflip must be a bool"):
+            I.Pipeline().cast(np.uint8)(x, hflip=bad)
+    np.testing.assert_array_equal(I.Pipeline().cast(np.uint8)(x, hflip=1)[0, 0, 0], [5, 4, 3, 2, 1, 0])
+
+
 # ----------------------------------------------------------------- YUV
 # Published matrices: BT.601 R = Y + 1.402 V, G = Y - 0.344136 U - 0.714136 V, B = Y + 1.772 U;
 # BT.709 R = Y + 1.5748 V, G = Y - 0.187324 U - 0.468124 V, B = Y + 1.8556 U (U, V centered on 0).
