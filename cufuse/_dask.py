@@ -53,10 +53,18 @@ def _whole(name, x, axes, why):
 # ------------------------------------------------------------------ elementwise
 def elementwise(name, fn, args, out=None, dtype=None):
     """``fn`` (a cufuse call on concrete arrays) chunk by chunk, with NumPy's
-    broadcasting; scalars are passed through."""
+    broadcasting; scalars are passed through. ``fn`` runs first on one-element
+    NumPy arrays of the Dask arrays' dtypes: its errors (dtypes, scalar kinds)
+    raise here, and its result's dtype is the result's (Dask's own probe of
+    ``fn`` turns an error into a result of NotImplemented)."""
     _no_out(name, out)
+    for a in args:
+        if not is_dask(a) and hasattr(a, "shape") and hasattr(a, "dtype") and getattr(a, "ndim", 0) > 0:
+            raise TypeError(f"cufuse.{name}: Dask arrays mixed with another array ({type(a).__module__}."
+                            f"{type(a).__name__}); pass Dask arrays and scalars only (da.from_array(...))")
+    probe = fn(*[np.ones((1,) * a.ndim, dtype=a.dtype) if is_dask(a) else a for a in args])
     from dask.array.core import elemwise
-    return elemwise(fn, *args, dtype=dtype)
+    return elemwise(fn, *args, dtype=dtype if dtype is not None else probe.dtype)
 
 
 # ------------------------------------------------------------------ row ops

@@ -104,6 +104,13 @@ def test_dask_errors():
         cufuse.layer_norm(da.from_array(x, chunks=(3, 8)), 8, d[0])
     with pytest.raises(TypeError, match="mixed with other arrays"):
         cufuse.fuse(lambda a, b: a + b)(d, x)
+    # the elementwise ops' checks (Dask's own probe had turned them into a result of NotImplemented)
+    for call, match in ((lambda: cufuse.add_relu(d, True), "bool scalars"),
+                        (lambda: cufuse.fma(d, d, 1 + 2j), "complex scalars"),
+                        (lambda: cufuse.mul_tanh(d.astype(np.int8), 2.0), "accepted dtypes"),
+                        (lambda: cufuse.add_relu(d, x), "mixed with another array")):
+        with pytest.raises(TypeError, match=match):
+            call()
     for n in (10, 3):  # a per-channel scale of the wrong length: refused before any chunk runs
         with pytest.raises(ValueError, match=r"\(8,\) is needed"):
             cufuse.quantize_int8(d, np.full(n, 0.5, np.float32), axis=1)
@@ -111,6 +118,15 @@ def test_dask_errors():
     u, v = da.from_array(rand((6, 1), F32, 6), chunks=(3, 1)), da.from_array(x, chunks=(3, 8))
     with pytest.raises(ValueError, match="count 8 times"):
         cufuse.fuse(lambda a, b: ((a * 2.0).sum(axis=-1), b.sum(axis=-1)))(u, v)
+
+
+def test_per_channel_lists_as_for_numpy():
+    """Per-channel parameters given as lists of ints read as numbers, as for a NumPy array (the Dask path
+    had made them int64 arrays and refused them)."""
+    x = rand((3, 4), F32, 7) * 4
+    want = cufuse.quantize_int8(x, [0.5] * 4, [1, 2, 3, 4], axis=1)
+    got = cufuse.quantize_int8(da.from_array(x, chunks=2), [0.5] * 4, [1, 2, 3, 4], axis=1).compute()
+    np.testing.assert_array_equal(got, want)
 
 
 def _devices(d):

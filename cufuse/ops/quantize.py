@@ -285,7 +285,8 @@ def _run(name, ops, x, scale, zero_point, axis, out, out_dtype):
         if axis is None:
             return DK.elementwise(name, lambda b: _run(name, ops, b, scale, zero_point, None, None, out_dtype), [x],
                                   out, out_dtype)
-        params = [np.asarray(p) if isinstance(p, (list, tuple)) else p for p in (scale, zero_point)]
+        # lists as the whole-array path reads them (float64: integer zero points are numbers there too)
+        params = [np.asarray(p, dtype=np.float64) if isinstance(p, (list, tuple)) else p for p in (scale, zero_point)]
         return DK.per_channel(name, lambda b, s, z: _run(name, ops, b, s, z, axis, None, out_dtype), x,
                               _channel_axis(name, axis, x.ndim), params, out_dtype, out)
     kind = A.array_kind(name, x, "the data")
