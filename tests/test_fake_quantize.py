@@ -116,6 +116,13 @@ def test_compiled_checks_like_eager():
         torch.compile(lambda t: cufuse.fake_quantize_int8(t, torch.ones(3), axis=5), fullgraph=True)(x)
     with pytest.raises(Exception, match="in torch.float32"):
         torch.compile(lambda t: cufuse.fake_quantize_int8(t, 1e-46), fullgraph=True)(x)
+    # per-channel values are checked when the compiled graph runs, as eager checks them (they ran: zeros, NaN)
+    f = torch.compile(lambda t, s, z: cufuse.fake_quantize_int8(t, s, z, axis=1), fullgraph=True)
+    for s, z in ((torch.tensor([0.1, 0.0, -0.1]), torch.zeros(3)),
+                 (torch.tensor([0.1, 1e-46, 0.1], dtype=torch.float64), torch.zeros(3)),
+                 (torch.full((3,), 0.1), torch.tensor([0.0, float("nan"), 0.0]))):
+        with pytest.raises(Exception, match="must be finite"):
+            f(x, s, z)
     # a per-channel scale that requires grad: eager refuses it; compiled, it had been detached (no gradient)
     s = torch.tensor([0.1, 0.2, 0.05], requires_grad=True)
     with pytest.raises(Exception, match="requires grad"):

@@ -470,7 +470,13 @@ def _fq_params_traced(name, x, scale, zero_point, axis):
         if v.requires_grad and torch.is_grad_enabled():  # as eager: it would get no gradient, silently
             raise NotImplementedError(f"cufuse.{name}: {what} requires grad; the quantization parameters get no "
                                       f"gradient here (pass {what}.detach(), or use torch's fake quantization)")
-        out.append(v.detach().to(device=x.device, dtype=real).reshape(shape))
+        c = v.detach().to(dtype=real)
+        if v.device.type == "cpu":  # checked (on the CPU) when the graph runs, as eager checks CPU values;
+            # GPU ones neither (a check would synchronize, a device assert would end the process's CUDA)
+            ok = torch.isfinite(c).all() if what == "zero_point" else (torch.isfinite(c) & (c > 0)).all()
+            torch._assert_async(ok, f"cufuse.{name}: a per-channel {what} must be finite"
+                                + ("" if what == "zero_point" else f" and > 0 in {real}"))
+        out.append(c.to(device=x.device).reshape(shape))
     return out
 
 
