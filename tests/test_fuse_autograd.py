@@ -137,17 +137,18 @@ def test_gradients_where_torch_masks(device):
     """Against torch autograd at the points its rules single out: a ** b at a
     base of 0 (no NaN: torch's 0 where b == 0, and for the exponent where
     a == 0 <= b), 0 ** x, x ** 0; minimum / maximum at ties (half to each
-    side, as torch.minimum / torch.maximum); clip at and beyond its bounds
-    (all to x on a bound, as torch.clamp; the bounds' own gradients where x
-    passed them; bounds crossed)."""
+    side, as torch.minimum / torch.maximum; all to both at a NaN); clip at
+    and beyond its bounds (all to x on a bound, as torch.clamp; the bounds'
+    own gradients where x passed them; bounds crossed)."""
+    nan = float("nan")
     cases = [
         (lambda a, b: a ** b, lambda a, b: a ** b, [[0., 0., 3., -2., 0., 2.], [0., 2., 0., 3., 1., 0.5]]),
         (lambda a: a ** 0.0, lambda a: a ** 0.0, [[0., 1., -2.]]),
         (lambda a: 0.0 ** a, lambda a: torch.zeros((), dtype=a.dtype, device=a.device) ** a, [[0., 1., 2.]]),
-        (lambda a, b: cufuse.maximum(a, b), torch.maximum, [[1., 2., 0.], [1., 1., 3.]]),
-        (lambda a, b: cufuse.minimum(a, b), torch.minimum, [[1., 2., 0.], [1., 1., 3.]]),
+        (lambda a, b: cufuse.maximum(a, b), torch.maximum, [[1., 2., 0., nan, 1.], [1., 1., 3., 1., nan]]),
+        (lambda a, b: cufuse.minimum(a, b), torch.minimum, [[1., 2., 0., nan, 1.], [1., 1., 3., 1., nan]]),
         (lambda a: cufuse.maximum(a, 0.0), lambda a: torch.maximum(a, torch.zeros_like(a)), [[0., 1., -1.]]),
-        (lambda a: cufuse.relu(a), torch.relu, [[float("nan"), 1., -1., 0.]]),  # a NaN passes its gradient
+        (lambda a: cufuse.relu(a), torch.relu, [[nan, 1., -1., 0.]]),  # a NaN passes its gradient
         (lambda a: np.clip(a, 0.0, 6.0), lambda a: torch.clamp(a, 0.0, 6.0), [[-1., 0., 3., 6., 7.]]),
         (lambda a, lo, hi: cufuse.clip(a, lo, hi), torch.clamp,
          [[-1., 0., 3., 6., 7., 2.], [0., 0., 1., 1., 1., 5.], [6., 6., 6., 6., 6., 1.]]),

@@ -116,11 +116,12 @@ def _rule(nd, x, y, g):
         a, b = x
         return [(0, F.where(b == 0, 0.0, g * b * a ** (b - 1))),
                 (1, F.where((a == 0) & (b >= 0), 0.0, g * y * F.log(a)))]
-    if op in ("minimum", "maximum"):  # at ties each side gets half, as torch.minimum / torch.maximum give
-        first = x[0] < x[1] if op == "minimum" else x[0] > x[1]
+    if op in ("minimum", "maximum"):  # torch's: half to each side at ties, and all to both at a NaN
+        lose0 = x[0] > x[1] if op == "minimum" else x[0] < x[1]  # the first operand is not the result
+        lose1 = x[0] < x[1] if op == "minimum" else x[0] > x[1]
         tie = x[0] == x[1]
-        return [(0, F.where(first, g, F.where(tie, 0.5 * g, 0.0))),
-                (1, F.where(first, 0.0, F.where(tie, 0.5 * g, g)))]
+        return [(0, F.where(tie, 0.5 * g, F.where(lose0, 0.0, g))),
+                (1, F.where(tie, 0.5 * g, F.where(lose1, 0.0, g)))]
     if op == "clip_lo":  # maximum(x, lo) in clip: torch.clamp's x >= lo to x, x < lo to lo
         return [(0, F.where(x[0] >= x[1], g, 0.0)), (1, F.where(x[0] < x[1], g, 0.0))]
     if op == "clip_hi":  # minimum(m, hi) in clip: m <= hi to m, m > hi to hi
