@@ -84,12 +84,29 @@ def once_differentiable(fn):
     inputs: it is then on the path from the gradients to the op's inputs, so
     ``torch.autograd.grad(penalty, params)`` and hessians raise too (a mark
     on fresh leaves alone was not on that path: they silently left this op's
-    terms out). Where nothing links it so (an op that saved no such tensor),
-    a backward recorded for differentiation raises at once."""
+    terms out). Where nothing links it so (an op that saved no such tensor,
+    and incoming gradients that do not require grad) the mark is on the
+    fresh leaves alone, as before: ``.backward()`` of a penalty raises. The
+    saved tensors are unpacked once (``fn`` gets them through a view of
+    ``ctx``): a non-reentrant checkpoint refuses a second unpack, and an
+    in-place backward (cross_entropy) bumps their version."""
     import functools
 
     import torch
     grad_enabled, delayed = torch.is_grad_enabled, torch._C._functions.DelayedError
+
+    class Unpacked:
+        """``ctx`` with its saved tensors unpacked once."""
+
+        def __init__(self, c, saved):
+            object.__setattr__(self, "_c", c)
+            object.__setattr__(self, "saved_tensors", saved)
+
+        def __getattr__(self, k):
+            return getattr(object.__getattribute__(self, "_c"), k)
+
+        def __setattr__(self, k, v):
+            setattr(object.__getattribute__(self, "_c"), k, v)
 
     def fake_requires_grad(v):
         if isinstance(v, torch.Tensor) and v.is_floating_point():
@@ -101,14 +118,11 @@ def once_differentiable(fn):
     def backward(ctx, *grads):
         if not grad_enabled():
             return fn(ctx, *grads)
+        saved = ctx.saved_tensors
+        links = [t for t in (*saved, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
         with torch.no_grad():
-            outs = fn(ctx, *grads)
+            outs = fn(Unpacked(ctx, saved), *grads)
         outs_ = outs if isinstance(outs, tuple) else (outs,)
-        links = [t for t in (*ctx.saved_tensors, *grads) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not links and any(ctx.needs_input_grad):
-            raise RuntimeError("cufuse: trying to differentiate twice: a cufuse op's backward is not differentiable, "
-                               "and this op's create_graph=True gradients could not be marked to raise when "
-                               "differentiated again; use create_graph=False, or the torch op")
         err = delayed(b"cufuse: trying to differentiate twice: a cufuse op's backward is not differentiable "
                       b"(its create_graph=True gradients cannot be differentiated again)", len(outs_) + len(links))
         res = err(*[fake_requires_grad(v) for v in outs_], *links)

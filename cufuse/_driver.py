@@ -979,11 +979,10 @@ def written(outs):
     """``outs``, torch tensors written through their memory (``out=``): their version
     counters bumped, as torch's own out= ops do, so that autograd refuses a
     backward that saved one (it would read the new values: a wrong gradient,
-    silently). With grad mode on only (no graph is recorded without it);
-    inference tensors keep no version."""
+    silently). In any grad mode, as torch's: a graph recorded before a
+    no_grad write still reads the tensor; inference tensors keep no version."""
     T = TORCH if TORCH.Tensor is not None else torch_api()
-    if T.grad_enabled is not None and T.grad_enabled():
-        T.bump_versions(outs)
+    T.bump_versions(outs)
 
 
 def _execute(rec, outs, in_ptrs, values, like):

@@ -957,11 +957,19 @@ _FAST_MAX = 64  # signatures a Pipeline keeps
 
 
 def _flag_key(v):
-    if v is None or isinstance(v, (bool, np.bool_, int, np.integer)):
-        return v if v is None else int(v)
+    """The fast path's key of a flag argument; TypeError (the full path then checks it and raises)
+    for anything but bools and integers 0 and 1, as _flags takes."""
+    if v is None:
+        return v
+    if isinstance(v, (bool, np.bool_, int, np.integer)):
+        if not isinstance(v, (bool, np.bool_)) and v not in (0, 1):
+            raise TypeError(v)
+        return int(v)
     if isinstance(v, np.ndarray):
         return (v.dtype.str, v.shape, v.tobytes())
-    return tuple(int(bool(b)) for b in v)
+    if isinstance(v, (str, bytes)):
+        raise TypeError(v)
+    return tuple(_flag_key(b) for b in v)
 
 
 def _array_key(x):

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 import torch
 from torch import nn
 
@@ -96,7 +98,8 @@ class GELUDropout(nn.Module):
 
     def __init__(self, p: float = 0.1, approximate: str = "none"):
         super().__init__()
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+        if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)) or \
+                not 0.0 <= p < 1.0:
             raise ValueError(f"cufuse.nn.GELUDropout: p must be a number in [0, 1), got {p!r}")
         self.p, self.approximate = p, approximate
 

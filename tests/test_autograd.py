@@ -337,7 +337,8 @@ def test_norm_backward_kernel_rows_in_flight(monkeypatch, kind, stages):
             m.setattr(N, "_BWD_STAGES", stages)
             m.setattr(N, "_BWD_PLANS", {})
             m.setattr(N, "_BWD_FAST", D.FastPath("norm_backward stages test"))
-            assert N._bwd_plan(kind, dtype, n, x.get_device(), add)[4] == stages
+            # (fewer where the slots would not fit the card's shared memory)
+            assert 0 < N._bwd_plan(kind, dtype, n, x.get_device(), add)[4] <= stages or stages == 0
             got = N.backward_rows(kind, dy, x, n, w, b, 1e-5, ga)
         assert torch.equal(got[0], want[0]), f"{kind} n={n} stages={stages}: dx"
         xr, wr = x.double().requires_grad_(True), w.double().requires_grad_(True)
@@ -647,5 +648,12 @@ def test_first_gradient_with_create_graph_and_no_second(name, device):
     gx, = torch.autograd.grad(calls[name](x, w).sum(), (x,), create_graph=True)
     with pytest.raises(RuntimeError, match="twice"):
         torch.autograd.grad((gx ** 2).sum(), (w,))
+    # a first-order create_graph backward through a non-reentrant checkpoint (which refuses a saved tensor
+    # unpacked twice) gives the plain gradient
+    xc = x.detach().clone().requires_grad_(True)
+    gc, = torch.autograd.grad(torch.utils.checkpoint.checkpoint(lambda v: calls[name](v, w.detach()), xc,
+                                                                use_reentrant=False).sum(), (xc,), create_graph=True)
+    gp, = torch.autograd.grad(calls[name](xc, w.detach()).sum(), (xc,))
+    torch.testing.assert_close(gc, gp, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="twice"):
         torch.autograd.functional.hessian(lambda v: (calls[name](v, w.detach()) ** 3).sum(), x.detach())

@@ -538,6 +538,11 @@ def test_compose_refuses_what_one_pipeline_cannot_apply():
         with pytest.raises(ValueError, match="hflip must be a bool"):
             I.Pipeline().cast(np.uint8)(x, hflip=bad)
     np.testing.assert_array_equal(I.Pipeline().cast(np.uint8)(x, hflip=1)[0, 0, 0], [5, 4, 3, 2, 1, 0])
+    # the GPU fast path's key of the flags takes what _flags takes (it had read [2, 2] and "abc" as true)
+    for bad in ([2, 2, 2], "abc", ["False"] * 3, 0.5):
+        with pytest.raises(TypeError):
+            I._flag_key(bad)
+    assert I._flag_key([True, 0, 1]) == (1, 0, 1)
 
 
 # ----------------------------------------------------------------- YUV

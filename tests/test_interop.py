@@ -78,6 +78,14 @@ def test_out_bumps_torch_version(device):
         assert t._version > before
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             y.backward()
+    # under no_grad too, as torch's out=: a graph recorded before still reads the tensor
+    w = torch.ones(3, 4, device=device, requires_grad=True)
+    t = torch.rand(3, 4, device=device)
+    y = (w * t).sum()
+    with torch.no_grad():
+        cufuse.add_relu(torch.full((3, 4), 10.0, device=device), 1.0, out=t)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
     with torch.inference_mode():  # an inference tensor keeps no version: written all the same
         t = torch.rand(3, 4, device=device)
     with torch.enable_grad():

@@ -4,6 +4,7 @@ gradients (against the torch modules themselves, in float64 on the CPU, and
 float32 / bfloat16 on the GPU with tests/test_autograd.py's TOL)."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -161,6 +162,7 @@ def test_gelu_dropout_module(device):
     for p in (1.0, "0.1", True):
         with pytest.raises(ValueError, match="p must be a number in"):
             cnn.GELUDropout(p)
+    assert cnn.GELUDropout(np.float32(0.25)).p == 0.25 and cnn.GELUDropout(np.int64(0)).p == 0
 
 
 @pytest.mark.parametrize("device", DEVICES)

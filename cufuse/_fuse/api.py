@@ -508,7 +508,9 @@ class Fused:
                 np.copyto(A.torch_numpy(o) if torch_cpu else o, r)
                 final.append(o)
             else:
-                final.append(A.torch_from_numpy(r) if torch_cpu else r)
+                # (torch: C order, as the GPU's results and the registered operators' fakes)
+                final.append(A.torch_from_numpy(r if r.flags.c_contiguous else r.copy(order="C")) if torch_cpu
+                             else r)
         return final
 
     # ----------------------------------------------------------------- GPU

@@ -319,7 +319,7 @@ def _linear_args(name, hidden, weight, bias, target, ignore_index, label_smoothi
     of linear_cross_entropy, or TypeError / ValueError (torch tensors given detached)."""
     if any(DK.is_dask(a) for a in (hidden, weight, bias, target)):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
-    kind, dt, dev = _rows.data_arg(name, hidden)
+    kind, dt, dev = _rows.data_arg(name, hidden, "hidden")
     hs = tuple(hidden.shape)
     if not hs:
         raise ValueError(f"cufuse.{name}: hidden must have a features dim ([..., features]), got a 0-d array")
