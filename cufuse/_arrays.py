@@ -149,6 +149,14 @@ def torch_from_numpy(a):
     return t.from_numpy(a)
 
 
+def torch_result(a):
+    """A NumPy fallback's result as a torch CPU tensor in C order, as the GPU
+    kernels write theirs and the registered operators' fakes say (NumPy keeps
+    the inputs' layout); 0-d stays 0-d."""
+    a = np.asarray(a)
+    return torch_from_numpy(a if a.flags.c_contiguous else a.copy(order="C"))
+
+
 def is_torch_tensor(x) -> bool:
     t = torch()
     return t is not None and isinstance(x, t.Tensor)

@@ -574,13 +574,11 @@ def _register_fused(torch):
 
 
 # ------------------------------------------------------------ cross entropy
-
-
-
 def _ce_ignore(name, ignore_index):
     """ignore_index under torch.compile: an int in int64's range, as eager mode checks (int() truncated a float)."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -2**63 <= ignore_index < 2**63:
         raise TypeError(f"{name}: ignore_index must be an int in int64's range, got {ignore_index!r}")
+
 
 def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reduction, dtype):
     """cufuse.cross_entropy through its registered operator (torch.compile):

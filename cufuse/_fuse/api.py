@@ -508,9 +508,7 @@ class Fused:
                 np.copyto(A.torch_numpy(o) if torch_cpu else o, r)
                 final.append(o)
             else:
-                # (torch: C order, as the GPU's results and the registered operators' fakes)
-                final.append(A.torch_from_numpy(r if r.flags.c_contiguous else r.copy(order="C")) if torch_cpu
-                             else r)
+                final.append(A.torch_result(r) if torch_cpu else r)
         return final
 
     # ----------------------------------------------------------------- GPU
@@ -655,10 +653,11 @@ class Fused:
             # dies, so an address in its key is always the very array it was;
             # torch tensors must also still be on the same storage.
             outs_ = _out_lists(out)
+            t = A.torch()
             try:
                 key = (tuple(map(_address, itertools.chain(*[args[p] for p in list_pos], *outs_))),
                        tuple(type(a) if p not in list_pos else None for p, a in enumerate(args)), len(outs_),
-                       A.torch().get_default_dtype() if A.torch() is not None else None)
+                       t.get_default_dtype() if t is not None else None)
             except TypeError:
                 key = None
             ent = self._plans.get(key) if key is not None else None

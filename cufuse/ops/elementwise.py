@@ -214,9 +214,7 @@ class ElementwiseOp:
             if torch_cpu:
                 D.written((plan.out,))
             return plan.out
-        if torch_cpu:  # C order, as the GPU kernels and the registered operator's fake give (NumPy keeps
-            return A.torch_from_numpy(res if res.flags.c_contiguous else res.copy(order="C"))  # the inputs')
-        return res
+        return A.torch_result(res) if torch_cpu else res
 
     def _run_gpu(self, plan, params, key):
         kind, dt, odt, dev, shape = plan.kind, plan.dtype, plan.out_dtype, plan.device, plan.shape
