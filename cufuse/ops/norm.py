@@ -313,7 +313,8 @@ def _bwd_plan(kind, dtype, n, dev, add=False):
                 while stages and _bwd_shared(kind, dt, np_, threads, add, stages) > R.shared_optin(dev):
                     stages -= 1
                 shared = _bwd_shared(kind, dt, np_, threads, add, stages)
-                plan = (fn, threads, R.resident_blocks(fn, dev, threads, shared), shared, stages)
+                if shared <= R.shared_optin(dev):  # else (GPUs of less shared memory) the generated kernels
+                    plan = (fn, threads, R.resident_blocks(fn, dev, threads, shared), shared, stages)
         _BWD_PLANS[key] = plan
     return plan
 
