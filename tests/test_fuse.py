@@ -1669,6 +1669,72 @@ def test_numpy_functions_of_python_scalars_are_strong(backend):
         np.testing.assert_allclose(got.astype(np.float64), ref.astype(np.float64), rtol=1e-6)
 
 
+def _eager(backend, fn, x, *scalars):
+    """``fn`` run eagerly on the host copy of x (NumPy, or torch on the CPU), in float64 for floats."""
+    if backend.is_torch:
+        return fn(backend.torch.from_numpy(x), *scalars).numpy()
+    return fn(x, *scalars)
+
+
+def test_python_number_arithmetic_is_pythons(backend):
+    """Python operators between Python numbers only (scalar arguments and
+    literals) give what Python gives when the function runs eagerly, at each
+    call: 2 ** (n - 3) is 0.25 for n = 1 (a clear error where the traced
+    function took it as an int: a kernel parameter has one type), -7 // 2 is
+    -4, n * n beyond int64 raises OverflowError instead of wrapping around.
+    A new value never traces again."""
+    x = rand((5, 17), F32, 610)
+    xa = backend.asarray(x)
+    x64 = x.astype(np.float64)
+    pow2 = lambda a, n: a * 2 ** (n - 3)  # noqa: E731
+    f = cufuse.fuse(pow2)
+    for n in (3, 5, 9):
+        assert_close(backend.to_numpy(f(xa, n)), x64 * 2.0 ** (n - 3), F32, FUNC_TOL[F32], err_msg=f"n={n}")
+    for _ in range(2):  # the fast path too
+        with pytest.raises(ValueError, match=r"2 \*\* \(argument 2 - 3\) is 0.25 \(float\).*2\.0 \*\* k"):
+            f(xa, 1)
+    fl = cufuse.fuse(lambda a, n: a * 2.0 ** (n - 3))
+    for n in (1, -4, 6):
+        ref = _eager(backend, lambda a, n: a * 2.0 ** (n - 3), x, n)
+        got = backend.to_numpy(fl(xa, n))
+        assert got.dtype == ref.dtype
+        assert_close(got, x64 * 2.0 ** (n - 3), F32, FUNC_TOL[F32], err_msg=f"n={n}")
+    assert stats(fl)["traces"] == 1
+
+    mixed = lambda a, n, m: a + (n // m + n % m - (-n) + abs(-n) + (n > m) + n / m)  # noqa: E731
+    g = cufuse.fuse(mixed)
+    for n, m in ((-7, 2), (7, -2), (9, 4), (-1, 3)):
+        want = n // m + n % m + n + abs(n) + (n > m) + n / m
+        assert_close(backend.to_numpy(g(xa, n, m)), x64 + want, F32, FUNC_TOL[F32], err_msg=f"{n}, {m}")
+    with pytest.raises(ZeroDivisionError):
+        g(xa, 1, 0)
+
+    sq = cufuse.fuse(lambda a, n: a + n * n)
+    assert_close(backend.to_numpy(sq(xa, 1 << 20)), x64 + float(1 << 40), F32, FUNC_TOL[F32])
+    for _ in range(2):
+        with pytest.raises(OverflowError, match="Python integer 9223372037000250000 out of bounds for int64"):
+            sq(xa, 3037000500)                       # its square is past int64: no wrap-around
+
+    # an integer array keeps NumPy's (torch's) rules with the Python int that results
+    xi = rand_int((5, 17), I32, 611)
+    h = cufuse.fuse(lambda a, n: a * (n - 1) + (n + 2) // 3)
+    got, ref = backend.to_numpy(h(backend.asarray(xi), 4)), _eager(backend, lambda a, n: a * (n - 1) + (n + 2) // 3, xi, 4)
+    assert got.dtype == ref.dtype == I32
+    assert_exact(got, ref, I32, "int32 * (n - 1) + (n + 2) // 3")
+
+
+def test_python_number_arithmetic_gradient(torch_backend):
+    """The gradient through a Python-number factor computed at each call."""
+    torch = torch_backend.torch
+    x = torch_backend.asarray(rand((4, 9), F32, 612)).requires_grad_(True)
+    f = cufuse.fuse(lambda a, n: a * a * 2.0 ** (n - 3))
+    for n in (1, 5):
+        x.grad = None
+        f(x, n).sum().backward()
+        ref = 2 * x.detach().double() * 2.0 ** (n - 3)
+        torch.testing.assert_close(x.grad.double(), ref, rtol=1e-6, atol=1e-6)
+
+
 def test_numpy_float_loops_of_python_scalars(torch_backend):
     """numpy.fabs / numpy.rint of a Python int under torch's rules: a float
     that stays weak (torch takes NumPy scalars as Python ones), so an int32

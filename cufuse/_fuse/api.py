@@ -49,16 +49,18 @@ class _Signature:
         self.in_pos = [p for p, _, _ in self.graph.inputs]
         self.out_dtypes = [o[3] for o in self.graph.outputs]
         self.V = codegen.pack_width(self.graph, self.in_dtypes)
-        # per parameter: (argument position or -1, converter, constant value)
+        # per parameter: (argument position, converter, None), (-1, converter, constant value) or
+        # (-2, converter, HostExpr: a Python number Python computes from the arguments at each call)
         conv = {"double": float, "long long": int}
-        self.params = [(src[1], conv[ck], None) if src[0] == "arg" else (-1, conv[ck], conv[ck](src[1]))
+        self.params = [(src[1], conv[ck], None) if src[0] == "arg" else
+                       (-2, conv[ck], src[1]) if src[0] == "host" else (-1, conv[ck], conv[ck](src[1]))
                        for src, ck in self.graph.params]
         # NumPy 2's checks of scalar values (graph.checks), and every int in int64; the
         # literals' are done here, once
         checks = [(k, _I64, "both") for k, (_, ck) in enumerate(self.graph.params) if ck == "long long"]
         checks += self.graph.checks
-        self._check_params([c for _, _, c in self.params], [c for c in checks if self.params[c[0]][0] < 0])
-        self.checks = [c for c in checks if self.params[c[0]][0] >= 0]
+        self._check_params([c for _, _, c in self.params], [c for c in checks if self.params[c[0]][0] == -1])
+        self.checks = [c for c in checks if self.params[c[0]][0] != -1]
         self._source = None
         self._sources = {}
         self._fns = {}
@@ -84,10 +86,24 @@ class _Signature:
         return fn
 
     def param_values(self, args):
-        vals = [conv(args[i]) if i >= 0 else c for i, conv, c in self.params]
+        vals = [conv(args[i]) if i >= 0 else c if i == -1 else self._host_value(c, conv, args)
+                for i, conv, c in self.params]
         if self.checks:
             self._check_params(vals, self.checks)
         return vals
+
+    def _host_value(self, h, conv, args):
+        """The value of the HostExpr ``h`` at this call, as Python computes it, in the type it was traced
+        with (a kernel's parameter has one type); ValueError where Python's result has another."""
+        v = h.fn(args)
+        if type(v) is not h.kind:
+            hint = ("; in Python an integer to a negative integer power is a float: write a float base or "
+                    "exponent (2.0 ** k)" if h.kind is int and isinstance(v, float) else "")
+            text = h.text[1:-1] if h.text.startswith("(") else h.text
+            raise ValueError(f"cufuse.{self.fused._name}: {text} is {v!r} ({type(v).__name__}) at this call, "
+                             f"where the fused function computes it as a Python {h.kind.__name__} (its type when "
+                             f"traced): a kernel parameter has one type at every call{hint}")
+        return conv(v)
 
     def _check_params(self, vals, checks):
         for k, dt, side in checks:

@@ -65,6 +65,8 @@ def backward_function(graph, wrt):
                 vals[i] = args[graph.inputs[nd.attr][0]]
             elif nd.op == "param":
                 src, _ = graph.params[nd.attr]
+                if src[0] == "host":  # the backward's arguments: the forward's after the gradients and n
+                    src = ("host", src[1].shifted(nout + 1))
                 vals[i] = args[src[1]] if src[0] == "arg" else G.param(g, src, nd.dtype, weak=False)
             else:
                 ins = [vals[j] for j in nd.args]

@@ -7,11 +7,18 @@ explicit ``cast`` nodes are inserted wherever an operand changes type, so
 that code generation and the NumPy evaluator read one fully typed program.
 
 Scalars, literals included, become parameters (kernel arguments), never
-constants in the source: a new value never recompiles.
+constants in the source: a new value never recompiles. Python operators
+between Python numbers only (scalar arguments, literals and what is computed
+from them alone, such as ``2 ** (n - 3)``) are what Python computes when the
+function runs eagerly, so they are not traced: they become ``HostExpr``
+parameters, evaluated by Python at each call (``2 ** -1`` is 0.5, not the
+int64 0; no int64 wrap-around).
 """
 from __future__ import annotations
 
+import operator
 import threading
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -104,12 +111,21 @@ def _stack():
 class Traced:
     """A symbolic array (or scalar) inside ``cufuse.fuse``."""
 
-    __slots__ = ("graph", "node", "dtype", "weak", "ndim", "reduced")
+    __slots__ = ("graph", "_node", "dtype", "weak", "ndim", "reduced", "host")
     __array_priority__ = 1000
 
-    def __init__(self, graph, node, dtype, weak=False, ndim=0, reduced=False):
-        self.graph, self.node, self.dtype, self.weak, self.ndim, self.reduced = (
+    def __init__(self, graph, node, dtype, weak=False, ndim=0, reduced=False, host=None):
+        self.graph, self._node, self.dtype, self.weak, self.ndim, self.reduced = (
             graph, node, np.dtype(dtype), weak, ndim, reduced)
+        self.host = host  # a HostExpr: a Python number, computed by Python at each call
+
+    @property
+    def node(self):
+        """Its graph node; a Python number's (``host``) is made at its first use in the graph."""
+        if self._node is None:
+            self._node = self.graph.add("param", (), self.dtype, len(self.graph.params))
+            self.graph.params.append((("host", self.host), _ckind(self.dtype)))
+        return self._node
 
     def __repr__(self):
         kind = "scalar" if self.weak else f"{self.ndim}-d array"
@@ -157,36 +173,36 @@ class Traced:
         raise TraceError("cufuse.fuse: .shape of a traced value is not known while tracing")
 
     # --- arithmetic
-    def __add__(self, o): return binary("add", self, o)
-    def __radd__(self, o): return binary("add", o, self)
-    def __sub__(self, o): return binary("sub", self, o)
-    def __rsub__(self, o): return binary("sub", o, self)
-    def __mul__(self, o): return binary("mul", self, o)
-    def __rmul__(self, o): return binary("mul", o, self)
-    def __truediv__(self, o): return binary("truediv", self, o)
-    def __rtruediv__(self, o): return binary("truediv", o, self)
-    def __floordiv__(self, o): return binary("floordiv", self, o)
-    def __rfloordiv__(self, o): return binary("floordiv", o, self)
-    def __mod__(self, o): return binary("mod", self, o)
-    def __rmod__(self, o): return binary("mod", o, self)
-    def __pow__(self, o): return binary("pow", self, o)
-    def __rpow__(self, o): return binary("pow", o, self)
-    def __lt__(self, o): return binary("lt", self, o)
-    def __le__(self, o): return binary("le", self, o)
-    def __gt__(self, o): return binary("gt", self, o)
-    def __ge__(self, o): return binary("ge", self, o)
-    def __eq__(self, o): return binary("eq", self, o)  # noqa: D105
-    def __ne__(self, o): return binary("ne", self, o)
-    def __and__(self, o): return binary("and", self, o)
-    def __rand__(self, o): return binary("and", o, self)
-    def __or__(self, o): return binary("or", self, o)
-    def __ror__(self, o): return binary("or", o, self)
-    def __xor__(self, o): return binary("xor", self, o)
-    def __rxor__(self, o): return binary("xor", o, self)
-    def __neg__(self): return unary("neg", self)
+    def __add__(self, o): return _py_binary("add", self, o)
+    def __radd__(self, o): return _py_binary("add", o, self)
+    def __sub__(self, o): return _py_binary("sub", self, o)
+    def __rsub__(self, o): return _py_binary("sub", o, self)
+    def __mul__(self, o): return _py_binary("mul", self, o)
+    def __rmul__(self, o): return _py_binary("mul", o, self)
+    def __truediv__(self, o): return _py_binary("truediv", self, o)
+    def __rtruediv__(self, o): return _py_binary("truediv", o, self)
+    def __floordiv__(self, o): return _py_binary("floordiv", self, o)
+    def __rfloordiv__(self, o): return _py_binary("floordiv", o, self)
+    def __mod__(self, o): return _py_binary("mod", self, o)
+    def __rmod__(self, o): return _py_binary("mod", o, self)
+    def __pow__(self, o): return _py_binary("pow", self, o)
+    def __rpow__(self, o): return _py_binary("pow", o, self)
+    def __lt__(self, o): return _py_binary("lt", self, o)
+    def __le__(self, o): return _py_binary("le", self, o)
+    def __gt__(self, o): return _py_binary("gt", self, o)
+    def __ge__(self, o): return _py_binary("ge", self, o)
+    def __eq__(self, o): return _py_binary("eq", self, o)  # noqa: D105
+    def __ne__(self, o): return _py_binary("ne", self, o)
+    def __and__(self, o): return _py_binary("and", self, o)
+    def __rand__(self, o): return _py_binary("and", o, self)
+    def __or__(self, o): return _py_binary("or", self, o)
+    def __ror__(self, o): return _py_binary("or", o, self)
+    def __xor__(self, o): return _py_binary("xor", self, o)
+    def __rxor__(self, o): return _py_binary("xor", o, self)
+    def __neg__(self): return _py_unary("neg", self)
     def __pos__(self): return self
-    def __invert__(self): return unary("invert", self)
-    def __abs__(self): return unary("abs", self)
+    def __invert__(self): return _py_unary("invert", self)
+    def __abs__(self): return _py_unary("abs", self)
     __hash__ = None  # type: ignore[assignment]  # == builds a graph node: not hashable
 
     def astype(self, dtype, copy=True):
@@ -291,10 +307,13 @@ def lift(g, v):
                      "(only traced arrays and Python/NumPy int, float and bool scalars)")
 
 
+def _ckind(dtype):
+    return "double" if is_float(dtype) else "long long"
+
+
 def param(g, source, dtype, weak):
-    """A scalar kernel argument: ``source`` is ("arg", position) or ("const", value)."""
-    ckind = "double" if is_float(dtype) else "long long"
-    g.params.append((source, ckind))
+    """A scalar kernel argument: ``source`` is ("arg", position), ("const", value) or ("host", HostExpr)."""
+    g.params.append((source, _ckind(dtype)))
     node = g.add("param", (), dtype, len(g.params) - 1)
     return Traced(g, node, dtype, weak=weak, ndim=0)
 
@@ -382,6 +401,73 @@ _COMPARE = {"lt", "le", "gt", "ge", "eq", "ne"}
 _BITWISE = {"and", "or", "xor"}
 _SYMBOL = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "floordiv": "//", "mod": "%", "pow": "**",
            "and": "&", "or": "|", "xor": "^", "neg": "unary -", "invert": "~"}
+
+
+class HostExpr:
+    """A Python number computed from the call's arguments by Python's own
+    operators: ``fn(args)``; ``kind`` (bool, int or float) is its type as
+    traced, ``text`` says what it is in errors."""
+
+    __slots__ = ("fn", "kind", "text")
+
+    def __init__(self, fn, kind, text):
+        self.fn, self.kind, self.text = fn, kind, text
+
+    def shifted(self, k):
+        """The same value from argument lists with ``k`` more arguments in front."""
+        fn = self.fn
+        return HostExpr(lambda args: fn(args[k:]), self.kind, self.text)
+
+
+_HOST_DTYPE = {bool: _BOOL, int: _I64, float: _F64}
+_PY_OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "truediv": operator.truediv,
+           "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow, "lt": operator.lt,
+           "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq, "ne": operator.ne,
+           "and": operator.and_, "or": operator.or_, "xor": operator.xor, "neg": operator.neg,
+           "invert": operator.invert, "abs": operator.abs}
+# a value of each Python type, to find an operator's result type while tracing
+_SAMPLE = {bool: True, int: 3, float: 1.5}
+
+
+def host_value(g, v):
+    """``v``'s HostExpr where it is a Python number (a Python scalar argument
+    or literal, or computed from those alone), else None."""
+    if isinstance(v, Traced):
+        return v.host
+    if isinstance(v, (bool, int, float)) and not isinstance(v, A.NP_SCALARS):
+        return HostExpr(lambda args, v=v: v, type(v), repr(v))
+    return None
+
+
+def host_traced(g, h):
+    """A Traced for the Python number ``h`` (a HostExpr): typed as a Python
+    scalar of its kind is (int and float weak, bool not), its node made where it is used."""
+    return Traced(g, None, _HOST_DTYPE[h.kind], weak=h.kind is not bool, host=h)
+
+
+def _py_binary(op, a, b):
+    """``a <op> b`` from a Python operator: computed by Python at each call
+    where both are Python numbers and one is a traced argument's, else traced."""
+    g = _graph_of(a, b)
+    ha, hb = host_value(g, a), host_value(g, b)
+    if ha is None or hb is None:
+        return binary(op, a, b)
+    f, fa, fb = _PY_OPS[op], ha.fn, hb.fn
+    kind = type(f(_SAMPLE[ha.kind], _SAMPLE[hb.kind]))  # Python's TypeError for ones it does not take
+    text = f"({ha.text} {_SYMBOL[op] if op in _SYMBOL else op} {hb.text})"
+    return host_traced(g, HostExpr(lambda args: f(fa(args), fb(args)), kind, text))
+
+
+def _py_unary(op, a):
+    """``<op> a`` from a Python operator (-, ~, abs()): as _py_binary."""
+    if a.host is None:
+        return unary(op, a)
+    f, fa = _PY_OPS[op], a.host.fn
+    with warnings.catch_warnings():  # ~True: Python 3.12 warns (at each call too, as eagerly)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        kind = type(f(_SAMPLE[a.host.kind]))
+    text = f"abs({a.host.text})" if op == "abs" else f"{'-' if op == 'neg' else '~'}{a.host.text}"
+    return host_traced(a.graph, HostExpr(lambda args: f(fa(args)), kind, text))
 
 
 def binary(op, a, b):
@@ -542,7 +628,11 @@ def trace(fn, spec, torch_float=None):
             g.inputs.append((pos, s[1], s[2]))
             args.append(input_value(g, len(g.inputs) - 1, s[1], s[2]))
         else:
-            args.append(param(g, ("arg", pos), s[1], weak=s[2]))
+            t = param(g, ("arg", pos), s[1], weak=s[2])
+            if s[2]:  # a Python int or float (torch: a NumPy number too): Python computes with it
+                kind = float if is_float(s[1]) else int
+                t.host = HostExpr(lambda a, pos=pos, kind=kind: kind(a[pos]), kind, f"argument {pos + 1}")
+            args.append(t)
     g.ndim = max((s[2] for s in spec if s[0] == "array"), default=0)
     stack = _stack()
     stack.append(g)
