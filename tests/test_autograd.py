@@ -374,9 +374,29 @@ def test_norm_backward_kernel_rows_far_from_zero():
 
 
 @pytest.mark.cuda
-def test_norm_backward_kernel_declines():
-    """Rows of a partial pack or misaligned rows go to the generated kernels."""
+def test_norm_backward_kernel_declines(monkeypatch):
+    """Rows of a partial pack or misaligned rows go to the generated kernels, and so do rows whose
+    shared-memory slots exceed what a block may opt in to on the device (GPUs of less of it): there
+    the gradients still match torch's float64 autograd."""
+    from cufuse import _driver as D
+    from cufuse import _runtime as R
+    from cufuse.ops import norm as N
     from cufuse.ops.norm import backward_rows
+    with monkeypatch.context() as m:
+        m.setattr(R, "shared_optin", lambda dev: 16 << 10)
+        m.setattr(N, "_BWD_PLANS", {})
+        m.setattr(N, "_BWD_FAST", D.FastPath("norm_backward optin test"))
+        g = torch.Generator().manual_seed(13)
+        x, dy = (torch.randn(6, 4096, generator=g, dtype=torch.float64) for _ in range(2))
+        w = torch.randn(4096, generator=g, dtype=torch.float64)
+        xc, dyc, wc = (t.float().cuda() for t in (x, dy, w))
+        assert backward_rows("rms", dyc, xc, 4096, wc, None, 1e-5) is None
+        xg, wg = xc.clone().requires_grad_(True), wc.clone().requires_grad_(True)
+        cufuse.rms_norm(xg, 4096, wg, eps=1e-5).backward(dyc)
+    xr, wr = x.float().double().requires_grad_(True), w.float().double().requires_grad_(True)
+    TF.rms_norm(xr, (4096,), wr, 1e-5).backward(dy.float().double())
+    for got, want in ((xg.grad, xr.grad), (wg.grad, wr.grad)):
+        torch.testing.assert_close(got.double().cpu(), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
     x = torch.randn(4, 30, device="cuda", dtype=torch.bfloat16 if BF16 else torch.float16)
     assert backward_rows("layer", x, x, 30, None, None, 1e-5) is None  # 30 is no whole number of 8-element packs
     y = torch.randn(4 * 64 + 8, device="cuda")[8:].view(4, 64)  # 32-byte offset: aligned; 4 bytes: not

@@ -1715,6 +1715,16 @@ def test_python_number_arithmetic_is_pythons(backend):
         with pytest.raises(OverflowError, match="Python integer 9223372037000250000 out of bounds for int64"):
             sq(xa, 3037000500)                       # its square is past int64: no wrap-around
 
+    # Python bools are Python numbers (True + True is 2); NumPy booleans are NumPy's (their logical or)
+    bools = lambda a, s, t: a + (s + t) * 2  # noqa: E731
+    b = cufuse.fuse(bools)
+    assert_close(backend.to_numpy(b(xa, True, True)), x64 + 4.0, F32, FUNC_TOL[F32])
+    assert_close(backend.to_numpy(b(xa, True, False)), x64 + 2.0, F32, FUNC_TOL[F32])
+    if not backend.is_torch:  # (np.True_ + np.True_) * 2 is a strong int64: float64
+        got, ref = backend.to_numpy(b(xa, np.True_, np.True_)), bools(x, np.True_, np.True_)
+        assert got.dtype == ref.dtype == F64
+        assert_close(got, x64 + 2.0, F64, FUNC_TOL[F64])
+
     # an integer array keeps NumPy's (torch's) rules with the Python int that results
     xi = rand_int((5, 17), I32, 611)
     h = cufuse.fuse(lambda a, n: a * (n - 1) + (n + 2) // 3)

@@ -133,15 +133,17 @@ _INT_RANGE = {dt: (-(1 << (8 * dt.itemsize - 1)), (1 << (8 * dt.itemsize - 1)) -
 
 
 def _scalar_spec(x):
+    """("scalar", dtype, weak, whether it is a Python number: Python's operators compute with it), or
+    None for a value that is no scalar fuse takes."""
     if isinstance(x, (bool, np.bool_)):
-        return ("scalar", np.dtype(np.bool_), False)
+        return ("scalar", np.dtype(np.bool_), False, type(x) is bool)
     if isinstance(x, A.NP_SCALARS):  # before float: numpy.float64 is a float
         dt = np.dtype(type(x))
-        return ("scalar", dt, False) if dt in G.INPUT_DTYPES else None
+        return ("scalar", dt, False, False) if dt in G.INPUT_DTYPES else None
     if isinstance(x, int):
-        return ("scalar", np.dtype(np.int64), True)
+        return ("scalar", np.dtype(np.int64), True, True)
     if isinstance(x, float):
-        return ("scalar", np.dtype(np.float64), True)
+        return ("scalar", np.dtype(np.float64), True, True)
     return None
 
 
@@ -240,7 +242,7 @@ class Fused:
                                      f"on GPU {device}, argument {i + 1} on GPU {A.device_of(x, kind)}")
         if kind in (A.TORCH_CPU, A.TORCH_CUDA):
             # torch's rules: a NumPy scalar is a number, as a Python one
-            spec = [("scalar", _I64 if s[1].kind in "iu" else _F64, True)
+            spec = [("scalar", _I64 if s[1].kind in "iu" else _F64, True, True)
                     if s[0] == "scalar" and not s[2] and s[1].kind in "iuf" else s for s in spec]
         return kind, tuple(spec), arrays, device
 

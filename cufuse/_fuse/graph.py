@@ -619,7 +619,7 @@ def input_value(g, k, dtype, ndim):
 
 
 def trace(fn, spec, torch_float=None):
-    """Trace ``fn``. ``spec``: per argument, ("array", dtype, ndim) or ("scalar", dtype, weak);
+    """Trace ``fn``. ``spec``: per argument, ("array", dtype, ndim) or ("scalar", dtype, weak, python number);
     ``torch_float``: None for NumPy's type rules, torch's default float dtype for torch's."""
     g = Graph(torch_float=torch_float)
     args = []
@@ -629,8 +629,8 @@ def trace(fn, spec, torch_float=None):
             args.append(input_value(g, len(g.inputs) - 1, s[1], s[2]))
         else:
             t = param(g, ("arg", pos), s[1], weak=s[2])
-            if s[2]:  # a Python int or float (torch: a NumPy number too): Python computes with it
-                kind = float if is_float(s[1]) else int
+            if s[3]:  # a Python number (torch: a NumPy number too, read as one): Python's operators compute with it
+                kind = float if is_float(s[1]) else bool if s[1] == _BOOL else int
                 t.host = HostExpr(lambda a, pos=pos, kind=kind: kind(a[pos]), kind, f"argument {pos + 1}")
             args.append(t)
     g.ndim = max((s[2] for s in spec if s[0] == "array"), default=0)
