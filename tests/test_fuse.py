@@ -1211,8 +1211,10 @@ def test_scalars_never_retrace(backend):
         assert s6["compiles"] == s5["compiles"]
     assert_close(backend.to_numpy(r5), x64 * 2 + 1.0, F32, FUNC_TOL[F32])
     assert_close(backend.to_numpy(r6), x64 * 5 + 1.0, F32, FUNC_TOL[F32])
-    r7 = f(xa, np.float32(1.5))  # a NumPy scalar is another kind again (torch: a number like 2.0)
-    assert stats(f)["traces"] == s6["traces"] + (0 if backend.is_torch else 1)
+    # a NumPy scalar is another kind again (torch takes it as a number like 2.0, but NumPy's operators, not
+    # Python's, compute with it before torch sees it)
+    r7 = f(xa, np.float32(1.5))
+    assert stats(f)["traces"] == s6["traces"] + 1
     check_kind(backend, r7, (7, 33), F32)
     assert_close(backend.to_numpy(r7), x64 * 1.5 + 1.0, F32, FUNC_TOL[F32])
 
@@ -1714,6 +1716,20 @@ def test_python_number_arithmetic_is_pythons(backend):
     for _ in range(2):
         with pytest.raises(OverflowError, match="Python integer 9223372037000250000 out of bounds for int64"):
             sq(xa, 3037000500)                       # its square is past int64: no wrap-around
+
+    # as eagerly: a literal fixes a result's type (n ** -1 is a float at every call); an int only Python
+    # computes with need not fit int64; +, abs and NumPy functions of Python numbers; NumPy scalars
+    # computed with by NumPy's operators (under torch's rules too: s / 0 is inf, not ZeroDivisionError)
+    cases = [(lambda a, n: a * n ** -1, (4,)), (lambda a, n: a * (n * 1e-30), (10 ** 30,)),
+             (lambda a, n: a + n // 10 ** 20, (10 ** 25,)), (lambda a, s, u: a * (np.abs(s) + np.abs(u)), (True, True)),
+             (lambda a, s, u: a * ((+s) & u), (True, True)), (lambda a, s, n: a * (s / n), (np.float32(1), 0)),
+             (lambda a, s, n: a * (s // n + 1), (np.int64(7), 0))]
+    for k, (fn, scalars) in enumerate(cases):
+        with np.errstate(divide="ignore"):
+            ref = _eager(backend, fn, x, *scalars)
+        got = backend.to_numpy(cufuse.fuse(fn)(xa, *scalars))
+        assert got.dtype == ref.dtype, (k, got.dtype, ref.dtype)
+        assert_close(got, ref.astype(np.float64), got.dtype, FUNC_TOL[got.dtype], err_msg=f"case {k}")
 
     # Python bools are Python numbers (True + True is 2); NumPy booleans are NumPy's (their logical or)
     bools = lambda a, s, t: a + (s + t) * 2  # noqa: E731

@@ -101,8 +101,8 @@ class _Signature:
                     "exponent (2.0 ** k)" if h.kind is int and isinstance(v, float) else "")
             text = h.text[1:-1] if h.text.startswith("(") else h.text
             raise ValueError(f"cufuse.{self.fused._name}: {text} is {v!r} ({type(v).__name__}) at this call, "
-                             f"where the fused function computes it as a Python {h.kind.__name__} (its type when "
-                             f"traced): a kernel parameter has one type at every call{hint}")
+                             f"where the fused function computes it as a Python {h.kind.__name__} (Python's type "
+                             f"for operands of these types): a kernel parameter has one type at every call{hint}")
         return conv(v)
 
     def _check_params(self, vals, checks):
@@ -130,6 +130,12 @@ class _Signature:
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 _INT_RANGE = {dt: (-(1 << (8 * dt.itemsize - 1)), (1 << (8 * dt.itemsize - 1)) - 1) if dt.kind == "i"
               else (0, (1 << (8 * dt.itemsize)) - 1) for dt in G.INPUT_DTYPES if dt.kind in "iu"}
+
+
+def _type_name(x):
+    """``x``'s type as an error names it: ``bool``, ``numpy.bool``, ``numpy.float32``."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
 
 
 def _scalar_spec(x):
@@ -241,8 +247,8 @@ class Fused:
                     raise ValueError(f"cufuse.{name}: arguments on different GPUs: argument {arrays[0][0] + 1} "
                                      f"on GPU {device}, argument {i + 1} on GPU {A.device_of(x, kind)}")
         if kind in (A.TORCH_CPU, A.TORCH_CUDA):
-            # torch's rules: a NumPy scalar is a number, as a Python one
-            spec = [("scalar", _I64 if s[1].kind in "iu" else _F64, True, True)
+            # torch's rules: a NumPy scalar is a number, as a Python one (but NumPy's operators compute with it)
+            spec = [("scalar", _I64 if s[1].kind in "iu" else _F64, True, False)
                     if s[0] == "scalar" and not s[2] and s[1].kind in "iuf" else s for s in spec]
         return kind, tuple(spec), arrays, device
 
@@ -978,7 +984,7 @@ class ForeachPlan:
             for p, v, spec in zip(self._scalar_pos, scalars, self._specs):
                 if _scalar_spec(v) != spec:
                     raise TypeError(f"cufuse.{name} foreach plan: argument {p + 1} was planned as "
-                                    f"{type(self._args[p]).__name__} ({spec[1]}), got {type(v).__name__}; "
+                                    f"{_type_name(self._args[p])} ({spec[1]}), got {_type_name(v)}; "
                                     "make a new plan for another scalar type")
                 args[p] = v
         if self._gpu is None:  # no items, or NumPy arrays: a foreach call

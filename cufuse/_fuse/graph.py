@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import operator
 import threading
-import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -200,7 +199,7 @@ class Traced:
     def __xor__(self, o): return _py_binary("xor", self, o)
     def __rxor__(self, o): return _py_binary("xor", o, self)
     def __neg__(self): return _py_unary("neg", self)
-    def __pos__(self): return self
+    def __pos__(self): return _py_unary("pos", self)
     def __invert__(self): return _py_unary("invert", self)
     def __abs__(self): return _py_unary("abs", self)
     __hash__ = None  # type: ignore[assignment]  # == builds a graph node: not hashable
@@ -249,8 +248,9 @@ def _numpy_result(g, r):
     Python scalars gives a NumPy scalar, which is strongly typed
     (``int8_array + numpy.maximum(s, 0)`` is int64); torch takes NumPy
     scalars as it takes Python ones (weak)."""
-    if isinstance(r, Traced) and r.weak and r.graph.torch_float is None:
-        return Traced(r.graph, r.node, r.dtype, weak=False, ndim=r.ndim, reduced=r.reduced)
+    if isinstance(r, Traced) and (r.weak and r.graph.torch_float is None or r.host is not None):
+        return Traced(r.graph, r.node, r.dtype, weak=r.weak and r.graph.torch_float is not None, ndim=r.ndim,
+                      reduced=r.reduced)
     return r
 
 
@@ -277,14 +277,19 @@ def _graph_of(*vals):
     return tracing()
 
 
+_OTHER_TRACE = "cufuse.fuse: a traced value from another fused function's trace was used"
+
+
 def lift(g, v):
     """A Traced for ``v``: itself, or a new scalar parameter for a Python/NumPy scalar."""
     if isinstance(v, Traced):
         if v.graph is not g:
-            raise TraceError("cufuse.fuse: a traced value from another fused function's trace was used")
+            raise TraceError(_OTHER_TRACE)
         if v.reduced:
             raise TraceError("cufuse.fuse: a value computed after the reduction: the reduction "
                              "(sum/mean/max/min over the last axis) must be the last step of a fused function")
+        if v.host is not None:  # a Python number entering a traced operation: a parameter of the kernel from here
+            return Traced(g, v.node, v.dtype, weak=v.weak, ndim=v.ndim)
         return v
     if isinstance(v, (bool, np.bool_)):
         return param(g, ("const", bool(v)), _BOOL, weak=False)
@@ -408,15 +413,18 @@ class HostExpr:
     operators: ``fn(args)``; ``kind`` (bool, int or float) is its type as
     traced, ``text`` says what it is in errors."""
 
-    __slots__ = ("fn", "kind", "text")
+    __slots__ = ("fn", "kind", "text", "sample")
 
-    def __init__(self, fn, kind, text):
+    def __init__(self, fn, kind, text, sample=None):
         self.fn, self.kind, self.text = fn, kind, text
+        # a value of its kind, to find an operator's result type while tracing: a literal's own
+        # (n ** -1 is a float at every call), else one of the kind (int ** int is an int)
+        self.sample = _SAMPLE[kind] if sample is None else sample
 
     def shifted(self, k):
         """The same value from argument lists with ``k`` more arguments in front."""
         fn = self.fn
-        return HostExpr(lambda args: fn(args[k:]), self.kind, self.text)
+        return HostExpr(lambda args: fn(args[k:]), self.kind, self.text, self.sample)
 
 
 _HOST_DTYPE = {bool: _BOOL, int: _I64, float: _F64}
@@ -424,9 +432,10 @@ _PY_OPS = {"add": operator.add, "sub": operator.sub, "mul": operator.mul, "trued
            "floordiv": operator.floordiv, "mod": operator.mod, "pow": operator.pow, "lt": operator.lt,
            "le": operator.le, "gt": operator.gt, "ge": operator.ge, "eq": operator.eq, "ne": operator.ne,
            "and": operator.and_, "or": operator.or_, "xor": operator.xor, "neg": operator.neg,
-           "invert": operator.invert, "abs": operator.abs}
+           "invert": operator.invert, "abs": operator.abs, "pos": operator.pos}
 # a value of each Python type, to find an operator's result type while tracing
 _SAMPLE = {bool: True, int: 3, float: 1.5}
+_UNARY_SIGN = {"neg": "-", "invert": "~", "pos": "+"}
 
 
 def host_value(g, v):
@@ -435,7 +444,7 @@ def host_value(g, v):
     if isinstance(v, Traced):
         return v.host
     if isinstance(v, (bool, int, float)) and not isinstance(v, A.NP_SCALARS):
-        return HostExpr(lambda args, v=v: v, type(v), repr(v))
+        return HostExpr(lambda args, v=v: v, type(v), repr(v), v)
     return None
 
 
@@ -452,21 +461,23 @@ def _py_binary(op, a, b):
     ha, hb = host_value(g, a), host_value(g, b)
     if ha is None or hb is None:
         return binary(op, a, b)
+    for v in (a, b):
+        if isinstance(v, Traced) and v.graph is not g:
+            raise TraceError(_OTHER_TRACE)
     f, fa, fb = _PY_OPS[op], ha.fn, hb.fn
-    kind = type(f(_SAMPLE[ha.kind], _SAMPLE[hb.kind]))  # Python's TypeError for ones it does not take
+    kind = type(f(ha.sample, hb.sample))  # Python's TypeError for ones it does not take
     text = f"({ha.text} {_SYMBOL[op] if op in _SYMBOL else op} {hb.text})"
     return host_traced(g, HostExpr(lambda args: f(fa(args), fb(args)), kind, text))
 
 
 def _py_unary(op, a):
-    """``<op> a`` from a Python operator (-, ~, abs()): as _py_binary."""
+    """``<op> a`` from a Python operator (+, -, ~, abs()): as _py_binary."""
     if a.host is None:
-        return unary(op, a)
+        return a if op == "pos" else unary(op, a)
     f, fa = _PY_OPS[op], a.host.fn
-    with warnings.catch_warnings():  # ~True: Python 3.12 warns (at each call too, as eagerly)
-        warnings.simplefilter("ignore", DeprecationWarning)
-        kind = type(f(_SAMPLE[a.host.kind]))
-    text = f"abs({a.host.text})" if op == "abs" else f"{'-' if op == 'neg' else '~'}{a.host.text}"
+    # (~ of a bool is an int, Python 3.12 warning about it: not evaluated here, it warns at each call as eagerly)
+    kind = int if op == "invert" and a.host.kind is bool else type(f(a.host.sample))
+    text = f"abs({a.host.text})" if op == "abs" else f"{_UNARY_SIGN[op]}{a.host.text}"
     return host_traced(a.graph, HostExpr(lambda args: f(fa(args)), kind, text))
 
 
@@ -628,11 +639,13 @@ def trace(fn, spec, torch_float=None):
             g.inputs.append((pos, s[1], s[2]))
             args.append(input_value(g, len(g.inputs) - 1, s[1], s[2]))
         else:
-            t = param(g, ("arg", pos), s[1], weak=s[2])
-            if s[3]:  # a Python number (torch: a NumPy number too, read as one): Python's operators compute with it
+            if s[3]:  # a Python number: Python's operators compute with it; a kernel parameter where it meets
+                # an array (an int used only by Python, n in a * (n * 1e-30), need not fit int64)
                 kind = float if is_float(s[1]) else bool if s[1] == _BOOL else int
-                t.host = HostExpr(lambda a, pos=pos, kind=kind: kind(a[pos]), kind, f"argument {pos + 1}")
-            args.append(t)
+                args.append(host_traced(g, HostExpr(lambda a, pos=pos, kind=kind: kind(a[pos]), kind,
+                                                    f"argument {pos + 1}")))
+            else:
+                args.append(param(g, ("arg", pos), s[1], weak=s[2]))
     g.ndim = max((s[2] for s in spec if s[0] == "array"), default=0)
     stack = _stack()
     stack.append(g)
