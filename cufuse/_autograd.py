@@ -299,7 +299,8 @@ def _row_fns():
         var=Fused(lambda x, mu: ((x - mu) * (x - mu)).mean(axis=-1, keepdims=True), name="row_var"),
         ms=Fused(lambda x: (x * x).mean(axis=-1, keepdims=True), name="row_mean_square"),
         xhat=Fused(lambda x, mu, rstd: (x - mu) * rstd, name="row_xhat"),
-        gmask=Fused(lambda g, w, xh, b, relu: F.where((relu == 0) | (xh * w + b > 0), g, 0.0), name="row_gmask"),
+        # relu passes the gradient unless its output is <= 0 (a NaN output passes it, as torch's)
+        gmask=Fused(lambda g, w, xh, b, relu: F.where((relu == 0) | ~(xh * w + b <= 0), g, 0.0), name="row_gmask"),
         stats=Fused(lambda gxh, xh: ((gxh).mean(axis=-1, keepdims=True), (gxh * xh).mean(axis=-1, keepdims=True)),
                     name="row_grad_stats"),
         dx=Fused(lambda gxh, xh, s1, s2, rstd, center: rstd * (gxh - center * s1 - xh * s2), name="row_dx"),

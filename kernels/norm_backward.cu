@@ -9,7 +9,8 @@
 // forward computes them (two passes, never E[x^2] - E[x]^2):
 //   mean = sum(x) / n (layer_norm; 0 for rms_norm),
 //   rstd = 1 / sqrt(sum((x - mean)^2) / n + eps)  (rms_norm: sum(x^2) / n),
-//   xhat = (x - mean) rstd, gm = g (layer_norm_relu: g where xhat w + b > 0),
+//   xhat = (x - mean) rstd, gm = g (layer_norm_relu: g unless xhat w + b <= 0, as
+//        torch's relu backward: a NaN output passes its gradient),
 //   gw = gm w, s1 = sum(gw) / n, s2 = sum(gw xhat) / n,
 //   dx = rstd (gw - s1 - xhat s2) + gadd    (rms_norm: without s1; gadd, when
 //        given, is the gradient of the residual sum h that add_rms_norm /
@@ -261,7 +262,7 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
 #pragma unroll
                     for (int v = 0; v < V; ++v) {
                         const C xh = (t[v] - mean) * rstd;
-                        const C gw = xh * wv[v] + bv[v] > C(0) ? gg[v] * wv[v] : C(0);
+                        const C gw = !(xh * wv[v] + bv[v] <= C(0)) ? gg[v] * wv[v] : C(0);  // (NaN passes)
                         acc[0] += gw;
                         acc[1] += gw * xh;
                     }
@@ -319,7 +320,7 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
                     for (int u = 0; u < QV; ++u) {
                         const int v = q * QV + u;
                         const C xh = (t[v] - mean) * rstd;
-                        const C gm = (!Relu || xh * wv[v] + bv[v] > C(0)) ? gg[v] : C(0);
+                        const C gm = (!Relu || !(xh * wv[v] + bv[v] <= C(0))) ? gg[v] : C(0);
                         o.v[v] = from_compute<T>(rstd * (gm * wv[v] - s1 - xh * s2) + ga[v]);
                         sw.v[u] += gm * xh;
                         sb.v[u] += gm;

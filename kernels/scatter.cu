@@ -26,7 +26,7 @@ template <int A, typename C> __device__ __forceinline__ C activation(C x) {
 // d act / dx at x
 template <int A, typename C> __device__ __forceinline__ C activation_grad(C x) {
     if constexpr (A == kActRelu) {
-        return x > C(0) ? C(1) : C(0);
+        return x <= C(0) ? C(0) : C(1);  // a NaN passes the gradient, as torch's relu backward
     } else if constexpr (A == kActSilu) {
         const C s = math::sigmoid(x);
         return s * (C(1) + x * (C(1) - s));

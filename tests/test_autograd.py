@@ -82,6 +82,28 @@ def test_add_relu_gradient_at_nan(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [64, 30], ids=["one_pass", "generated"])
+def test_layer_norm_relu_gradient_at_nan(device, n):
+    """A row whose output is NaN passes its gradient through the relu, as torch.relu's
+    threshold_backward does: the bias gradient adds it (it dropped it). Rows of 64 float32
+    elements take the one-pass kernel on the GPU, 30 the generated kernels."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(5, n, generator=g, dtype=torch.float64).float()
+    x[2, 3] = float("nan")                                   # row 2: all NaN out
+    w, b = (torch.randn(n, generator=g, dtype=torch.float64).float() for _ in range(2))
+    dy = torch.randn(5, n, generator=g, dtype=torch.float64).float()
+    xs, ws, bs = (t.clone().to(device).requires_grad_(True) for t in (x, w, b))
+    cufuse.layer_norm_relu(xs, n, ws, bs).backward(dy.to(device))
+    xr, wr, br = (t.double().requires_grad_(True) for t in (x, w, b))
+    torch.relu(TF.layer_norm(xr, (n,), wr, br)).backward(dy.double())
+    assert torch.isfinite(br.grad).all()
+    torch.testing.assert_close(bs.grad.double().cpu(), br.grad, rtol=1e-5, atol=1e-5)
+    rows = [0, 1, 3, 4]                                      # the finite rows' dx
+    torch.testing.assert_close(xs.grad.double().cpu()[rows], xr.grad[rows], rtol=1e-4, atol=1e-4)
+    assert torch.isnan(xs.grad[2]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16] + BF16, ids=str)
 @pytest.mark.parametrize("name", list(CASES))
 def test_gradients_match_torch(name, dtype, device):

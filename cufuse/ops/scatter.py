@@ -35,7 +35,7 @@ _ACT = {"relu": Fused(lambda v: F.relu(v), name="scatter_relu"),
         "gelu": Fused(lambda v: F.gelu(v), name="scatter_gelu"),
         "gelu_tanh": Fused(lambda v: F.gelu(v, approximate="tanh"), name="scatter_gelu_tanh")}
 _ACT_GRAD = {
-    "relu": Fused(lambda v, g: F.where(v > 0, g, 0.0), name="scatter_relu_grad"),
+    "relu": Fused(lambda v, g: F.where(v <= 0, 0.0, g), name="scatter_relu_grad"),  # (NaN passes, as torch's)
     "silu": Fused(lambda v, g: g * F.sigmoid(v) * (1 + v * (1 - F.sigmoid(v))), name="scatter_silu_grad"),
     "gelu": Fused(lambda v, g: g * (0.5 * (1 + F.erf(v * _R2)) + v * _RPI2 * F.exp(-0.5 * v * v)),
                   name="scatter_gelu_grad"),
