@@ -247,8 +247,8 @@ def array_kind(name, x, what):
     try:
         kind = kind_of(x)
         why = ""
-    except TypeError as e:
-        kind, why = None, str(e) if "MaskedArray" in str(e) else ""
+    except TypeError as e:  # the reasons of arrays cufuse refuses (masked, matrix, negative bit) say what to do
+        kind, why = None, str(e) if str(e).startswith(("got a numpy.ma", "got a numpy.matrix", "got a torch")) else ""
     if kind is None:
         raise TypeError(f"cufuse.{name}: {what} must be an array (numpy.ndarray, cupy.ndarray or "
                         f"torch.Tensor), {why or f'got {type(x).__module__}.{type(x).__name__}'}")

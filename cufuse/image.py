@@ -398,12 +398,15 @@ def _boxes(items, oh, ow, letterbox):
 
 
 def _per_channel(what, v, n):
+    vals = v if isinstance(v, (list, tuple)) else [v]
+    if any(x is None or isinstance(x, (str, bytes)) for x in vals):
+        raise TypeError(_err(f"{what} must be a number or {n} numbers (one per output channel), got {v!r}"))
     a = np.asarray(v, dtype=np.float64)
     if a.ndim == 0:
         a = np.full(n, float(a))
     if a.shape != (n,):
-        raise ValueError(_err(f"{what} must be one value or {n} (one per output channel), got {len(a)} "
-                              f"({list(a)})"))
+        raise ValueError(_err(f"{what} must be one value or {n} (one per output channel), got shape "
+                              f"{a.shape} ({a.tolist()})"))
     return a
 
 
@@ -559,8 +562,9 @@ def _color_spec(colors, c, yuv):
         return ((0, 1, 2), _GRAY_RGB) if spec == "gray" else (spec, None)
     if colors is None:
         if c > 4:
-            raise ValueError(_err(f"the source images have {c} channels; at most 4 are written: pass color= "
-                                  "(a tuple of the channels to keep)"))
+            raise ValueError(_err(f"the source images have {c} channels (the last axis of HWC, the default "
+                                  "layout); at most 4 are written: pass layout='CHW' (or 'NCHW') for channels "
+                                  "first, or color= (a tuple of the channels to keep)"))
         return tuple(range(c)), None
     if isinstance(colors, str):
         if colors not in COLORS:
@@ -631,6 +635,8 @@ def _plan(p: Pipeline, images, rects, sources, hflip, vflip, out) -> _Plan:
     flags = _flags("hflip", hflip, n).astype(np.int64) | (_flags("vflip", vflip, n).astype(np.int64) << 1)
     items = np.column_stack([its, boxes, flags, np.zeros((n, _ITEM - 10), np.int64)]).astype(np.int64)
     mean = _per_channel("mean", p.mean, cout)
+    if not np.all(np.isfinite(mean)):
+        raise ValueError(_err(f"mean must be finite, got {list(mean)}"))
     std = _per_channel("std", p.std, cout)
     if np.any(std == 0) or not np.all(np.isfinite(std)):
         raise ValueError(_err(f"std must be finite and nonzero, got {list(std)}"))
@@ -747,11 +753,14 @@ def _np_run(plan: _Plan) -> np.ndarray:
             crop = crop[:, :, list(plan.reads)]
         else:
             crop = view[cy:cy + ch, cx:cx + cw][:, :, list(plan.reads)].astype(np.float64)
-        a, b = crop[y0][:, x0], crop[y0][:, x1]
-        c, d = crop[y1][:, x0], crop[y1][:, x1]
-        txb, tyb = tx[None, :, None], ty[:, None, None]
-        top, bottom = a + txb * (b - a), c + txb * (d - c)
-        r = top + tyb * (bottom - top)  # (bh, bw, reads)
+        if plan.interp == INTERPOLATIONS["bilinear"]:
+            a, b = crop[y0][:, x0], crop[y0][:, x1]
+            c, d = crop[y1][:, x0], crop[y1][:, x1]
+            txb, tyb = tx[None, :, None], ty[:, None, None]
+            top, bottom = a + txb * (b - a), c + txb * (d - c)
+            r = top + tyb * (bottom - top)  # (bh, bw, reads)
+        else:  # one source pixel, as the kernel takes it (an inf stays inf: no inf - inf)
+            r = crop[y0][:, x0]
         if plan.gray is not None:
             r = (r * np.asarray(plan.gray)).sum(axis=-1, keepdims=True)
         full = np.empty((plan.oh, plan.ow, plan.cout))

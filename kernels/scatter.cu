@@ -73,7 +73,11 @@ scatter_add_backward(T* __restrict__ dv, const T* __restrict__ values, const T* 
         T* out = dv + r * cols;
         for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
             const C gv = to_compute<C>(g[c]);
-            out[c] = from_compute<T>(A == kActNone ? gv : activation_grad<A>(to_compute<C>(src[c])) * gv);
+            const C x = to_compute<C>(src[c]);
+            // relu selects (an inf or NaN gradient where x <= 0 gives 0, as torch's, not 0 * inf)
+            out[c] = from_compute<T>(A == kActNone ? gv
+                                     : A == kActRelu ? (x <= C(0) ? C(0) : gv)
+                                                     : activation_grad<A>(x) * gv);
         }
     }
 }

@@ -443,3 +443,16 @@ def test_masked_arrays_rejected():
     for call in calls:
         with pytest.raises(TypeError, match="MaskedArray; its mask would be ignored"):
             call()
+
+
+def test_refused_inputs_say_why():
+    """Each names the op and what to pass instead: a negative-bit torch view (its memory holds the
+    values negated), a list as cross_entropy's target (it raised kind_of's bare message), a uint64
+    index beyond int64 (its range was reported wrapped negative)."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match=r"cufuse\.quantize_int8: .*negative bit set.*resolve_neg"):
+        cufuse.quantize_int8(torch._neg_view(torch.ones(2)), 0.5)
+    with pytest.raises(TypeError, match=r"cufuse\.cross_entropy: target must be the logits' array kind.*builtins\.list"):
+        cufuse.cross_entropy(torch.randn(2, 3), [0, 1])
+    with pytest.raises(ValueError, match=r"cufuse\.scatter_add: index holds values up to 9223372036854775808"):
+        cufuse.scatter_add(np.ones(2), np.array([2 ** 63, 0], np.uint64), 2)

@@ -771,6 +771,13 @@ def test_matches_opencv_nv12(backend, matrix, full_range):
     (lambda x: I.process(x, [(0, 0, 2)], size=3), ValueError, r"shape \(N, 4\)"),
     (lambda x: I.process(x, size=3, mean=(1, 2)), ValueError, "mean must be one value or 3"),
     (lambda x: I.process(x, size=3, std=(1, 0, 1)), ValueError, "std must be finite and nonzero"),
+    # None (NaN as a float64) was taken: NaN results, 0 after a uint8 cast
+    (lambda x: I.process(x, size=3, mean=None), TypeError, "mean must be a number or 3 numbers"),
+    (lambda x: I.process(x, size=3, mean=(None, 1, 2)), TypeError, "mean must be a number"),
+    (lambda x: I.process(x, size=3, mean=(0, float("nan"), 0)), ValueError, "mean must be finite"),
+    (lambda x: I.process(x, size=3, letterbox=True, fill=None), TypeError, "fill must be a number"),
+    (lambda x: I.process(x, size=3, mean=[[1, 2, 3]]), ValueError, r"got shape \(1, 3\)"),
+    (lambda x: I.process(np.zeros((3, 8, 8), np.uint8), size=4), ValueError, "pass layout='CHW'"),
     (lambda x: I.process(x, size=3, dtype=np.int32), TypeError, "output dtype must be one of uint8"),
     (lambda x: I.process(x, size=3, layout="WHC"), ValueError, "layout must be one of"),
     (lambda x: I.process(x, size=3, layout="NHWC"), ValueError, "needs a 4-D array"),
@@ -795,6 +802,20 @@ def test_errors(call, exc, match):
     x = np.zeros((5, 8, 3), np.uint8)
     with pytest.raises(exc, match=match):
         call(x)
+
+
+def test_infinities_without_interpolation(backend):
+    """A float source's inf and -inf pixels stay inf through the nearest resizes and no resize at
+    all, and a uint8 cast saturates them to 255 and 0, on the GPU and the CPU alike (the CPU path
+    took a + 0 (b - a): NaN, then 0)."""
+    x = np.array([[[1.0], [np.inf], [-np.inf], [2.0]]], np.float32)  # 1x4, one channel
+    for kw, want in (({}, [1, np.inf, -np.inf, 2]),
+                     ({"size": (1, 8), "interpolation": "nearest"}, [1, 1, np.inf, np.inf, -np.inf, -np.inf, 2, 2]),
+                     ({"size": (1, 2), "interpolation": "nearest_exact"}, [np.inf, 2])):
+        got = run(backend, x, None, **kw).ravel()
+        np.testing.assert_array_equal(got, np.array(want, np.float32), err_msg=str(kw))
+        got8 = run(backend, x, None, dtype=np.uint8, **kw).ravel()
+        np.testing.assert_array_equal(got8, np.clip(np.array(want), 0, 255).astype(np.uint8), err_msg=str(kw))
 
 
 def test_error_kinds_and_dtypes(backend):

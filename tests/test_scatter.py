@@ -175,11 +175,12 @@ def test_gradients(device, act):
 @pytest.mark.parametrize("device", DEVICES)
 def test_relu_gradient_at_nan(device):
     """A NaN message passes its gradient through the relu, as torch.relu's
-    threshold_backward does (g unless the output is <= 0); it was dropped."""
+    threshold_backward does (g unless the output is <= 0); it was dropped. An inf or NaN
+    gradient where the message is <= 0 gives 0 (not 0 * inf)."""
     index = torch.tensor([0, 1, 1, 2], device=device)
     v = torch.tensor([[float("nan"), 1.0], [-1.0, 0.0], [2.0, float("nan")], [0.5, -0.5]], device=device)
     a, b = v.clone().requires_grad_(True), v.clone().requires_grad_(True)
-    gout = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]], device=device)
+    gout = torch.tensor([[1.0, 2.0], [float("inf"), 4.0], [5.0, float("nan")]], device=device)  # 0, not 0 * inf
     (da,) = torch.autograd.grad(cufuse.scatter_add(a, index, 3, activation="relu"), a, gout)
     (db,) = torch.autograd.grad(torch.zeros(3, 2, device=device).index_add(0, index, torch.relu(b)), b, gout)
     torch.testing.assert_close(da, db, rtol=0, atol=0)

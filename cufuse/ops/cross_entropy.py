@@ -69,7 +69,10 @@ def _target_args(name, data, what, kind, dev, need, target, ignore_index, label_
     """(target as int64, ignore, eps, z) of a loss over ``data`` (called
     ``what``), whose target must have the shape ``need``; or TypeError / ValueError."""
     owner = what + ("'" if what.endswith("s") else "'s")
-    tk = A.kind_of(target) if not isinstance(target, (int, float)) else None
+    try:
+        tk = A.kind_of(target) if not isinstance(target, (int, float)) else None
+    except TypeError:  # (a list, a bool: no array kind)
+        tk = None
     if tk != kind:
         raise TypeError(f"cufuse.{name}: target must be the {owner} array kind ({A.describe(data, kind)}), "
                         f"got {type(target).__module__}.{type(target).__name__}")

@@ -202,8 +202,9 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
         raise TypeError(f"cufuse.{name}: {what} is {A.describe(arr, vk)}; pass a NumPy array or the same "
                         f"array kind as the data ({kind})")
     dt = A.dtype_of(arr, vk)
-    if vk in (A.TORCH_CPU, A.TORCH_CUDA):
-        A.check_grad(arr, name)
+    if vk in (A.TORCH_CPU, A.TORCH_CUDA) and arr.requires_grad and A.torch().is_grad_enabled():
+        raise NotImplementedError(f"cufuse.{name}: {what} requires grad; the quantization parameters get no "
+                                  f"gradient (pass {what}.detach(), or use torch's fake quantization)")
     if dt not in _FLOATS:
         raise TypeError(f"cufuse.{name}: {what} has dtype {dt}; accepted dtypes are {A.FLOAT_NAMES}")
     if tuple(arr.shape) != (nch,):

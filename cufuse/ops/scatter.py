@@ -72,6 +72,12 @@ def _check(name, values, index, dim_size, activation):
         raise ValueError(f"cufuse.{name}: dim_size must be an int >= 0, got {dim_size!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    # (a uint64 index beyond int64 would wrap negative in the int64 copy; others (torch's uint64 has no max):
+    # that copy's range check)
+    if idt == np.uint64 and ik == A.NUMPY and A.count(tuple(index.shape)) and \
+            int(index.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"cufuse.{name}: index holds values up to {int(index.max())}; they must lie in "
+                         f"[0, dim_size) = [0, {dim_size})")
     with D.on_device(kind, dev):
         idx = D.astype(index, np.dtype(np.int64), kind) if idt != np.int64 else index
         idx = D.contiguous(idx, kind)  # (the kernels read it as one int64 per row)
