@@ -432,6 +432,10 @@ PROMOTION_GROUPS = {
         P("~i16", lambda F, x: ~x, [I16], I16),
         P("~u8", lambda F, x: ~x, [U8], U8),
         P("i64&3", lambda F, x: x & 3, [I64], I64),
+        # NumPy computes //, % and ** of booleans as int8 (cufuse raised "as in NumPy"); torch has none
+        P("bool//bool", lambda F, a, b: a // b, [BOOL, BOOL], I8, torch=RAISES),
+        P("bool%bool", lambda F, a, b: a % b, [BOOL, BOOL], I8, torch=RAISES),
+        P("bool**bool", lambda F, a, b: a ** b, [BOOL, BOOL], I8, torch=RAISES),
     ],
     # where with a bool condition
     "where_minimum_maximum": [

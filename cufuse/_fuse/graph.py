@@ -499,9 +499,11 @@ def binary(op, a, b):
         return _result(g, op, [cast(a, dt, numpy_rules), cast(b, dt, numpy_rules)], _BOOL)
     if op == "truediv" and not is_float(dt):
         dt = _F64 if numpy_rules or all_weak else g.default_float()
+    if dt == _BOOL and op in ("floordiv", "mod", "pow") and numpy_rules:
+        dt = np.dtype(np.int8)  # NumPy computes these on booleans as int8 (np.array([True]) // True is int8)
     if dt == _BOOL and op in ("sub", "truediv", "floordiv", "mod", "pow"):
-        raise TraceError(f"cufuse.fuse: `{_SYMBOL.get(op, op)}` on booleans is not supported (as in NumPy); "
-                         "use astype first")
+        raise TraceError(f"cufuse.fuse: `{_SYMBOL.get(op, op)}` on booleans is not supported (as in "
+                         f"{'NumPy' if numpy_rules else 'torch'}); use astype first")
     args = [cast(a, dt, numpy_rules), cast(b, dt, numpy_rules)]
     if op == "pow" and dt.kind in "iu" and _param_index(b) is not None:
         g.checks.append((_param_index(b), None, None))  # NumPy: integers to negative integer powers raise
