@@ -329,6 +329,10 @@ def norm_backward(kind, g, x, n, w, b, eps, gadd=None):
     or rms_norm ("rms") over the last ``n`` elements of each row; ``gadd``
     (x's shape, or None) is added to dx (the residual-add norms: x is the
     sum they return too, gadd its gradient)."""
+    if x.numel() == 0:  # no element (rows of none, or none of them): zero gradients of the inputs' shapes
+        import torch
+        dx = torch.zeros_like(x) if gadd is None else gadd.clone()
+        return dx, None if w is None else torch.zeros_like(w), None if b is None else torch.zeros_like(b)
     if x.is_cuda:  # one pass (kernels/norm_backward.cu) where the rows fit it
         res = _norm_ops().backward_rows(kind, g, x, n, w, b, eps, gadd)
         if res is not None:

@@ -514,8 +514,21 @@ def test_compiled_checks_mask_and_scale():
     with pytest.raises(Exception, match="does not broadcast"):
         torch.compile(lambda a: cufuse.attention_score(a, a, mask=torch.ones(32, 33, dtype=torch.bool)),
                       fullgraph=True)(q)
-    with pytest.raises(Exception, match="scale must be a finite"):
+    with pytest.raises(Exception, match="scale must be finite"):
         torch.compile(lambda a: cufuse.attention(a, a, a, scale=float("inf")), fullgraph=True)(q)
+    # a NumPy number and a NumPy bool are taken as in eager mode (they were refused)
+    for kw in ({"scale": np.float32(0.5)}, {"causal": np.bool_(True)}):
+        torch._dynamo.reset()
+        f = lambda a: cufuse.attention(a, a, a, **kw)  # noqa: E731
+        torch.testing.assert_close(torch.compile(f)(q), f(q), rtol=1e-5, atol=1e-5)
+    # a float mask that requires grad: eager refuses it (it gets no gradient); compiled, it was detached
+    bias = torch.randn(33, 33, requires_grad=True)
+    qg = q.clone().requires_grad_(True)
+    with pytest.raises(Exception, match="the mask gets no gradient"):
+        cufuse.attention_score(qg, qg, mask=bias)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="the mask gets no gradient"):
+        torch.compile(lambda a, m: cufuse.attention_score(a, a, mask=m), backend="aot_eager")(qg, bias)
     # a mask of q's batch against a dynamic batch (its size compared with a symbolic one by `in (1, w)`
     # read as a mismatch)
     q2 = torch.randn(2, 4, 33, 16)

@@ -82,6 +82,25 @@ def test_add_relu_gradient_at_nan(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape,ns", [((2, 0), 0), ((2, 3, 0), (3, 0)), ((0, 5), 5)], ids=str)
+def test_norm_gradients_of_zero_size(device, shape, ns):
+    """Normalized dims or rows of no element: zero gradients of the inputs' shapes, as torch's (the
+    backward reshaped zero elements to (-1, 0) and raised)."""
+    wshape = ns if isinstance(ns, tuple) else (ns,)
+    x, r = (torch.randn(*shape, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(wshape, dtype=torch.float64, device=device, requires_grad=True) for _ in range(2))
+    cufuse.layer_norm(x, ns, w, b).sum().backward()
+    y, h = cufuse.add_rms_norm(x, r, ns, w)
+    (y.sum() + h.sum()).backward()
+    xr = x.detach().clone().requires_grad_(True)
+    wr, br = (t.detach().clone().requires_grad_(True) for t in (w, b))
+    TF.layer_norm(xr, wshape, wr, br).sum().backward()
+    for got, want in ((x.grad, 2 * xr.grad), (w.grad, 2 * wr.grad), (b.grad, br.grad), (r.grad, xr.grad)):
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n", [64, 30], ids=["one_pass", "generated"])
 def test_layer_norm_relu_gradient_at_nan(device, n):
     """A row whose output is NaN passes its gradient through the relu, as torch.relu's

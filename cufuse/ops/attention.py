@@ -665,6 +665,8 @@ def _score_compiled(q, k, scale, mask):
         if mask.dtype != torch.bool:
             if not mask.dtype.is_floating_point:
                 raise TypeError(f"{name}: mask must be boolean or float, got {mask.dtype}")
+            if mask.requires_grad and torch.is_grad_enabled():  # as eager: it would get no gradient, silently
+                raise NotImplementedError(f"{name}: the mask gets no gradient (pass it detached)")
             mask = mask.detach().to(q.dtype)
         if three:
             mask = mask.reshape((1,) * (3 - mask.dim()) + tuple(mask.shape)).unsqueeze(1)
@@ -726,8 +728,9 @@ def _compiled(q, k, v, causal, scale, return_lse):
             or d == 0):
         raise ValueError(f"{name}: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not agree "
                          "(k and v of one shape, q's batch and head dim, heads a multiple of k's)")
-    if not isinstance(causal, bool):
+    if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{name}: causal must be a bool")
+    causal = bool(causal)
     scale = _compiled_scale(name, scale, d)
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d not in HEAD_DIMS:
         raise ValueError(f"{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
@@ -739,12 +742,8 @@ def _compiled(q, k, v, causal, scale, return_lse):
 
 
 def _compiled_scale(name, scale, d):
-    """The scale under torch.compile: a finite number (1/sqrt(d) by default), as eager mode checks."""
-    if scale is None:
-        return 1.0 / math.sqrt(d) if d else 1.0
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-        raise ValueError(f"{name}: scale must be a finite float or None, got {scale!r}")
-    return float(scale)
+    """The scale under torch.compile: _scale_arg's (a NumPy number too), as eager mode checks."""
+    return _scale_arg(name.removeprefix("cufuse."), scale, d)
 
 
 def _kind_of(t):
