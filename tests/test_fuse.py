@@ -1289,6 +1289,19 @@ def test_trace_errors(backend, name):
     assert isinstance(ei.value, TypeError)
 
 
+def test_torch_functions_and_methods_say_what_to_use(torch_backend):
+    """torch functions and tensor methods on traced values raise a TraceError (torch's own TypeError
+    about a 'Traced' argument before) or an AttributeError naming cufuse's functions."""
+    torch = torch_backend.torch
+    x = torch_backend.asarray(rand((3, 5), F32, 262))
+    for fn in (lambda a: torch.exp(a), lambda a: torch.where(a > 0, a, 0.0), lambda a: torch.clamp(a, 0, 1)):
+        with pytest.raises(cufuse.TraceError, match=r"torch\.\w+ is not traceable.*cufuse\.exp"):
+            cufuse.fuse(fn)(x)
+    for fn, name in ((lambda a: a.exp(), "exp"), (lambda a: a.to(torch.float64), "to")):
+        with pytest.raises(AttributeError, match=f"a traced value has no \\.{name}"):
+            cufuse.fuse(fn)(x)
+
+
 def test_trace_error_is_type_error():
     assert issubclass(cufuse.TraceError, TypeError)
 

@@ -238,6 +238,28 @@ class Traced:
                              f"supported NumPy functions: {', '.join(sorted(NUMPY_FUNCTIONS))} and the ufuncs")
         return _numpy_result(self.graph, fn(*args, **kwargs))
 
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """torch's functions and tensor methods (torch.exp(x), t + x of a captured tensor t) are not
+        traced: a clear error instead of torch's own about a Traced argument."""
+        def flat(v):
+            return [w for u in v for w in flat(u)] if isinstance(v, (list, tuple)) else [v]
+        if any(type(v).__module__.startswith("torch") for v in flat(list(args)) + list((kwargs or {}).values())):
+            raise TraceError("cufuse.fuse: a torch tensor captured from outside the fused function was used in "
+                             "it; pass it as an argument instead")
+        name = getattr(func, "__name__", repr(func))
+        raise TraceError(f"cufuse.fuse: torch.{name} is not traceable inside a fused function; use cufuse's "
+                         "functions (cufuse.exp, cufuse.where, cufuse.clip, ...), NumPy's ufuncs or Python's "
+                         "operators on the traced values (and .astype to cast)")
+
+    def __getattr__(self, name):
+        # (only names a Traced lacks: x.exp(), x.clamp(), x.to(); dunders stay plain for hasattr and copy)
+        if name.startswith("__"):
+            raise AttributeError(name)
+        raise AttributeError(f"cufuse.fuse: a traced value has no .{name} (tensor and array methods other than "
+                             ".astype/.sum/.mean/.max/.min are not traced); use cufuse's functions "
+                             f"(cufuse.{name}(x) where it exists) or NumPy's ufuncs")
+
     def __array__(self, *a, **k):
         raise TraceError("cufuse.fuse: a traced value was converted to a NumPy array (numpy.asarray or a "
                          "non-NumPy function); only cufuse's functions and NumPy ufuncs can be traced")
