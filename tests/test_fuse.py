@@ -1740,7 +1740,8 @@ def test_python_number_arithmetic_is_pythons(backend):
     cases = [(lambda a, n: a * n ** -1, (4,)), (lambda a, n: a * (n * 1e-30), (10 ** 30,)),
              (lambda a, n: a + n // 10 ** 20, (10 ** 25,)), (lambda a, s, u: a * (np.abs(s) + np.abs(u)), (True, True)),
              (lambda a, s, u: a * ((+s) & u), (True, True)), (lambda a, s, n: a * (s / n), (np.float32(1), 0)),
-             (lambda a, s, n: a * (s // n + 1), (np.int64(7), 0))]
+             (lambda a, s, n: a * (s // n + 1), (np.int64(7), 0)),
+             (lambda a, s: a * s ** 2000.0, (1.0,))]  # (a sample of s overflowing while tracing: no error)
     for k, (fn, scalars) in enumerate(cases):
         with np.errstate(divide="ignore"):
             ref = _eager(backend, fn, x, *scalars)

@@ -487,7 +487,10 @@ def _py_binary(op, a, b):
         if isinstance(v, Traced) and v.graph is not g:
             raise TraceError(_OTHER_TRACE)
     f, fa, fb = _PY_OPS[op], ha.fn, hb.fn
-    kind = type(f(ha.sample, hb.sample))  # Python's TypeError for ones it does not take
+    try:
+        kind = type(f(ha.sample, hb.sample))  # Python's TypeError for ones it does not take
+    except ArithmeticError:  # a sample's overflow (1.5 ** 2000.0) or a literal 0 divisor: Python's type rules
+        kind = float if float in (ha.kind, hb.kind) or op == "truediv" else int
     text = f"({ha.text} {_SYMBOL[op] if op in _SYMBOL else op} {hb.text})"
     return host_traced(g, HostExpr(lambda args: f(fa(args), fb(args)), kind, text))
 
