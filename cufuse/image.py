@@ -397,11 +397,27 @@ def _boxes(items, oh, ow, letterbox):
     return np.column_stack([(ow - bw) // 2, (oh - bh) // 2, bw, bh]).astype(np.int64)
 
 
-def _per_channel(what, v, n):
+def _values(what, v):
+    """A per-channel argument as the pipeline keeps it: a float, or a tuple of floats (a copy: a NumPy
+    array changed in place later changes no pipeline, whose calls may have cached the values)."""
     vals = v if isinstance(v, (list, tuple)) else [v]
     if any(x is None or isinstance(x, (str, bytes)) for x in vals):
-        raise TypeError(_err(f"{what} must be a number or {n} numbers (one per output channel), got {v!r}"))
-    a = np.asarray(v, dtype=np.float64)
+        raise TypeError(_err(f"{what} must be a number or one number per output channel, got {v!r}"))
+    try:
+        a = np.array(v, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise TypeError(_err(f"{what} must be a number or one number per output channel, got "
+                             f"{type(v).__module__}.{type(v).__name__}")) from None
+    if a.ndim == 0:
+        return float(a)
+    if a.ndim > 1:
+        raise ValueError(_err(f"{what} must be one value or one per output channel, got shape {a.shape} "
+                              f"({a.tolist()})"))
+    return tuple(a.tolist())
+
+
+def _per_channel(what, v, n):
+    a = np.asarray(_values(what, v), dtype=np.float64)
     if a.ndim == 0:
         a = np.full(n, float(a))
     if a.shape != (n,):
@@ -476,7 +492,7 @@ class Pipeline:
         centered; the rest is ``fill`` (one value or one per output channel, in source units: it
         goes through normalize and cast)."""
         p = self.resize(size, interpolation)
-        return replace(p, letterbox=True, fill=fill)
+        return replace(p, letterbox=True, fill=_values("fill", fill))
 
     def flip(self, horizontal: Any = False, vertical: Any = False) -> Pipeline:
         """Flip each crop (before it is resized): a bool, or one per item (may also be given per call)."""
@@ -488,8 +504,11 @@ class Pipeline:
         return replace(self, colors=conversion)
 
     def normalize(self, mean: Any = 0.0, std: Any = 1.0, scale: float = 1.0) -> Pipeline:
-        """(x * scale - mean) / std per output channel (mean, std: one value or one per channel)."""
-        return replace(self, mean=mean, std=std, scale=float(scale))
+        """(x * scale - mean) / std per output channel (mean, std: one value or one per channel; their
+        values are copied here)."""
+        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
+            raise TypeError(_err(f"scale must be one number (the factor before mean and std), got {scale!r}"))
+        return replace(self, mean=_values("mean", mean), std=_values("std", std), scale=float(scale))
 
     def cast(self, dtype: Any) -> Pipeline:
         """Output dtype: float32, float16, bfloat16 or uint8 (saturating, rounded to nearest even)."""

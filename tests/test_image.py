@@ -772,7 +772,7 @@ def test_matches_opencv_nv12(backend, matrix, full_range):
     (lambda x: I.process(x, size=3, mean=(1, 2)), ValueError, "mean must be one value or 3"),
     (lambda x: I.process(x, size=3, std=(1, 0, 1)), ValueError, "std must be finite and nonzero"),
     # None (NaN as a float64) was taken: NaN results, 0 after a uint8 cast
-    (lambda x: I.process(x, size=3, mean=None), TypeError, "mean must be a number or 3 numbers"),
+    (lambda x: I.process(x, size=3, mean=None), TypeError, "mean must be a number or one number per output"),
     (lambda x: I.process(x, size=3, mean=(None, 1, 2)), TypeError, "mean must be a number"),
     (lambda x: I.process(x, size=3, mean=(0, float("nan"), 0)), ValueError, "mean must be finite"),
     (lambda x: I.process(x, size=3, letterbox=True, fill=None), TypeError, "fill must be a number"),
@@ -802,6 +802,22 @@ def test_errors(call, exc, match):
     x = np.zeros((5, 8, 3), np.uint8)
     with pytest.raises(exc, match=match):
         call(x)
+
+
+def test_values_are_copied():
+    """A pipeline keeps its mean, std and fill as given when it was built: a NumPy array changed in
+    place afterwards changes nothing (a warm GPU pipeline kept the old values, the CPU path read the
+    new ones). A scale that is no number is refused with the module's message."""
+    img = np.full((5, 7, 3), 100, np.uint8)
+    m, f = np.array([10.0, 20.0, 30.0]), np.array([1.0, 2.0, 3.0])
+    p = I.Pipeline().letterbox_to((6, 6), fill=f).normalize(m, 2.0)
+    first = p(img)
+    m[:], f[:] = 0.0, 0.0
+    np.testing.assert_array_equal(p(img), first)
+    assert first[0, 0, 0, 0] == (1.0 - 10.0) / 2.0  # a fill pixel: fill, normalized
+    for bad in ([1, 2], None, "2"):
+        with pytest.raises(TypeError, match="scale must be one number"):
+            I.Pipeline().normalize(scale=bad)
 
 
 def test_infinities_without_interpolation(backend):
