@@ -163,19 +163,24 @@ def is_torch_tensor(x) -> bool:
 
 
 # ----------------------------------------------------------------- classifying
+class RefusedArray(TypeError):
+    """An array cufuse does not compute on (masked, matrix, a torch tensor's negative bit); the message
+    says what to pass instead."""
+
+
 def kind_of(x):
     """The array kind of ``x``, or None for a scalar. TypeError for anything else."""
     if isinstance(x, np.ndarray):
         if type(x) is not np.ndarray and isinstance(x, np.ma.MaskedArray):
-            raise TypeError("got a numpy.ma.MaskedArray; its mask would be ignored: pass x.filled(value) "
+            raise RefusedArray("got a numpy.ma.MaskedArray; its mask would be ignored: pass x.filled(value) "
                             "(or x.data to compute on the masked values too)")
         if type(x) is not np.ndarray and isinstance(x, np.matrix):  # (its * is a matrix product: the fallbacks'
-            raise TypeError("got a numpy.matrix, whose * is a matrix product; pass np.asarray(m)")  # math differs)
+            raise RefusedArray("got a numpy.matrix, whose * is a matrix product; pass np.asarray(m)")  # math differs)
         _whole_strides(x)
         return NUMPY
     t = torch()
     if t is not None and isinstance(x, t.Tensor) and x.is_neg():
-        raise TypeError("got a torch tensor with its negative bit set (a lazy negation, such as z.conj().imag), "
+        raise RefusedArray("got a torch tensor with its negative bit set (a lazy negation, such as z.conj().imag), "
                         "whose memory holds the values negated; pass x.resolve_neg()")
     if isinstance(x, CupyArray):
         _whole_strides(x)
@@ -247,8 +252,10 @@ def array_kind(name, x, what):
     try:
         kind = kind_of(x)
         why = ""
-    except TypeError as e:  # the reasons of arrays cufuse refuses (masked, matrix, negative bit) say what to do
-        kind, why = None, str(e) if str(e).startswith(("got a numpy.ma", "got a numpy.matrix", "got a torch")) else ""
+    except RefusedArray as e:  # its reason says what to pass instead
+        kind, why = None, str(e)
+    except TypeError:
+        kind, why = None, ""
     if kind is None:
         raise TypeError(f"cufuse.{name}: {what} must be an array (numpy.ndarray, cupy.ndarray or "
                         f"torch.Tensor), {why or f'got {type(x).__module__}.{type(x).__name__}'}")

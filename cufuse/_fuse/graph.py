@@ -460,7 +460,7 @@ _SAMPLE = {bool: True, int: 3, float: 1.5}
 _UNARY_SIGN = {"neg": "-", "invert": "~", "pos": "+"}
 
 
-def host_value(g, v):
+def host_value(v):
     """``v``'s HostExpr where it is a Python number (a Python scalar argument
     or literal, or computed from those alone), else None."""
     if isinstance(v, Traced):
@@ -480,7 +480,7 @@ def _py_binary(op, a, b):
     """``a <op> b`` from a Python operator: computed by Python at each call
     where both are Python numbers and one is a traced argument's, else traced."""
     g = _graph_of(a, b)
-    ha, hb = host_value(g, a), host_value(g, b)
+    ha, hb = host_value(a), host_value(b)
     if ha is None or hb is None:
         return binary(op, a, b)
     for v in (a, b):

@@ -652,7 +652,7 @@ def _score_compiled(q, k, scale, mask):
         q, k = q.unsqueeze(1), k.unsqueeze(1)
     if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
         raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} do not agree")
-    scale = _compiled_scale(name, scale, q.shape[-1])
+    scale = _scale_arg("attention_score", scale, q.shape[-1])  # as eager mode checks it
     if mask is not None:
         if not isinstance(mask, torch.Tensor) or mask.device != q.device:
             raise TypeError(f"{name}: mask must be a tensor on q's device")
@@ -731,7 +731,7 @@ def _compiled(q, k, v, causal, scale, return_lse):
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{name}: causal must be a bool")
     causal = bool(causal)
-    scale = _compiled_scale(name, scale, d)
+    scale = _scale_arg("attention", scale, d)  # as eager mode checks it
     if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d not in HEAD_DIMS:
         raise ValueError(f"{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
                          f"(supported: {', '.join(map(str, HEAD_DIMS))})")
@@ -739,11 +739,6 @@ def _compiled(q, k, v, causal, scale, return_lse):
     if three:
         o, lse = o.squeeze(1), lse.squeeze(1)
     return (o, lse) if return_lse else o
-
-
-def _compiled_scale(name, scale, d):
-    """The scale under torch.compile: _scale_arg's (a NumPy number too), as eager mode checks."""
-    return _scale_arg(name.removeprefix("cufuse."), scale, d)
 
 
 def _kind_of(t):

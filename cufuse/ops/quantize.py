@@ -186,6 +186,13 @@ def _scalar_param(name, what, v, positive, real):
     return f
 
 
+def _no_param_grad(name, what, t):
+    """NotImplementedError for a torch quantization parameter that requires grad (it gets none)."""
+    if t.requires_grad and A.torch().is_grad_enabled():
+        raise NotImplementedError(f"cufuse.{name}: {what} requires grad; the quantization parameters get no "
+                                  f"gradient (pass {what}.detach(), or use torch's fake quantization)")
+
+
 def _channel_param(name, what, v, x, kind, axis, real, positive):
     """A per-channel parameter as a 1-D array of ``real``: NumPy, or the data's own kind."""
     nch = x.shape[axis]
@@ -202,9 +209,8 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
         raise TypeError(f"cufuse.{name}: {what} is {A.describe(arr, vk)}; pass a NumPy array or the same "
                         f"array kind as the data ({kind})")
     dt = A.dtype_of(arr, vk)
-    if vk in (A.TORCH_CPU, A.TORCH_CUDA) and arr.requires_grad and A.torch().is_grad_enabled():
-        raise NotImplementedError(f"cufuse.{name}: {what} requires grad; the quantization parameters get no "
-                                  f"gradient (pass {what}.detach(), or use torch's fake quantization)")
+    if vk in (A.TORCH_CPU, A.TORCH_CUDA):
+        _no_param_grad(name, what, arr)
     if dt not in _FLOATS:
         raise TypeError(f"cufuse.{name}: {what} has dtype {dt}; accepted dtypes are {A.FLOAT_NAMES}")
     if tuple(arr.shape) != (nch,):
@@ -468,9 +474,7 @@ def _fq_params_traced(name, x, scale, zero_point, axis):
         if not isinstance(v, torch.Tensor) or v.dim() != 1 or v.shape[0] != x.shape[axis]:
             raise TypeError(f"cufuse.{name}: under torch.compile, a per-channel {what} must be a 1-D tensor of "
                             f"length {x.shape[axis]}")
-        if v.requires_grad and torch.is_grad_enabled():  # as eager: it would get no gradient, silently
-            raise NotImplementedError(f"cufuse.{name}: {what} requires grad; the quantization parameters get no "
-                                      f"gradient here (pass {what}.detach(), or use torch's fake quantization)")
+        _no_param_grad(name, what, v)  # as eager: it would get no gradient, silently
         c = v.detach().to(dtype=real)
         if v.device.type == "cpu":  # checked (on the CPU) when the graph runs, as eager checks CPU values;
             # GPU ones neither (a check would synchronize, a device assert would end the process's CUDA)
