@@ -109,7 +109,10 @@ __device__ __forceinline__ void axis(int d, int n, int box, int den, float inv, 
             } else {
                 i0 = q;
                 i1 = q + 1;
-                t = static_cast<float>(r) * inv;
+                // r / den rounded to nearest: r * inv corrected by its exact residual (one
+                // step), so that t is the CPU's, 0.5 exactly at a 2x downscale whatever den
+                const float t0 = static_cast<float>(r) * inv;
+                t = fmaf(fmaf(-t0, static_cast<float>(den), static_cast<float>(r)), inv, t0);
             }
         }
     }

@@ -340,6 +340,21 @@ def test_uint8_output_saturates(backend):
     assert got[0, :, 0, 0].tolist() == [2, 4, 0]  # round half to even, as OpenCV's saturate_cast
 
 
+def test_exact_ties_round_as_the_cpu(backend):
+    """A 2x bilinear downscale weighs two pixels by 0.5 exactly, whatever the width: a uint8 output
+    halfway between two codes rounds half to even, as the float64 reference does. The kernel's
+    weight is r / den; a float reciprocal alone gave 0.5 + 1 ulp for some widths (41, 94, 115, ...)."""
+    rng = np.random.default_rng(31)
+    for w in range(1, 203):
+        a = rng.integers(0, 255, w)
+        b = a + 1 + 2 * rng.integers(0, (254 - a) // 2 + 1)  # a + an odd number <= 255: every mean a tie
+        row = np.stack([a, b], axis=-1).reshape(1, 2 * w).astype(np.uint8)
+        got = run(backend, row, None, size=(1, w), dtype=np.uint8)
+        exp = np.rint((a + b) / 2.0)
+        assert ((a + b) % 2 == 1).all()
+        np.testing.assert_array_equal(got[0, 0, 0], exp, err_msg=f"width {w}")
+
+
 def test_no_resize(backend):
     rng = np.random.default_rng(9)
     img = make_image(rng, (10, 12, 3), U16)
