@@ -284,6 +284,22 @@ template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, 
 template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, R scale, R inv, R zp) {
     return round_int8(div_by(x, scale, inv) + zp);
 }
+// (q - zp) * s as NumPy computes it: the PTX subtract and multiply without the
+// .ftz that the kernels' -ftz adds, which flushed a subnormal zero point, scale
+// or result to zero (float32 ALUs take subnormals at full speed since sm_20).
+template <typename R> __device__ __forceinline__ R dequantize(R q, R zp, R s) { return (q - zp) * s; }
+__device__ __forceinline__ float dequantize(float q, float zp, float s) {
+    float d, y;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(q), "f"(zp));
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(d), "f"(s));
+    return y;
+}
+// A scalar parameter passed as a double, in R: float_of for float (a subnormal
+// float scale or zero point stays subnormal), a plain conversion otherwise.
+template <typename R> __device__ __forceinline__ R param_of(double v) {
+    if constexpr (sizeof(R) == 4) return float_of(v);
+    else return static_cast<R>(v);
+}
 // ---- more math, for generated (cufuse.fuse) code -----------------------------
 __device__ __forceinline__ float exp2(float x) { return ::exp2f(x); }
 __device__ __forceinline__ double exp2(double x) { return ::exp2(x); }

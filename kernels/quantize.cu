@@ -28,11 +28,8 @@ template <typename R, bool Recip> struct Quantize {
     using compute = R;
     R scale, zp, inv;
     __device__ Quantize(double s, double z)
-        : scale(cast(s)), zp(cast(z)), inv(R(1) / cast(s)) {}
-    static __device__ __forceinline__ R cast(double v) {  // a subnormal float scale stays subnormal
-        if constexpr (sizeof(R) == 4) return cufuse::math::float_of(v);
-        else return static_cast<R>(v);
-    }
+        : scale(cufuse::math::param_of<R>(s)), zp(cufuse::math::param_of<R>(z)),
+          inv(R(1) / cufuse::math::param_of<R>(s)) {}
     __device__ __forceinline__ signed char operator()(R x) const {
         return Recip ? cufuse::math::quantize_int8(x, scale, inv, zp) : cufuse::math::quantize_int8(x, scale, zp);
     }
@@ -42,8 +39,9 @@ template <typename R, bool Recip> struct Quantize {
 template <typename R> struct Dequantize {
     using compute = R;
     R scale, zp;
-    __device__ Dequantize(double s, double z) : scale(static_cast<R>(s)), zp(static_cast<R>(z)) {}
-    __device__ __forceinline__ R operator()(R q) const { return (q - zp) * scale; }
+    __device__ Dequantize(double s, double z)
+        : scale(cufuse::math::param_of<R>(s)), zp(cufuse::math::param_of<R>(z)) {}
+    __device__ __forceinline__ R operator()(R q) const { return cufuse::math::dequantize(q, zp, scale); }
 };
 
 // Per-channel parameters: element i is in channel (i / inner) % channels;
@@ -247,15 +245,15 @@ template <typename R, int Walk, bool Wide> struct DequantizeCh : Channels<R, Wal
     using Channels<R, Walk, Wide>::Channels;
     __device__ __forceinline__ R operator()(long long i, R q) const {
         const long long c = this->channel(i);
-        return (q - this->zp[c]) * this->scale[c];
+        return cufuse::math::dequantize(q, this->zp[c], this->scale[c]);
     }
     template <int V> __device__ __forceinline__ void pack(long long i0, const R (&q)[V], R (&y)[V]) const {
         this->template for_pack<V>(
             i0, [&](R s, R z) {
 #pragma unroll
-                for (int j = 0; j < V; ++j) y[j] = (q[j] - z) * s;
+                for (int j = 0; j < V; ++j) y[j] = cufuse::math::dequantize(q[j], z, s);
             },
-            [&](int j, R s, R z) { y[j] = (q[j] - z) * s; });
+            [&](int j, R s, R z) { y[j] = cufuse::math::dequantize(q[j], z, s); });
     }
 };
 

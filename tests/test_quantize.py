@@ -617,6 +617,32 @@ def test_dequantize_per_channel(backend, dtype, shape, axis, scale_kind, zp_kind
     dequantize(backend, backend.asarray(q), scale, zp, axis, dtype, launches, q, ns, nz)
 
 
+# subnormal float32 scales and zero points, and products that are subnormal: the kernels compile with
+# -ftz, which flushed them to zero where NumPy keeps them
+_SUBNORMAL_SCALES = [1e-40, 2.0 ** -149, 2.0 ** -130, 3e-39, 1.1754942e-38, 2.0 ** -126, 1e-30, 0.37]
+_SUBNORMAL_ZPS = [0.0, 1e-40, -3e-39, 2.0 ** -149, 0.5, -2.0 ** -140, 7.0, -1e-45]
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=lambda d: d.name)
+def test_dequantize_subnormal_scale(backend, dtype, launches):
+    q = all_int8((4096,), 69)
+    for s in _SUBNORMAL_SCALES:
+        for z in _SUBNORMAL_ZPS[:3]:
+            got = dequantize(backend, backend.asarray(q), s, z, None, dtype, launches, q)
+            assert dtype == F64 or s > 2.0 ** -126 or np.count_nonzero(got) > 0  # the test can fail
+    qc = all_int8((300, 16), 70)
+    for pdt in (F32, F64):  # parameter arrays in the data's compute dtype or the other: converted exactly
+        s = np.array(_SUBNORMAL_SCALES * 2, pdt)
+        z = np.array(_SUBNORMAL_ZPS * 2, pdt)
+        bs, bz = backend.asarray(s), backend.asarray(z)
+        dequantize(backend, backend.asarray(qc), bs, bz, -1, dtype, launches, qc, s, z)
+        qt = np.ascontiguousarray(qc.T)
+        dequantize(backend, backend.asarray(qt), bs, bz, 0, dtype, launches, qt, s, z)
+        # and quantize, which divides by them: a scale flushed to 0 gave +-127 / -128 everywhere
+        x = (qc.astype(np.float64) * s.astype(np.float64)).astype(dtype)
+        quantize(backend, backend.asarray(x), bs, bz, -1, launches, x, s, z)
+
+
 @pytest.mark.parametrize("view, axis", [("transposed", 0), ("transposed", 1), ("permuted", 1)])
 def test_dequantize_per_channel_views(backend, view, axis, launches):
     q0 = backend.asarray(all_int8((4, 5, 6), 67))

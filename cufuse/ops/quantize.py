@@ -233,8 +233,28 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
                          f"{A.device_of(x, kind)}; per-channel parameters must be on the data's GPU")
     if vk == A.CUPY:
         with R._cp.cuda.Device(dev):
-            return R._cp.ascontiguousarray(arr, dtype=real)  # the kernels index scale[c]: no strides
+            return _cupy_cast(arr, real)
     return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: the data's device (checked above)
+
+
+def _cupy_cast(arr, real):
+    """A CuPy float array as a contiguous array of ``real`` (the kernels index scale[c]: no strides),
+    rounded as NumPy rounds. CuPy compiles its kernels with -ftz, so its float32 conversions flush a
+    subnormal to zero: a float32 scale of 1e-40 became 0 for float64 data, a float64 one of 1e-40 0
+    for float32 data. Subnormal float32 values are built here from their bits, in float64 and uint32
+    arithmetic, which -ftz leaves alone."""
+    cp = R._cp
+    res = cp.ascontiguousarray(arr, dtype=real)
+    src = np.dtype(arr.dtype)
+    if src == _F32 and real == _F64:
+        bits = cp.ascontiguousarray(arr).view(cp.uint32)
+        mag = (bits & 0x007FFFFF).astype(_F64) * 2.0**-149  # what the bits are when the exponent is 0
+        return cp.where((bits & 0x7F800000) == 0, cp.where(bits >> 31 != 0, -mag, mag), res)
+    if src == _F64 and real == _F32:
+        a = cp.abs(arr)
+        m = cp.rint(a * 2.0**149).astype(cp.uint32) | (cp.signbit(arr).astype(cp.uint32) << 31)
+        return cp.where(a < 2.0**-126, m, res.view(cp.uint32)).view(_F32)  # (2**23: the least normal)
+    return res
 
 
 def _on_device(v, given, kind, dev):
