@@ -23,22 +23,24 @@ template <int A, typename C> __device__ __forceinline__ C activation(C x) {
     else return x;
 }
 
-// d act / dx at x
-template <int A, typename C> __device__ __forceinline__ C activation_grad(C x) {
+// The gradient through act at x of the output gradient g. relu selects (an inf or NaN g where
+// x <= 0 gives 0, as torch's, not 0 * inf; a NaN x passes g, as torch's relu backward); the
+// others multiply g by d act / dx.
+template <int A, typename C> __device__ __forceinline__ C activation_backward(C x, C g) {
     if constexpr (A == kActRelu) {
-        return x <= C(0) ? C(0) : C(1);  // a NaN passes the gradient, as torch's relu backward
+        return x <= C(0) ? C(0) : g;
     } else if constexpr (A == kActSilu) {
         const C s = math::sigmoid(x);
-        return s * (C(1) + x * (C(1) - s));
+        return s * (C(1) + x * (C(1) - s)) * g;
     } else if constexpr (A == kActGelu) {  // Phi(x) + x phi(x)
         const C r2 = C(0.70710678118654752440), rpi2 = C(0.39894228040143267794);
-        return C(0.5) * (C(1) + math::erf(x * r2)) + x * rpi2 * math::exp(C(-0.5) * x * x);
+        return (C(0.5) * (C(1) + math::erf(x * r2)) + x * rpi2 * math::exp(C(-0.5) * x * x)) * g;
     } else if constexpr (A == kActGeluTanh) {  // 0.5 (1 + t) + 0.5 x (1 - t^2) k0 (1 + 3 k1 x^2)
         const C k0 = C(0.79788456080286535588), k1 = C(0.044715);
         const C t = math::tanh(k0 * (x + k1 * x * x * x));
-        return C(0.5) * (C(1) + t) + C(0.5) * x * (C(1) - t * t) * k0 * (C(1) + C(3) * k1 * x * x);
+        return (C(0.5) * (C(1) + t) + C(0.5) * x * (C(1) - t * t) * k0 * (C(1) + C(3) * k1 * x * x)) * g;
     } else {
-        return C(1);
+        return g;
     }
 }
 
@@ -74,10 +76,7 @@ scatter_add_backward(T* __restrict__ dv, const T* __restrict__ values, const T* 
         for (long long c = threadIdx.x; c < cols; c += blockDim.x) {
             const C gv = to_compute<C>(g[c]);
             const C x = to_compute<C>(src[c]);
-            // relu selects (an inf or NaN gradient where x <= 0 gives 0, as torch's, not 0 * inf)
-            out[c] = from_compute<T>(A == kActNone ? gv
-                                     : A == kActRelu ? (x <= C(0) ? C(0) : gv)
-                                                     : activation_grad<A>(x) * gv);
+            out[c] = from_compute<T>(activation_backward<A>(x, gv));
         }
     }
 }
