@@ -36,6 +36,8 @@ for a in [a for a in args if a.startswith("threads=")]:  # blocks of fewer threa
 variant = " ".join(a for a in args if a.startswith(("stages=", "threads=")) or a == "onepack")
 DTYPES = [getattr(torch, d) for d in args if hasattr(torch, d)] or [torch.bfloat16, torch.float16, torch.float32]
 SHAPES = [(16384, 4096), (4096, 8192), (16384, 1024), (4096, 4096), (32768, 2048)]
+for a in [a for a in args if a.startswith("shapes=")]:  # shapes=ROWSxCOLS,...: these alone
+    SHAPES = [tuple(int(v) for v in s.split("x")) for s in a[7:].split(",")]
 
 
 def gpu_us(f):

@@ -46,36 +46,53 @@ template <int NP, typename T> constexpr int kNormBwdMinBlocks = NP == 1 || sizeo
 // Values per warp of a block reduction's shared scratch (red[warps][kRedValues]).
 constexpr int kRedValues = 3;
 
-// Sums of the K values v over the block; every thread gets them. `red` holds
-// K values per warp; the __syncthreads before the writes keeps one call's
-// reads apart from the next call's writes. Every warp then adds the warps'
-// partials as a tree over its lanes and takes lane 0's: the same order in
-// every thread and run (the same bits), four dependent steps for 16 warps
-// instead of fifteen.
-template <int K, typename C> __device__ __forceinline__ void block_sum(C (&v)[K], C (*red)[kRedValues]) {
+// A block reduction's shared scratch: two buffers of K values per warp, used
+// in turn, so that a reduction needs one barrier (between its writes and its
+// reads): the next call writes the other buffer, and the call after that
+// writes this one only after every thread passed the next call's barrier,
+// which it reaches after its reads of this one.
+template <typename C> struct RedScratch {
+    C (*buf)[kNormBwdMaxThreads / 32][kRedValues];
+    int turn;
+    __device__ __forceinline__ C (*next())[kRedValues] {
+        C (*r)[kRedValues] = buf[turn];
+        turn ^= 1;
+        return r;
+    }
+};
+
+// Sums of the K values v over the block; every thread gets them (every
+// thread of the block calls it, as often). Each warp's sum goes to the
+// scratch; after the one barrier every warp adds the warps' partials by a
+// butterfly over its lanes: the same bits in every thread and run, log2(warps)
+// dependent steps (three for 8 warps; with the two-barrier tree and a
+// broadcast, five). H200, bfloat16 16384x4096: layer_norm 164 -> 162 us,
+// rms+add 140 -> 137; float32 rms+add 271 -> 258 (bench/NOTES.md).
+template <int K, typename C> __device__ __forceinline__ void block_sum(C (&v)[K], RedScratch<C>& scratch) {
     static_assert(K <= kRedValues, "red holds kRedValues values per warp");
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
 #pragma unroll
         for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
     const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    __syncthreads();
+    C (*red)[kRedValues] = scratch.next();
     if (lane == 0)
 #pragma unroll
         for (int k = 0; k < K; ++k) red[warp][k] = v[k];
     __syncthreads();
+    // each group of `warps` lanes (a power of two: the host's block sizes) holds every warp's partial,
+    // and a butterfly adds them: every lane ends with the same bits (each step adds a pair both ways)
 #pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = lane < warps ? red[lane][k] : C(0);
+    for (int k = 0; k < K; ++k) v[k] = red[lane & (warps - 1)][k];
 #pragma unroll
     for (int o = kNormBwdMaxThreads / 64; o > 0; o >>= 1)
+        if (o < warps)
 #pragma unroll
-        for (int k = 0; k < K; ++k) v[k] += __shfl_down_sync(0xffffffffu, v[k], o);
-#pragma unroll
-    for (int k = 0; k < K; ++k) v[k] = __shfl_sync(0xffffffffu, v[k], 0);
+            for (int k = 0; k < K; ++k) v[k] += __shfl_xor_sync(0xffffffffu, v[k], o);
 }
 
 // One value's block_sum.
-template <typename C> __device__ __forceinline__ C block_sum1(C a, C (*red)[kRedValues]) {
+template <typename C> __device__ __forceinline__ C block_sum1(C a, RedScratch<C>& red) {
     C v[1] = {a};
     block_sum(v, red);
     return v[0];
@@ -85,7 +102,7 @@ template <typename C> __device__ __forceinline__ C block_sum1(C a, C (*red)[kRed
 // pack j lies in the row; 1 / n = inv_n): one block reduction.
 template <typename T, int NP, typename C>
 __device__ __forceinline__ C row_mean(const Pack<T, 16 / sizeof(T)> (&xp)[NP], const bool (&has)[NP], C inv_n,
-                                      C (*red)[kRedValues]) {
+                                      RedScratch<C>& red) {
     constexpr int V = 16 / sizeof(T);
     C s = C(0);
 #pragma unroll
@@ -104,7 +121,7 @@ __device__ __forceinline__ C row_mean(const Pack<T, 16 / sizeof(T)> (&xp)[NP], c
 // mean = sum(x) / n, rstd = 1 / sqrt(sum((x - mean)^2) / n + eps).
 template <bool Center, typename T, int NP, typename C>
 __device__ __forceinline__ void row_stats(const Pack<T, 16 / sizeof(T)> (&xp)[NP], const bool (&has)[NP], C inv_n,
-                                          double eps, C (*red)[kRedValues], C& mean, C& rstd) {
+                                          double eps, RedScratch<C>& red, C& mean, C& rstd) {
     constexpr int V = 16 / sizeof(T);
     mean = Center ? row_mean(xp, has, inv_n, red) : C(0);
     C s = C(0);
@@ -170,7 +187,8 @@ norm_backward(T* __restrict__ dx, cufuse::compute_t<T>* __restrict__ pw, cufuse:
     using C = compute_t<T>;
     constexpr int V = 16 / sizeof(T);
     using P = Pack<T, V>;
-    __shared__ C red[kNormBwdMaxThreads / 32][kRedValues];
+    __shared__ C red_buf[2][kNormBwdMaxThreads / 32][kRedValues];
+    RedScratch<C> red{red_buf, 0};
     const int npack = cols / V;
     const C inv_n = C(1) / static_cast<C>(cols);
     bool has[NP];
@@ -398,7 +416,8 @@ softmax_backward(T* __restrict__ dx, const T* __restrict__ g, const T* __restric
     // With one or two packs a thread, the next row's packs are loaded before this row's reduction (as
     // norm_backward's); more would take registers that keep blocks off the SM.
     constexpr bool kAhead = NP <= 2;
-    __shared__ C red[kNormBwdMaxThreads / 32][kRedValues];
+    __shared__ C red_buf[2][kNormBwdMaxThreads / 32][kRedValues];
+    RedScratch<C> red{red_buf, 0};
     const int npack = cols / V;
     bool has[NP];
 #pragma unroll
@@ -455,7 +474,8 @@ add_norm_forward(T* __restrict__ y, T* __restrict__ h, const T* __restrict__ x, 
     using C = compute_t<T>;
     constexpr int V = 16 / sizeof(T);
     using P = Pack<T, V>;
-    __shared__ C red[kNormBwdMaxThreads / 32][kRedValues];
+    __shared__ C red_buf[2][kNormBwdMaxThreads / 32][kRedValues];
+    RedScratch<C> red{red_buf, 0};
     const int npack = cols / V;
     const C inv_n = C(1) / static_cast<C>(cols);
     bool has[NP];
