@@ -414,11 +414,14 @@ def _fits_a_float(s) -> bool:
 
 def check_out(name, out, kind, dtype, shape, device):
     try:
-        ok = kind_of(out)
+        ok, why = kind_of(out), ""
+    except RefusedArray as e:  # its reason says what to pass instead
+        ok, why = None, str(e)
     except TypeError:
-        ok = None
+        ok, why = None, ""
     if ok is None:
-        raise TypeError(f"cufuse.{name}: out must be a {kind}; got {type(out).__module__}.{type(out).__name__}")
+        raise TypeError(f"cufuse.{name}: out must be a {kind}; "
+                        f"{why or f'got {type(out).__module__}.{type(out).__name__}'}")
     if ok != kind:
         raise TypeError(f"cufuse.{name}: out is {describe(out, ok)} but the operands are {kind}")
     od = dtype_of(out, ok)

@@ -393,6 +393,14 @@ def test_linear_loss_empty_and_errors(backend):
     h0, t0 = backend.asarray(np.zeros((0, 8), np.float32)), backend.asarray(np.zeros((0,), np.int64))
     assert backend.to_numpy(cufuse.linear_cross_entropy(h0, w, t0, reduction="none")).shape == (0,)
     assert np.isnan(backend.to_numpy(cufuse.linear_cross_entropy(h0, w, t0)))  # a mean of no rows, as torch
+    # no features: every logit is the bias (0 without one), as torch's linear then cross_entropy
+    hf, wf = backend.asarray(np.zeros((3, 0), np.float32)), backend.asarray(np.zeros((5, 0), np.float32))
+    bias = rand((5,), np.float32, 24)
+    tf = np.array([1, 2, 4], np.int64)
+    got = backend.to_numpy(cufuse.linear_cross_entropy(hf, wf, backend.asarray(tf), bias=backend.asarray(bias),
+                                                       reduction="none"))
+    b64 = bias.astype(np.float64)
+    np.testing.assert_allclose(got, np.log(np.exp(b64).sum()) - b64[tf], rtol=1e-6)
     h = backend.asarray(rand((4, 8), np.float32, 26))
     t = backend.asarray(np.arange(4, dtype=np.int64))
     with pytest.raises(ValueError, match="8 features"):

@@ -456,3 +456,14 @@ def test_refused_inputs_say_why():
         cufuse.cross_entropy(torch.randn(2, 3), [0, 1])
     with pytest.raises(ValueError, match=r"cufuse\.scatter_add: index holds values up to 9223372036854775808"):
         cufuse.scatter_add(np.ones(2), np.array([2 ** 63, 0], np.uint64), 2)
+    # the refusal's reason where the array is out= or a target, and an activation that is no name
+    neg = torch._neg_view(torch.zeros(3))
+    with pytest.raises(TypeError, match=r"cufuse\.softmax: out must be .*negative bit set.*resolve_neg"):
+        cufuse.softmax(torch.randn(3), out=neg)
+    with pytest.raises(TypeError, match=r"cufuse\.cross_entropy: target must be .*negative bit set.*resolve_neg"):
+        cufuse.cross_entropy(torch.randn(4, 5), torch._neg_view(torch.tensor([-1, -2, -3, -4])))
+    with pytest.raises(ValueError, match=r"cufuse\.scatter_add: activation must be one of .*\['relu'\]"):
+        cufuse.scatter_add(np.ones((4, 5)), np.array([0, 1, 1, 0]), 2, activation=["relu"])
+    # a list as x beside a weight that requires grad: x's own error, not an AttributeError
+    with pytest.raises(TypeError, match=r"cufuse\.layer_norm: x must be an array"):
+        cufuse.layer_norm([[1.0] * 4], 4, torch.ones(4, requires_grad=True))

@@ -69,13 +69,16 @@ def _target_args(name, data, what, kind, dev, need, target, ignore_index, label_
     """(target as int64, ignore, eps, z) of a loss over ``data`` (called
     ``what``), whose target must have the shape ``need``; or TypeError / ValueError."""
     owner = what + ("'" if what.endswith("s") else "'s")
+    why = ""
     try:
         tk = A.kind_of(target) if not isinstance(target, (int, float)) else None
+    except A.RefusedArray as e:  # (masked, matrix, a negative bit: its reason says what to pass)
+        tk, why = None, str(e)
     except TypeError:  # (a list, a bool: no array kind)
         tk = None
     if tk != kind:
         raise TypeError(f"cufuse.{name}: target must be the {owner} array kind ({A.describe(data, kind)}), "
-                        f"got {type(target).__module__}.{type(target).__name__}")
+                        f"{why or f'got {type(target).__module__}.{type(target).__name__}'}")
     tdt = A.dtype_of(target, kind)
     if tdt not in _TARGET_DTYPES:
         raise TypeError(f"cufuse.{name}: target must hold int64 (or int32) class indices, got dtype {tdt}")
@@ -519,7 +522,7 @@ def _linear_loss(args, h, w, b, reduction, odt, scale=None, grads=(None, None, N
     """(the loss as asked, the count of rows that count, unless given) of linear_cross_entropy's
     ``args``, with the gradients of ``_linear_chunks`` where ``scale`` is given."""
     kind, dt, dev, feats, classes, t, ignore, eps, z, per = args
-    h2, t2 = h.reshape(-1, feats), t.reshape(-1)
+    h2, t2 = h.reshape(A.count(tuple(h.shape[:-1])), feats), t.reshape(-1)  # (rows given: feats may be 0)
     per = per or _chunk_rows(h2.shape[0], feats, classes)
     rows = _linear_chunks(kind, dt, dev, h2, w, b, t2, ignore, eps, z, per, scale, grads)
     res, count = _reduce(kind, rows, t2, ignore, reduction, odt, count)

@@ -629,11 +629,6 @@ def _recorded(name, out, op, *args):
     return TO.call_row(op, *args)
 
 
-def _ns_len(normalized_shape):
-    """How many trailing dims ``normalized_shape`` names (its errors come from the chunks' calls)."""
-    return 1 if isinstance(normalized_shape, (int, np.integer)) else len(tuple(normalized_shape))
-
-
 def layer_norm(x: Array, normalized_shape: int | tuple[int, ...], weight: Array | None = None,
                bias: Array | None = None, eps: float = 1e-5, *, out: Array | None = None) -> Array:
     """Layer normalization over the trailing ``normalized_shape`` dims, with
@@ -819,12 +814,15 @@ def _norm(name, x, normalized_shape, weight, bias, eps, out):
         res, key = _fast(op, x, weight, bias, eps, out, sk)
         if res is not None:
             return res
-    if AG.wants_grad((x, weight, bias)):  # recorded (no fast-path signature: _driver.signature)
+    if A.is_torch_tensor(x) and AG.wants_grad((x, weight, bias)):  # recorded (no fast-path signature)
         return _recorded_norm(name, x, normalized_shape, weight, bias, eps, out)
     if DK.is_dask(x):
         w, b = (DK._concrete(name, what, v) for what, v in (("weight", weight), ("bias", bias)))
+        # checked before the graph is built (each chunk checks again, and its errors name the chunk)
+        ns = _normalized_shape(name, x, normalized_shape)
+        _eps(name, eps)
         return DK.rows(name, lambda blk: _norm(name, blk, normalized_shape, w, b, eps, None), x,
-                       range(-_ns_len(normalized_shape), 0), x.dtype, out)
+                       range(-len(ns), 0), x.dtype, out)
     kind, dt, dev = _rows.data_arg(name, x)
     ns = _normalized_shape(name, x, normalized_shape)
     w = _affine(name, "weight", weight, ns, kind, dt, dev)
@@ -865,8 +863,8 @@ def _softmax(name, x, axis, out):
             return res
     if AG.wants_grad((x,)):  # recorded (no fast-path signature: _driver.signature)
         return _recorded(name, out, "softmax", x, _softmax_axis(name, axis, x.dim()), name == "log_softmax")
-    if DK.is_dask(x) and isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)) \
-            and -max(x.ndim, 1) <= axis < max(x.ndim, 1):
+    if DK.is_dask(x):
+        _softmax_axis(name, axis, x.ndim)  # (the chunks' errors would name a chunk's shape)
         return DK.rows(name, lambda blk: _softmax(name, blk, axis, None), x, [axis] if x.ndim else [], x.dtype, out)
     kind, dt, dev = _rows.data_arg(name, x)
     ndim = len(x.shape)

@@ -23,10 +23,18 @@ from . import _rows
 FAMILY = "scatter"
 # activation -> its code in kernels/scatter.cu (ScatterAct)
 ACTIVATIONS = {None: 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
+
+
 _EXPRS = {(dt, a, d): R.register(FAMILY, R.name_expression(f"scatter_add_{d}", ct, str(code)), f"scatter_add {d}",
                                  dt.name)
           for dt, ct in R.FLOAT_CTYPES.items() for a, code in ACTIVATIONS.items() for d in ("forward", "backward")}
 _BLOCK = (32, 8)
+
+
+def _check_activation(name, activation):
+    """ValueError unless ``activation`` is one of ACTIVATIONS (a list, say, is not even hashable)."""
+    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
+        raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
 
 _R2, _RPI2, _K0, _K1 = 1 / math.sqrt(2), 1 / math.sqrt(2 * math.pi), math.sqrt(2 / math.pi), 0.044715
 # The activation and its derivative times g, as fused functions (the CPU backends' path)
@@ -70,8 +78,7 @@ def _check(name, values, index, dim_size, activation):
         raise ValueError(f"cufuse.{name}: index is on GPU {A.device_of(index, ik)} but values on GPU {dev}")
     if isinstance(dim_size, (bool, np.bool_)) or not isinstance(dim_size, (int, np.integer)) or dim_size < 0:
         raise ValueError(f"cufuse.{name}: dim_size must be an int >= 0, got {dim_size!r}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+    _check_activation(name, activation)
     # (a uint64 index beyond int64 would wrap negative in the int64 copy; others (torch's uint64 has no max):
     # that copy's range check)
     if idt == np.uint64 and ik == A.NUMPY and A.count(tuple(index.shape)) and \
@@ -169,8 +176,7 @@ def scatter_add(values: Array, index: Array, dim_size: int, *, activation: str |
     if TO.compiling():  # the registered operator (the index range is checked in it, on real tensors)
         if isinstance(dim_size, bool) or not isinstance(dim_size, int) or dim_size < 0:
             raise ValueError(f"cufuse.{name}: dim_size must be an int >= 0, got {dim_size!r}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+        _check_activation(name, activation)
         return TO.scatter_add(values, index, dim_size, activation)
     if DK.is_dask(values) or DK.is_dask(index):
         raise TypeError(f"cufuse.{name}: Dask arrays are not supported")
