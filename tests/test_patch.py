@@ -219,6 +219,38 @@ def test_patch_checks_what_it_replaces(_original_rotary):
             cufuse.patch(seq)
 
 
+class _OffsetRMSNorm(_CastBackRMSNorm):
+    """Gemma's form, (1 + weight) * xhat: not Llama's, so it stays."""
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return ((1.0 + self.weight) * h).to(x.dtype)
+
+
+def test_patch_checks_norms_built_on_the_meta_device():
+    """A model built without memory (init_empty_weights, FSDP) is checked as one built on the CPU
+    (on a CPU twin of each norm): Gemma's (1 + weight) norm stays, a cast-back norm keeps casting;
+    the patched norm's variance_epsilon is the eps it computes with."""
+    with torch.device("meta"):
+        off = torch.nn.Sequential(_OffsetRMSNorm(8), torch.nn.GELU())
+        cast = torch.nn.Sequential(_CastBackRMSNorm(8), torch.nn.GELU())
+    report = cufuse.patch(off)
+    assert type(off[0]) is _OffsetRMSNorm and "computes otherwise" in report.skipped[0][1], str(report)
+    cufuse.patch(cast)
+    assert type(cast[0]).__name__ == "RMSNorm" and cast[0].input_dtype
+    cast.to_empty(device="cpu")
+    with torch.no_grad():
+        cast[0].weight.copy_(torch.linspace(0.5, 1.5, 8))
+    x = torch.randn(3, 8, generator=torch.Generator().manual_seed(3))
+    assert cast(x.bfloat16()).dtype == torch.bfloat16
+    ref = _CastBackRMSNorm(8)
+    for eps in (1e-6, 10.0):
+        ref.variance_epsilon = cast[0].variance_epsilon = eps
+        assert cast[0].eps == eps
+        torch.testing.assert_close(cast[0](x), ref(x), rtol=1e-5, atol=1e-6)
+
+
 def test_transformer_integration_example():
     """examples/transformer_integration.py at its tiny sizes: eager and
     cufuse start from the same weights and batches, so their losses agree."""
