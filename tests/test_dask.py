@@ -102,6 +102,18 @@ def test_dask_errors():
         cufuse.gelu_dropout(d, 0.1, seed=3)
     with pytest.raises(TypeError, match="weight is a Dask array"):
         cufuse.layer_norm(da.from_array(x, chunks=(3, 8)), 8, d[0])
+    # checked when the call is made, as for NumPy (not at compute(), with a chunk's shape)
+    rows = da.from_array(x, chunks=(3, 8))
+    for call, exc, match in ((lambda: cufuse.sum_squared(rows, -1, "false"), TypeError, "keepdims must be a bool"),
+                             (lambda: cufuse.softmax(rows, 5), ValueError, "axis 5 is out of range"),
+                             (lambda: cufuse.softmax(rows, None), TypeError, "axis must be an int"),
+                             (lambda: cufuse.layer_norm(rows, 4.0), TypeError, "normalized_shape must be"),
+                             (lambda: cufuse.layer_norm(rows, (2, 6, 8)), ValueError, r"whose shape is \(6, 8\)"),
+                             (lambda: cufuse.layer_norm(da.from_array(np.float32(1.0)), 1), ValueError,
+                              "trailing dims"),
+                             (lambda: cufuse.rms_norm(rows, 8, eps=-1.0), ValueError, "eps must be finite")):
+        with pytest.raises(exc, match=match):
+            call()
     with pytest.raises(TypeError, match="mixed with other arrays"):
         cufuse.fuse(lambda a, b: a + b)(d, x)
     # the elementwise ops' checks (Dask's own probe had turned them into a result of NotImplemented)

@@ -94,6 +94,8 @@ class _Reduction:
                     res = key = None
                 if res is not None:
                     return res[0]
+        if not isinstance(keepdims, (bool, np.bool_)):
+            raise TypeError(f"cufuse.{name}: keepdims must be a bool, got {type(keepdims).__name__}")
         if DK.is_dask(x):
             odt = np.dtype(x.dtype) if dtype is None else A.float_dtype_arg(name, dtype)
             _axes(name, axis, x.ndim)  # the same errors
@@ -105,8 +107,6 @@ class _Reduction:
         odt = dt if dtype is None else A.float_dtype_arg(name, dtype)
         shape = tuple(x.shape)
         axes = _axes(name, axis, len(shape))
-        if not isinstance(keepdims, (bool, np.bool_)):
-            raise TypeError(f"cufuse.{name}: keepdims must be a bool, got {type(keepdims).__name__}")
         kept = tuple(n for i, n in enumerate(shape) if i not in axes)
         res_shape = tuple(1 if i in axes else n for i, n in enumerate(shape)) if keepdims else kept
         if out is not None:
