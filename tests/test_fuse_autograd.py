@@ -139,7 +139,8 @@ def test_gradients_where_torch_masks(device):
     a == 0 <= b), 0 ** x, x ** 0; minimum / maximum at ties (half to each
     side, as torch.minimum / torch.maximum; all to both at a NaN); clip at
     and beyond its bounds (all to x on a bound, as torch.clamp; the bounds'
-    own gradients where x passed them; bounds crossed)."""
+    own gradients where x passed them; bounds crossed); a % b where a / b
+    rounds up to a whole number."""
     nan = float("nan")
     cases = [
         (lambda a, b: a ** b, lambda a, b: a ** b, [[0., 0., 3., -2., 0., 2.], [0., 2., 0., 3., 1., 0.5]]),
@@ -152,6 +153,8 @@ def test_gradients_where_torch_masks(device):
         (lambda a: np.clip(a, 0.0, 6.0), lambda a: torch.clamp(a, 0.0, 6.0), [[-1., 0., 3., 6., 7.]]),
         (lambda a, lo, hi: cufuse.clip(a, lo, hi), torch.clamp,
          [[-1., 0., 3., 6., 7., 2.], [0., 0., 1., 1., 1., 5.], [6., 6., 6., 6., 6., 1.]]),
+        # a % b's divisor gradient is -(a // b), the forward's quotient: 1 / 0.1 rounds to 10, 1 // 0.1 is 9
+        (lambda a, b: a % b, torch.remainder, [[1.0, 0.7, -1.0, 5.0, 3.0], [0.1, 0.1, 0.1, -2.0, 0.0]]),
     ]
     for fn, ref, vals in cases:
         ours = [torch.tensor(v, dtype=torch.float64, device=device, requires_grad=True) for v in vals]
@@ -167,6 +170,13 @@ def test_errors(device):
     a = torch.randn(3, 4, device=device, requires_grad=True)
     with pytest.raises(NotImplementedError, match="max / min"):
         cufuse.fuse(lambda x: (x * 2).max(axis=-1))(a)
+    # a max / min of what depends on no input (a comparison's, constants') needs no gradient: computed
+    s, m = cufuse.fuse(lambda x: ((x * x).sum(axis=-1), cufuse.where(x > 0, 1.0, 0.0).max(axis=-1)))(a)
+    torch.testing.assert_close(m, (a > 0).any(-1).to(a.dtype))
+    s.sum().backward()
+    torch.testing.assert_close(a.grad, 2 * a.detach())
+    a.grad = None
+    assert torch.equal(cufuse.fuse(lambda x: (x > 0).max(axis=-1))(a), (a > 0).any(-1))
     with pytest.raises(RuntimeError, match="out="):
         cufuse.fuse(lambda x: x * 2)(a, out=torch.empty(3, 4, device=device))
     with torch.no_grad():  # grad mode off: the plain path

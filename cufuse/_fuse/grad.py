@@ -30,15 +30,10 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def differentiable_inputs(graph):
-    """Argument positions of the float array inputs that some output depends
-    on through differentiable operations."""
-    reached = set()
-    for node, red, _, _ in graph.outputs:
-        if red in ("max", "min"):
-            raise NotImplementedError("cufuse.fuse: the gradient of a max / min reduction is not supported yet")
-        reached.add(node)
-    for i in range(len(graph.nodes) - 1, -1, -1):
+def _reached(graph, start):
+    """The nodes that node ``start`` depends on through differentiable operations, itself included."""
+    reached = {start}
+    for i in range(start, -1, -1):
         if i not in reached:
             continue
         nd = graph.nodes[i]
@@ -48,6 +43,26 @@ def differentiable_inputs(graph):
         if nd.op == "cast":
             args = [a for a in args if G.is_float(graph.nodes[a].dtype)]
         reached.update(args)
+    return reached
+
+
+def differentiable_inputs(graph):
+    """Argument positions of the float array inputs that some output depends
+    on through differentiable operations. A max / min reduction of values
+    that depend on none (a comparison's, constants') has no gradient to give;
+    one of values that do raises NotImplementedError."""
+    reached: set = set()
+    for node, red, _, _ in graph.outputs:
+        r = _reached(graph, node)
+        if red in ("max", "min"):
+            if _float_inputs(graph, r):
+                raise NotImplementedError("cufuse.fuse: the gradient of a max / min reduction is not supported yet")
+            continue
+        reached |= r
+    return _float_inputs(graph, reached)
+
+
+def _float_inputs(graph, reached):
     return sorted(graph.inputs[nd.attr][0] for i, nd in enumerate(graph.nodes)
                   if nd.op == "input" and i in reached and G.is_float(nd.dtype))
 
@@ -79,7 +94,8 @@ def backward_function(graph, wrt):
             adj[j] = c if j not in adj else adj[j] + c
 
         for (node, red, _, _), go in zip(graph.outputs, gs):
-            add(node, go / n if red == "mean" else go)
+            if red not in ("max", "min"):  # (those depend on no input: differentiable_inputs)
+                add(node, go / n if red == "mean" else go)
         for i in range(len(graph.nodes) - 1, -1, -1):
             gi = adj.get(i)
             nd = graph.nodes[i]
@@ -112,8 +128,8 @@ def _rule(nd, x, y, g):
         return [(0, g * x[1]), (1, g * x[0])]
     if op == "truediv":
         return [(0, g / x[1]), (1, -g * y / x[1])]
-    if op == "mod":  # a - floor(a / b) b
-        return [(0, g), (1, -g * F.floor(x[0] / x[1]))]
+    if op == "mod":  # a - (a // b) b, the quotient the forward took (floor(a / b) rounds a / b first: 1 % 0.1)
+        return [(0, g), (1, -g * (x[0] // x[1]))]
     if op == "pow":  # torch's masks: no base gradient where b == 0, no exponent gradient where a == 0 <= b
         a, b = x
         return [(0, F.where(b == 0, 0.0, g * b * a ** (b - 1))),
