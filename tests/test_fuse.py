@@ -1041,6 +1041,15 @@ def test_foreach_errors(backend):
         f.foreach(xa, ya, out=[poisoned(backend, (5,), F32)])   # out list of the wrong length
     with pytest.raises((TypeError, ValueError)):               # reductions are not supported in foreach
         cufuse.fuse(lambda x: x.sum(axis=-1)).foreach(xa)
+    # an item that fails its checks raises before any item is written (an optimizer step half applied)
+    g = cufuse.fuse(lambda a, b, s: a * s + b)
+    for bad, exc in (([ya[0], ya[1], backend.asarray(rand((4,), F32, 211))], ValueError),   # no broadcast
+                     ([ya[0], ya[1], backend.asarray(rand((9,), np.float64, 212))], TypeError)):  # float64 result
+        before = [backend.to_numpy(a).copy() for a in xa]
+        with pytest.raises(exc):
+            g.foreach(xa, bad, 2.0, out=xa)
+        for a, b0 in zip(xa, before):
+            np.testing.assert_array_equal(backend.to_numpy(a), b0)
 
 
 @pytest.mark.parametrize("name", [p.id for p in GPU_BACKEND_PARAMS], ids=str)

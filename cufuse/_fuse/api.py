@@ -388,6 +388,13 @@ class Fused:
             res = self._run_numpy(sig, kind, arrays, params, shape, outs)
         return tuple(res) if sig.graph.tuple_out else res[0]
 
+    def _check_item(self, args, out):
+        """A call's checks on ``args`` and ``out`` (its errors), running nothing."""
+        kind, spec, arrays, device = self._classify(args)
+        sig = self._signature(spec, len(args), kind)
+        _, out_shapes = self._shapes(arrays, sig)
+        self._outs(sig, out, kind, out_shapes, device)
+
     def _result_meta(self, args, broadcast=np.broadcast_shapes):
         """[(shape, NumPy dtype)] of the outputs of a call on ``args`` (tensors
         may be fake: only their dtypes, ranks, shapes and devices are read),
@@ -702,16 +709,27 @@ class Fused:
                 return None
             return tuple(ol[i] for ol in out_lists) if sig.graph.tuple_out else out_lists[0][i]
 
+        def checked(items):
+            """``items``, each item's call checked first where they write into out= (an error in a
+            later item must not come after earlier ones were written: an optimizer step half applied)."""
+            if out_lists is not None:
+                for i in items:
+                    self._check_item(_item(args, list_pos, i), item_out(i))
+            return items
+
         if kind not in A.GPU_KINDS:
-            return [self._call(_item(args, list_pos, i), item_out(i)) for i in range(count)]
+            return [self._call(_item(args, list_pos, i), item_out(i)) for i in checked(range(count))]
         lists = [args[p] for p in list_pos]
         params = sig.param_values(_item(args, list_pos, 0))
         try:
-            fast, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, params)
+            fast, slow, plan = self._foreach_plan(sig, kind, device, lists, out_lists, count, None)
         except _InOrder:
             # an item writes what another item reads or writes: item by item, in
             # order, as the NumPy path does (one launch would race between them)
-            return [self._call(_item(args, list_pos, i), item_out(i)) for i in range(count)]
+            return [self._call(_item(args, list_pos, i), item_out(i)) for i in checked(range(count))]
+        checked(slow)
+        if plan is not None:
+            self._launch_table(kind, device, plan, params)
         results = [None] * count
         for i, outs in fast:
             results[i] = tuple(outs) if sig.graph.tuple_out else outs[0]
