@@ -364,9 +364,8 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None
                             "convert one (cufuse.from_torch / cufuse.to_torch, cupy.asarray, .get())")
     scalars = [None if k is not None else x for x, k in zip(args, kinds)]
     for i, s in enumerate(scalars):
-        if s is not None and not _fits_a_float(s):
-            raise OverflowError(f"cufuse.{name}: operand {i + 1} is an int of {int(s).bit_length()} bits, "
-                                "beyond the largest float (2**1024); NumPy raises too")
+        if s is not None:
+            check_scalar_fits(name, i, s)
     try:
         if kind in (TORCH_CPU, TORCH_CUDA):
             # torch's rules: numbers (Python or NumPy scalars) and zero-dim tensors
@@ -401,6 +400,13 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None
                 scalars, device, out, out_dtype=out_dtype)
     plan.size = count(shape)
     return plan
+
+
+def check_scalar_fits(name, i, s):
+    """OverflowError where scalar operand ``i`` (from 0) does not convert to a float (a huge int)."""
+    if not _fits_a_float(s):
+        raise OverflowError(f"cufuse.{name}: operand {i + 1} is an int of {int(s).bit_length()} bits, "
+                            "beyond the largest float (2**1024); NumPy raises too")
 
 
 def _fits_a_float(s) -> bool:

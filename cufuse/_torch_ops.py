@@ -52,9 +52,11 @@ def _cache_is_compiling(t):
 
 
 def _pairs(args):
+    """(tensor or None, number or None) per argument: a Python or NumPy number (NumPy's are weak under
+    torch's rules, as Python's) goes as a float, never into the tensor slot (saved for backward, cast)."""
     out = []
     for a in args:
-        if a is None or isinstance(a, (int, float)) and not isinstance(a, bool):
+        if a is None or isinstance(a, (int, float, *A.NP_SCALARS)) and not isinstance(a, bool):
             out += [None, None if a is None else float(a)]
         else:
             out += [a, None]
@@ -69,6 +71,9 @@ def call(name, approximate, args, out=None):
     """``cufuse.<name>(*args)`` through the registered operator (``out=``
     cannot be recorded, as torch's out= arguments)."""
     AG.no_out(name, out)
+    for i, a in enumerate(args):
+        if isinstance(a, int):
+            A.check_scalar_fits(name, i, a)
     register()
     flat = _pairs(args)
     return _dispatch(_OPS[name], *flat) if approximate is None else _dispatch(_OPS[name], *flat, approximate)

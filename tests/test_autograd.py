@@ -162,6 +162,20 @@ def test_partial_requires_grad_and_mixed_dtypes(device):
     z = torch.randn(5, 8, device=device, dtype=torch.float64).requires_grad_(True)
     cufuse.fma(2.0, z, 1.5).sum().backward()
     torch.testing.assert_close(z.grad, torch.full_like(z, 2.0))
+    # NumPy scalars are numbers as Python's are (they went into the tensor slot: saved, cast, raised)
+    for s in (np.float32(0.5), np.float16(-1.5), np.int32(2), np.uint8(3)):
+        for op, ref in ((cufuse.add_relu, lambda t: torch.relu(t + float(s))),
+                        (cufuse.mul_tanh, lambda t: torch.tanh(t * float(s))),
+                        (cufuse.bias_gelu, lambda t: TF.gelu(t + float(s))),
+                        (lambda t, v: cufuse.fma(v, t, v), lambda t: t * float(s) + float(s))):
+            z.grad = None
+            y = op(z, s)
+            y.sum().backward()
+            zr = z.detach().clone().requires_grad_(True)
+            want = ref(zr)
+            want.sum().backward()
+            torch.testing.assert_close(y, want, msg=f"{s!r}")
+            torch.testing.assert_close(z.grad, zr.grad, msg=f"{s!r}")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -464,6 +464,10 @@ def test_refused_inputs_say_why():
         cufuse.cross_entropy(torch.randn(4, 5), torch._neg_view(torch.tensor([-1, -2, -3, -4])))
     with pytest.raises(ValueError, match=r"cufuse\.scatter_add: activation must be one of .*\['relu'\]"):
         cufuse.scatter_add(np.ones((4, 5)), np.array([0, 1, 1, 0]), 2, activation=["relu"])
+    with pytest.raises(TypeError, match=r"cufuse\.quantize_int8: scale is refused: .*negative bit set"):
+        cufuse.quantize_int8(torch.randn(4, 3), torch._neg_view(torch.ones(3)), axis=1)
+    with pytest.raises(OverflowError, match=r"cufuse\.add_relu: operand 2 is an int of 1329 bits"):
+        cufuse.add_relu(torch.ones(3, requires_grad=True), 10 ** 400)  # (recorded: the same check)
     # a list as x beside a weight that requires grad: x's own error, not an AttributeError
     with pytest.raises(TypeError, match=r"cufuse\.layer_norm: x must be an array"):
         cufuse.layer_norm([[1.0] * 4], 4, torch.ones(4, requires_grad=True))

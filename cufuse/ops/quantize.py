@@ -203,7 +203,10 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
                             f"{what} for the whole tensor")
         f = _scalar_param(name, what, v, positive, real)  # one value for every channel
         return np.full(nch, f, dtype=real)
-    vk = A.kind_of(v) if not isinstance(v, (list, tuple)) else A.NUMPY
+    try:
+        vk = A.kind_of(v) if not isinstance(v, (list, tuple)) else A.NUMPY
+    except A.RefusedArray as e:  # (masked, matrix, a negative bit: its reason says what to pass)
+        raise A.RefusedArray(f"cufuse.{name}: {what} is refused: {e}") from None
     arr = np.asarray(v, dtype=np.float64) if isinstance(v, (list, tuple)) else v  # a list of numbers
     if vk not in (A.NUMPY, kind):
         raise TypeError(f"cufuse.{name}: {what} is {A.describe(arr, vk)}; pass a NumPy array or the same "
