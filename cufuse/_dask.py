@@ -1,4 +1,4 @@
-"""Dask arrays: every op on arrays whose chunks are NumPy or CuPy arrays.
+"""Dask arrays: the ops that take them (docs/dask.md), on arrays whose chunks are NumPy or CuPy arrays.
 
 A call with a Dask array returns a Dask array (lazy, as Dask's own
 operations): elementwise ops, quantize and fused functions run chunk by
