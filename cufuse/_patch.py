@@ -477,6 +477,7 @@ def patch(model, *, attention=False, linear_loss=True):
     report = PatchReport()
     steps = []
     done: set = set()  # a swapped MLP's own submodules are its old ones: not planned again
+    root = None  # the model's own type where it is a module patch replaces (it has no parent to go into)
     for name, mod in model.named_modules():
         if any(name == d or name.startswith(d + ".") for d in done):
             continue
@@ -486,6 +487,7 @@ def patch(model, *, attention=False, linear_loss=True):
         if why:
             report.skipped.append((name, why))
         if make is None or not name:
+            root = root or (type(mod).__name__ if make is not None else None)
             continue
         parent_name, _, attr = name.rpartition(".")
         steps.append((model.get_submodule(parent_name), attr, name, mod, make))
@@ -499,8 +501,12 @@ def patch(model, *, attention=False, linear_loss=True):
     rope_before = getattr(sys.modules.get(type(model).__module__), "apply_rotary_pos_emb", None) is \
         apply_rotary_pos_emb
     if not steps and not loss and rope_module is None and not rope_before:
+        detail = "".join(
+            ([f"; the model itself is a {root}, which patch replaces only inside a model: use cufuse.nn's "
+              "module, or patch a model that holds it"] if root else [])
+            + [f"; {n or 'the model'} stays: {why}" for n, why in report.skipped])
         raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
-                         "gated SiLU or GELU MLP, rotary embedding, causal-LM loss); nothing was changed")
+                         f"gated SiLU or GELU MLP, rotary embedding, causal-LM loss); nothing was changed{detail}")
     built = [(parent, attr, name, mod, make(mod)) for parent, attr, name, mod, make in steps]  # all, then swap
     for parent, attr, name, old, new in built:
         new.train(old.training)

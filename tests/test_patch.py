@@ -112,6 +112,10 @@ def test_patch_errors_and_what_it_leaves():
         cufuse.patch({"not": "a model"})
     with pytest.raises(ValueError, match="nothing was changed"):
         cufuse.patch(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()))
+    with pytest.raises(ValueError, match="the model itself is a LayerNorm, which patch replaces only inside"):
+        cufuse.patch(torch.nn.LayerNorm(6))
+    with pytest.raises(ValueError, match=r"nothing was changed; 0 stays: an RMSNorm that computes otherwise"):
+        cufuse.patch(torch.nn.Sequential(_OffsetRMSNorm(8)))
     model = T.LlamaForCausalLM(T.LlamaConfig(hidden_act="relu", **_LLAMA_KW))
     report = cufuse.patch(model)  # the norms and the rest; the ReLU-gated MLPs stay (with why)
     assert report.counts() == {"LlamaRMSNorm -> RMSNorm": 5, _ROPE: 1, _LOSS: 1, _HEAD: 1}
