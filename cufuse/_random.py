@@ -18,11 +18,32 @@ _S32 = np.uint64(32)
 
 _lock = threading.Lock()
 _state = [int.from_bytes(os.urandom(8), "little")]
+_manual = [False]  # whether manual_seed set the state (else it is entropy)
 
 
 def manual_seed(seed: int) -> None:
-    """Make the seeds that cufuse's random ops draw (``seed=None``) reproducible."""
+    """Make the seeds that cufuse's random ops draw (``seed=None``) on NumPy and CuPy arrays
+    reproducible (torch tensors draw from torch's generator: ``torch.manual_seed``)."""
     _state[0] = check_seed(seed, "cufuse.manual_seed")
+    _manual[0] = True
+
+
+def _reseed_after_fork():
+    """A forked process (a DataLoader worker, say) draws seeds of its own unless manual_seed set the
+    parent's state (then it repeats the parent's sequence, as torch's generator does after a fork)."""
+    if not _manual[0]:
+        _state[0] = int.from_bytes(os.urandom(8), "little")
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reseed_after_fork)
+
+
+def torch_seed() -> int:
+    """A seed drawn from torch's default generator, as torch's own dropout draws: torch.manual_seed
+    repeats it, and torch.utils.checkpoint's recompute (which restores that generator) draws it again."""
+    import torch
+    return int(torch.randint(0, 2 ** 63 - 1, ()))
 
 
 def next_seed() -> int:

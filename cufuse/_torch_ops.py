@@ -286,8 +286,8 @@ def gelu_dropout(x, p, seed, approximate):
     not reach into a compiled graph)."""
     import torch
     register()
-    if seed is None:
-        s = torch.randint(-(1 << 62), 1 << 62, (), dtype=torch.int64)
+    if seed is None:  # (the range and generator of eager's draw, _random.torch_seed: the same mask)
+        s = torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64)
     else:
         s = torch.tensor(seed - (1 << 64) if seed >= 1 << 63 else seed, dtype=torch.int64)
     return _OPS["gelu_dropout"](x, p, s, approximate)

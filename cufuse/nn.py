@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from . import _autograd as AG
+from . import _random
 from . import _torch_ops as TO
 from . import ops as _ops
 from ._fuse import functions as _F
@@ -106,7 +107,7 @@ class GELUDropout(nn.Module):
     def forward(self, x):
         seed = None  # (under torch.compile the operator draws it with torch, in the graph)
         if self.training and self.p > 0 and not TO.compiling():
-            seed = int(torch.randint(0, 2 ** 63 - 1, ()))
+            seed = _random.torch_seed()
         return _ops.gelu_dropout(x, self.p, self.training, seed=seed, approximate=self.approximate)
 
     def extra_repr(self):

@@ -228,20 +228,85 @@ def test_same_seed_same_result(backend):
 
 
 # ------------------------------------------------------------- manual_seed
+def _manual_seed(backend, seed):
+    """The generator seed=None draws from: torch's for torch tensors (as torch's dropout), else cufuse's."""
+    if backend.is_torch:
+        import torch
+        torch.manual_seed(seed)
+    else:
+        cufuse.manual_seed(seed)
+
+
 def test_manual_seed_reproduces(backend):
     x = dropout_input((20000,), F32, 7)
-    cufuse.manual_seed(1234)
+    _manual_seed(backend, 1234)
     a1 = run(backend, x, p=0.5)
     a2 = run(backend, x, p=0.5)
-    cufuse.manual_seed(1234)
+    _manual_seed(backend, 1234)
     b1 = run(backend, x, p=0.5)
     b2 = run(backend, x, p=0.5)
     np.testing.assert_array_equal(a1, b1)
     np.testing.assert_array_equal(a2, b2)
     assert ((a1 != 0) != (a2 != 0)).mean() > 0.4       # consecutive calls: different masks
-    cufuse.manual_seed(4321)
+    _manual_seed(backend, 4321)
     c1 = run(backend, x, p=0.5)
     assert ((a1 != 0) != (c1 != 0)).mean() > 0.4       # another manual seed: another sequence
+
+
+def test_torch_draws_from_torch_and_checkpoint_recomputes_the_mask():
+    """seed=None on torch tensors draws from torch's generator: torch.utils.checkpoint, whose
+    recompute restores it (reentrant: the first forward ran without grad), gives the gradient of
+    the forward's very mask; cufuse.manual_seed does not reach torch tensors' masks."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.checkpoint import checkpoint
+    x = torch.from_numpy(dropout_input((4096,), F32, 31)).requires_grad_(True)
+    for reentrant in (True, False):
+        x.grad = None
+        y = checkpoint(lambda t: cufuse.gelu_dropout(t * 1.0, 0.5), x, use_reentrant=reentrant)
+        y.backward(torch.ones_like(y))
+        assert torch.equal(x.grad != 0, y != 0), f"use_reentrant={reentrant}"
+    with torch.no_grad():
+        torch.manual_seed(7)
+        a = cufuse.gelu_dropout(x, 0.5)
+        cufuse.manual_seed(8)
+        torch.manual_seed(7)
+        assert torch.equal(a, cufuse.gelu_dropout(x, 0.5))
+
+
+def test_forked_processes_draw_their_own_seeds():
+    """A forked process (a DataLoader worker) draws seeds of its own from cufuse's generator,
+    unless cufuse.manual_seed set the parent's (then it repeats the parent's sequence)."""
+    import multiprocessing as mp
+    if "fork" not in mp.get_all_start_methods():
+        pytest.skip("no fork on this platform")
+    from cufuse import _random
+    saved = _random._manual[0], _random._state[0]
+    _random._manual[0] = False  # (as at import: other tests set a manual seed)
+    ctx = mp.get_context("fork")
+    x = dropout_input((256,), F32, 32)
+
+    def masks():
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_child_mask, args=(q, x)) for _ in range(2)]
+        for pr in procs:
+            pr.start()
+        got = [q.get(timeout=60) for _ in procs]
+        for pr in procs:
+            pr.join()
+        return got
+
+    try:
+        a, b = masks()
+        assert a != b
+        cufuse.manual_seed(5)
+        a, b = masks()
+        assert a == b
+    finally:
+        _random._manual[0], _random._state[0] = saved
+
+
+def _child_mask(q, x):
+    q.put((cufuse.gelu_dropout(x, p=0.5) != 0).tobytes())
 
 
 def test_no_seed_calls_differ(backend):

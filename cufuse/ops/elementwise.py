@@ -572,8 +572,11 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     half) for float16 results with 1/32 <= p <= 31/32, whose speed is bound
     by the generator's arithmetic; B = 32 (L = 4, the four words) otherwise
     (bfloat16 results included).
-    ``seed=None`` draws the next
-    seed from cufuse's generator (``cufuse.manual_seed`` makes it reproducible).
+    ``seed=None`` draws a seed:
+    for torch tensors from torch's default generator, as torch's dropout
+    (``torch.manual_seed`` makes it reproducible, and torch.utils.checkpoint
+    recomputes the same mask), else the next of cufuse's generator
+    (``cufuse.manual_seed`` makes it reproducible).
     ``approximate`` as in ``bias_gelu``. Takes one array; ``out=`` as in the other ops.
     """
     tanh = _check_approximate("gelu_dropout", approximate)
@@ -596,7 +599,9 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
         AG.no_out("gelu_dropout", out)
         return TO.gelu_dropout(x, p, seed, approximate)
     if seed is None:
-        seed = _random.next_seed()
+        # torch tensors: from torch's generator, as torch's dropout (torch.utils.checkpoint's recompute,
+        # which restores that generator, draws the same mask; DataLoader workers reseed it)
+        seed = _random.torch_seed() if A.is_torch_tensor(x) else _random.next_seed()
     fwd, bwd, params, np_params = _dropout_call(tanh, p, seed, approximate)
     if AG.wants_grad((x,)):  # recorded: the backward draws the mask again from (seed, p)
         AG.no_out("gelu_dropout", out)
