@@ -36,6 +36,7 @@ from . import _torch_ops as TO
 from . import ops as _ops
 from ._fuse import functions as _F
 from ._fuse.api import fuse as _fuse
+from .ops.elementwise import check_dropout_p
 
 __all__ = ["LayerNorm", "RMSNorm", "GELU", "GELUDropout", "SwiGLU", "GeGLU", "swiglu", "geglu", "geglu_tanh",
            "gated", "CrossEntropyLoss", "PatchReport"]
@@ -102,6 +103,7 @@ class GELUDropout(nn.Module):
         if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)) or \
                 not 0.0 <= p < 1.0:
             raise ValueError(f"cufuse.nn.GELUDropout: p must be a number in [0, 1), got {p!r}")
+        check_dropout_p("cufuse.nn.GELUDropout", p)  # (and not closer to 1 than the mask resolves)
         self.p, self.approximate = p, approximate
 
     def forward(self, x):

@@ -162,6 +162,8 @@ def test_gelu_dropout_module(device):
     for p in (1.0, "0.1", True):
         with pytest.raises(ValueError, match="p must be a number in"):
             cnn.GELUDropout(p)
+    with pytest.raises(ValueError, match=r"GELUDropout: p = 0.9999999 is closer to 1 than the mask resolves"):
+        cnn.GELUDropout(0.9999999)  # (at construction, not at the first forward)
     assert cnn.GELUDropout(np.float32(0.25)).p == 0.25 and cnn.GELUDropout(np.int64(0)).p == 0
 
 

@@ -558,6 +558,20 @@ def bias_gelu(x: Array, bias: Operand, /, approximate: str = "none", *, out: Arr
     return _bias_gelu[_check_approximate("bias_gelu", approximate)](x, bias, out=out)
 
 
+def check_dropout_p(who, p):
+    """p as a float, checked: a number in [0, 1 - 2**-21]."""
+    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{who}: p must be a float in [0, 1), got {type(p).__name__}")
+    p = float(p)
+    if not 0.0 <= p < 1.0:  # NaN fails too
+        raise ValueError(f"{who}: p must be in [0, 1), got {p}")
+    if p > _P_MAX:
+        raise ValueError(f"{who}: p = {p!r} is closer to 1 than the mask resolves (a keep rate of "
+                         f"1 - p is drawn in steps of 2**-32: the expected value would be off by more than 2**-11); "
+                         f"p must be at most 1 - 2**-21")
+    return p
+
+
 def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int | None = None,
                  approximate: str = "none", *, out: Array | None = None) -> Array:
     """dropout(gelu(x)), fused: one pass over memory.
@@ -580,15 +594,7 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     ``approximate`` as in ``bias_gelu``. Takes one array; ``out=`` as in the other ops.
     """
     tanh = _check_approximate("gelu_dropout", approximate)
-    if isinstance(p, (bool, np.bool_)) or not isinstance(p, (int, float, np.integer, np.floating)):
-        raise TypeError(f"cufuse.gelu_dropout: p must be a float in [0, 1), got {type(p).__name__}")
-    p = float(p)
-    if not 0.0 <= p < 1.0:  # NaN fails too
-        raise ValueError(f"cufuse.gelu_dropout: p must be in [0, 1), got {p}")
-    if p > _P_MAX:
-        raise ValueError(f"cufuse.gelu_dropout: p = {p!r} is closer to 1 than the mask resolves (a keep rate of "
-                         f"1 - p is drawn in steps of 2**-32: the expected value would be off by more than 2**-11); "
-                         f"p must be at most 1 - 2**-21")
+    p = check_dropout_p("cufuse.gelu_dropout", p)
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"cufuse.gelu_dropout: training must be a bool, got {type(training).__name__}")
     if seed is not None:
