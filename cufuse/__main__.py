@@ -84,7 +84,7 @@ def main(argv=None) -> int:
     b.add_argument("-v", "--verbose", action="store_true", help="also a line per kernel and dtype")
     b.add_argument("--family", default="", help="only the kernel families whose names start with this "
                    "(e.g. norm, reduction, elementwise); default: every family")
-    sub.add_parser("info", help="print the backend, device, versions and cache folder")
+    sub.add_parser("info", help="print the backend, device, GPU architectures, versions, kernel sources and cache folders")
     args = p.parse_args(argv)
     if args.cmd == "build":
         from ._build import build, parse_archs
