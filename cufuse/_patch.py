@@ -160,11 +160,33 @@ def _torch_rms(old):
     return new
 
 
+class SwiGLU(cnn.SwiGLU):
+    """A gated MLP by Llama's names through cufuse's fused gate (``cufuse.nn.SwiGLU``). Its ``act_fn``
+    stays the replaced module's attribute: an activation set afterwards is the one it computes with
+    (one cufuse has; another raises, where a new child module would be ignored)."""
+
+    def __setattr__(self, name, value):
+        if name == "act_fn":
+            act = _gate_activation(value)
+            if act is None:
+                raise ValueError(f"cufuse.patch: a patched gated MLP computes SiLU or GELU gates; act_fn "
+                                 f"{type(value).__name__} is neither (patch the model before changing it)")
+            super().__setattr__("activation", act)
+            object.__setattr__(self, "_act_fn", value)  # (kept, not a child module: it computes nothing here)
+            return
+        super().__setattr__(name, value)
+
+    @property
+    def act_fn(self):
+        return self._act_fn
+
+
 def _swiglu(old):
     g = old.gate_proj
-    new = cnn.SwiGLU(g.in_features, g.out_features, bias=g.bias is not None, device="meta",
-                     activation=_gate_activation(old.act_fn))
+    new = SwiGLU(g.in_features, g.out_features, bias=g.bias is not None, device="meta",
+                 activation=_gate_activation(old.act_fn))
     new.gate_proj, new.up_proj, new.down_proj = old.gate_proj, old.up_proj, old.down_proj
+    new.act_fn = old.act_fn
     return new
 
 

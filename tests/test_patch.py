@@ -255,6 +255,26 @@ def test_patch_checks_norms_built_on_the_meta_device():
         torch.testing.assert_close(cast[0](x), ref(x), rtol=1e-5, atol=1e-6)
 
 
+def test_patched_mlp_takes_a_new_act_fn():
+    """A gated MLP's act_fn set after the patch is the one the fused gate computes (it was a new child
+    module that nothing called); one cufuse has no gate for raises."""
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW)).eval()
+    ref = T.LlamaForCausalLM(T.LlamaConfig(**_LLAMA_KW)).eval()
+    ref.load_state_dict(model.state_dict())
+    cufuse.patch(model)
+    mlp, rmlp = model.model.layers[0].mlp, ref.model.layers[0].mlp
+    assert type(mlp.act_fn) is type(rmlp.act_fn)
+    x = torch.randn(2, 5, mlp.hidden_size, generator=torch.Generator().manual_seed(1))
+    for act in (torch.nn.GELU(), torch.nn.GELU("tanh"), torch.nn.SiLU()):
+        mlp.act_fn, rmlp.act_fn = act, act
+        assert mlp.act_fn is act
+        torch.testing.assert_close(mlp(x), rmlp(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="computes SiLU or GELU gates; act_fn ReLU"):
+        mlp.act_fn = torch.nn.ReLU()
+    assert set(model.state_dict()) == set(ref.state_dict())
+
+
 def test_transformer_integration_example():
     """examples/transformer_integration.py at its tiny sizes: eager and
     cufuse start from the same weights and batches, so their losses agree."""
