@@ -560,7 +560,11 @@ def _register_fused(torch):
         ctx.args = (key, layout, floats, ints, bools)
         ctx.need = [k for k, t in enumerate(tensors) if t.requires_grad]
         if ctx.need:  # max / min reductions have no gradient: say so while tracing, as eager calls do
-            _fused(key)._differentiable(_unpack_fused(layout, detached(tensors), floats, ints, bools))
+            reached = set(_fused(key)._differentiable(_unpack_fused(layout, detached(tensors), floats, ints,
+                                                                    bools)))
+            # a tensor the outputs do not depend on gets no gradient (None, as eager calls give)
+            pos = [i for i, c in enumerate(layout) if c == "t"]
+            ctx.need = [k for k in ctx.need if pos[k] in reached]
         ctx.metas = [(o.shape, o.dtype, o.device) for o in output]
         ctx.save_for_backward(*tensors)
 

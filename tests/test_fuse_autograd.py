@@ -229,6 +229,12 @@ def test_fused_functions_under_compile(device):
     x0, w0, c0 = (torch.randn(s, generator=g, dtype=torch.float64).float().to(device) for s in ((6, 10), (10,), (6, 1)))
     ran = compiled_matches_eager(f, [x0.requires_grad_(True), w0.requires_grad_(True), c0], 1e-6, 1e-6)
     assert all(a.grad is not None and a.grad.abs().max() > 0 for a in ran[:2])
+    # an operand used only as a condition gets no gradient, None as in eager calls (not zeros)
+    pick = cufuse.fuse(lambda a, b: cufuse.where(b > 0, a * 2.0, a))
+    for fn in (pick, torch.compile(lambda a, b: pick(a, b), fullgraph=True, backend="aot_eager")):
+        a, b = x0.detach().clone().requires_grad_(True), x0.detach().clone().requires_grad_(True)
+        fn(a, b).sum().backward()
+        assert b.grad is None and torch.equal(a.grad, torch.where(b > 0, 2.0, 1.0).to(a.dtype))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -413,10 +413,12 @@ class Fused:
         return AG.fused_apply(self, args, into_inputs)
 
     def _differentiable(self, args):
-        """NotImplementedError where the function of these argument types has
-        no gradient (max / min reductions), before anything runs."""
+        """The argument positions the outputs depend on through differentiable
+        operations (grad.differentiable_inputs); NotImplementedError where the
+        function of these argument types has no gradient (max / min
+        reductions), before anything runs."""
         kind, spec, _, _ = self._classify([a.detach() if A.is_torch_tensor(a) else a for a in args])
-        grad.differentiable_inputs(self._signature(spec, len(args), kind).graph)
+        return grad.differentiable_inputs(self._signature(spec, len(args), kind).graph)
 
     def _differentiable_once(self, args):
         """``_differentiable`` of an eager call made with grad mode off (a
