@@ -39,11 +39,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_reseed_after_fork)
 
 
+# torch_seed's range, which the compiled gelu_dropout draws from too (the same seed, the same mask)
+TORCH_SEED_HIGH = 2 ** 63 - 1
+
+
 def torch_seed() -> int:
     """A seed drawn from torch's default generator, as torch's own dropout draws: torch.manual_seed
     repeats it, and torch.utils.checkpoint's recompute (which restores that generator) draws it again."""
     import torch
-    return int(torch.randint(0, 2 ** 63 - 1, ()))
+    return int(torch.randint(0, TORCH_SEED_HIGH, ()))
 
 
 def next_seed() -> int:

@@ -24,6 +24,7 @@ import weakref
 
 from . import _arrays as A
 from . import _autograd as AG
+from . import _random
 
 _OPS: dict = {}   # name -> the custom op (torch.ops.cufuse.<name>)
 # distinct gradient tensors the backward operator returns, per op (default 1: shared by every operand)
@@ -287,7 +288,7 @@ def gelu_dropout(x, p, seed, approximate):
     import torch
     register()
     if seed is None:  # (the range and generator of eager's draw, _random.torch_seed: the same mask)
-        s = torch.randint(0, 2 ** 63 - 1, (), dtype=torch.int64)
+        s = torch.randint(0, _random.TORCH_SEED_HIGH, (), dtype=torch.int64)
     else:
         s = torch.tensor(seed - (1 << 64) if seed >= 1 << 63 else seed, dtype=torch.int64)
     return _OPS["gelu_dropout"](x, p, s, approximate)

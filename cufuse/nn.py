@@ -31,7 +31,6 @@ import torch
 from torch import nn
 
 from . import _autograd as AG
-from . import _random
 from . import _torch_ops as TO
 from . import ops as _ops
 from ._fuse import functions as _F
@@ -92,11 +91,9 @@ class GELU(nn.GELU):
 class GELUDropout(nn.Module):
     """dropout(gelu(x)) in one kernel (``cufuse.gelu_dropout``): the mask is
     drawn again in backward rather than saved. Its seed comes from torch's
-    (CPU) generator, as torch's Dropout's masks follow ``torch.manual_seed``:
-    ``torch.utils.checkpoint`` restores that generator before it runs the
-    forward again, so the recomputed mask is the forward's (with cufuse's own
-    generator a reentrant checkpoint drew a new one, and the gradient went
-    through the wrong elements). In eval mode: GELU alone."""
+    (CPU) generator, as ``cufuse.gelu_dropout``'s on torch tensors does, so the
+    masks follow ``torch.manual_seed`` and ``torch.utils.checkpoint``'s
+    recompute draws the forward's mask. In eval mode: GELU alone."""
 
     def __init__(self, p: float = 0.1, approximate: str = "none"):
         super().__init__()
@@ -107,10 +104,7 @@ class GELUDropout(nn.Module):
         self.p, self.approximate = p, approximate
 
     def forward(self, x):
-        seed = None  # (under torch.compile the operator draws it with torch, in the graph)
-        if self.training and self.p > 0 and not TO.compiling():
-            seed = _random.torch_seed()
-        return _ops.gelu_dropout(x, self.p, self.training, seed=seed, approximate=self.approximate)
+        return _ops.gelu_dropout(x, self.p, self.training, approximate=self.approximate)
 
     def extra_repr(self):
         return f"p={self.p}, approximate={self.approximate!r}"

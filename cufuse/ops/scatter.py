@@ -23,8 +23,6 @@ from . import _rows
 FAMILY = "scatter"
 # activation -> its code in kernels/scatter.cu (ScatterAct)
 ACTIVATIONS = {None: 0, "relu": 1, "silu": 2, "gelu": 3, "gelu_tanh": 4}
-
-
 _EXPRS = {(dt, a, d): R.register(FAMILY, R.name_expression(f"scatter_add_{d}", ct, str(code)), f"scatter_add {d}",
                                  dt.name)
           for dt, ct in R.FLOAT_CTYPES.items() for a, code in ACTIVATIONS.items() for d in ("forward", "backward")}
@@ -35,6 +33,7 @@ def _check_activation(name, activation):
     """ValueError unless ``activation`` is one of ACTIVATIONS (a list, say, is not even hashable)."""
     if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
         raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+
 
 _R2, _RPI2, _K0, _K1 = 1 / math.sqrt(2), 1 / math.sqrt(2 * math.pi), math.sqrt(2 / math.pi), 0.044715
 # The activation and its derivative times g, as fused functions (the CPU backends' path)
