@@ -116,6 +116,20 @@ def test_edge_values(backend):
                                                  reduction="sum")) == 0
 
 
+@pytest.mark.parametrize("offset", [1e4, -3e4])
+def test_large_common_offset(backend, offset):
+    """float32 logits sharing a large offset: the loss as accurate as without
+    it (the kernels work relative to the target's logit; an lse rounded with
+    the offset inside is off by half its ulp, 5e-4 at 1e4, and so was the loss)."""
+    x = (rand((16, 1000), np.float32, 11, scale=3.0).astype(np.float64) + offset).astype(np.float32)
+    t = _targets(16, 1000, 12)
+    for eps, z in ((0.0, 0.0), (0.1, 0.0), (0.0, 1e-4)):
+        got = cufuse.cross_entropy(backend.asarray(x), backend.asarray(t), label_smoothing=eps, z_loss=z,
+                                   reduction="none")
+        np.testing.assert_allclose(backend.to_numpy(got), _reference(x, t, eps=eps, z=z, reduction="none"),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"eps {eps} z {z}")
+
+
 def test_int32_targets(backend):
     x = rand((6, 9), np.float32, 9)
     t = _targets(6, 9, 10)
@@ -188,6 +202,26 @@ def test_gradcheck_and_leaf_logits_kept(device):
     mid = x2 * 1.0
     cufuse.cross_entropy(mid, t, inplace_backward=False).backward()
     assert torch.equal(mid.detach(), keep)  # asked to keep them
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("offset", [1e4, -3e4])
+def test_gradient_at_large_common_offset(device, offset):
+    """The float32 gradient of logits sharing a large offset, in place on the
+    GPU (an intermediate): as accurate as without the offset (p_j from
+    x_j - lse with lse rounded at the offset was off by up to 5e-4 relative)."""
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(16, 1000, generator=g, dtype=torch.float64) * 3 + offset).float()
+    t = torch.randint(0, 1000, (16,), generator=g)
+    t[3] = IGNORE
+    for eps, z in ((0.0, 0.0), (0.1, 1e-4)):
+        ours = x.clone().to(device).requires_grad_(True)
+        mid = ours * 1.0
+        cufuse.cross_entropy(mid, t.to(device), label_smoothing=eps, z_loss=z, reduction="sum").backward()
+        ref = x.double().requires_grad_(True)
+        _torch_loss(ref, t, eps, z, "sum").backward()
+        torch.testing.assert_close(ours.grad.cpu().double(), ref.grad, rtol=2e-5, atol=1e-6,
+                                   msg=lambda m: f"eps {eps} z {z}: {m}")
 
 
 def test_errors():
