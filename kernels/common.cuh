@@ -287,13 +287,19 @@ template <typename R> __device__ __forceinline__ signed char quantize_int8(R x, 
 // (q - zp) * s as NumPy computes it: the PTX subtract and multiply without the
 // .ftz that the kernels' -ftz adds, which flushed a subnormal zero point, scale
 // or result to zero (float32 ALUs take subnormals at full speed since sm_20).
-template <typename R> __device__ __forceinline__ R dequantize(R q, R zp, R s) { return (q - zp) * s; }
-__device__ __forceinline__ float dequantize(float q, float zp, float s) {
-    float d, y;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(q), "f"(zp));
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(d), "f"(s));
+template <typename R> __device__ __forceinline__ R sub_keep(R a, R b) { return a - b; }
+__device__ __forceinline__ float sub_keep(float a, float b) {
+    float d;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+    return d;
+}
+template <typename R> __device__ __forceinline__ R mul_keep(R a, R b) { return a * b; }
+__device__ __forceinline__ float mul_keep(float a, float b) {
+    float y;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(y) : "f"(a), "f"(b));
     return y;
 }
+template <typename R> __device__ __forceinline__ R dequantize(R q, R zp, R s) { return mul_keep(sub_keep(q, zp), s); }
 // A scalar parameter passed as a double, in R: float_of for float (a subnormal
 // float scale or zero point stays subnormal), a plain conversion otherwise.
 template <typename R> __device__ __forceinline__ R param_of(double v) {

@@ -45,6 +45,29 @@ def test_equals_the_int8_round_trip(backend, shape, axis, dtype):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("dtype", [np.dtype(np.float32), np.dtype(np.float64)], ids=str)
+def test_subnormal_scales_equal_the_round_trip(backend, dtype):
+    """Subnormal float32 scales and zero points, and subnormal products: the
+    generated kernel kept neither (-ftz flushed a 1e-40 scale to 0: codes of
+    +-127 and values of 0), where quantize_int8 and dequantize_int8 keep them."""
+    scales = [1e-40, 2.0 ** -149, 3e-39, 2.0 ** -126, 0.37]
+    zps = [0.0, 1e-40, -3e-39, 7.0, -1e-45]
+    x0 = np.random.default_rng(3).integers(-140, 140, (64, len(scales))).astype(np.float64)
+    x = (x0 * np.array(scales)).astype(dtype)  # codes across the range and past its ends
+    for s, z in zip(scales, zps):
+        xa = backend.asarray(x)
+        got = backend.to_numpy(cufuse.fake_quantize_int8(xa, s, z))
+        want = backend.to_numpy(cufuse.dequantize_int8(cufuse.quantize_int8(xa, s, z), s, z, dtype=dtype))
+        np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg=f"scale {s} zero point {z}")
+    sc, zc = np.array(scales, np.float32), np.array(zps, np.float32)
+    xa, sa, za = backend.asarray(x), backend.asarray(sc), backend.asarray(zc)
+    got = backend.to_numpy(cufuse.fake_quantize_int8(xa, sa, za, axis=1))
+    want = backend.to_numpy(cufuse.dequantize_int8(cufuse.quantize_int8(xa, sa, za, axis=1), sa, za, axis=1,
+                                                   dtype=dtype))
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8), err_msg="per channel")
+    assert np.count_nonzero(got[:, 0]) > 32  # (1e-40: the test can fail)
+
+
 def test_no_negative_zero(backend):
     """A small negative value rounds to the code 0, whose value is +0.0 (the
     int8 round trip's bits), not rint's -0.0."""

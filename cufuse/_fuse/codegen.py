@@ -36,6 +36,8 @@ _CALL = {  # ops written as a call on compute-typed operands ({T}: the node's st
     "floordiv": "cufuse::math::floordiv", "mod": "cufuse::math::pymod", "pow": "cufuse::math::power",
     "minimum": "cufuse::math::minimum", "maximum": "cufuse::math::maximum",
     "clip_lo": "cufuse::math::maximum", "clip_hi": "cufuse::math::minimum",  # (graph.clip)
+    # quantization's arithmetic (functions.QUANT_OPS): as NumPy's, subnormal operands and results kept
+    "qdiv": "cufuse::math::divide", "qsub": "cufuse::math::sub_keep", "qmul": "cufuse::math::mul_keep",
 }
 _INFIX = {"add": "+", "sub": "-", "mul": "*", "truediv": "/", "and": "&", "or": "|", "xor": "^",
           "lt": "<", "le": "<=", "gt": ">", "ge": ">=", "eq": "==", "ne": "!="}

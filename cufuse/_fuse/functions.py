@@ -88,6 +88,14 @@ def _binary(name: str) -> Callable[[Any, Any], Any]:
 minimum = _binary("minimum")
 maximum = _binary("maximum")
 
+# Division, subtraction and multiplication as NumPy computes them, for the
+# quantization ops built on cufuse.fuse (fake_quantize_int8): the GPU's other
+# float32 arithmetic flushes subnormal operands and results (-ftz), these do
+# not, so a subnormal scale or zero point gives what quantize_int8 and
+# dequantize_int8 give. Not public, and without a gradient.
+QUANT_OPS = ("qdiv", "qsub", "qmul")
+qdiv, qsub, qmul = (_binary(op) for op in QUANT_OPS)
+
 
 def where(cond: Any, a: Any, b: Any, /) -> Any:
     """``a`` where ``cond`` is true, else ``b`` (numpy.where with three arguments)."""

@@ -66,6 +66,7 @@ _FN = {
     "lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
     "ne": np.not_equal, "and": np.bitwise_and, "or": np.bitwise_or, "xor": np.bitwise_xor,
     "minimum": np.minimum, "maximum": np.maximum, "clip_lo": np.maximum, "clip_hi": np.minimum,
+    "qdiv": np.true_divide, "qsub": np.subtract, "qmul": np.multiply,
     "neg": np.negative, "invert": np.invert, "abs": np.abs, "relu": _relu, "round": np.rint,
     "floor": np.floor, "ceil": np.ceil, "exp": np.exp, "exp2": np.exp2, "log": np.log, "log1p": np.log1p,
     "expm1": np.expm1, "sqrt": np.sqrt, "sin": np.sin, "cos": np.cos, "tanh": np.tanh,

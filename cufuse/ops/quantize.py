@@ -422,13 +422,14 @@ _DTYPES: dict = {}  # dequantize_int8's dtype arguments seen -> the NumPy dtype 
 def _fq(x, s, z):
     # clamp(rint(x / s + z), -128, 127) in the parameters' dtype (float32, float64 for float64
     # data), back to real values, rounded once to x's dtype; NaN stays NaN (as torch's). The + 0.0
-    # makes a code of -0.0 (rint of a small negative) +0.0, as an int8 code is: the round trip's bits
-    return ((_F.clip(np.rint(x / s + z), -128.0, 127.0) + 0.0 - z) * s).astype(x.dtype)
+    # makes a code of -0.0 (rint of a small negative) +0.0, as an int8 code is: the round trip's bits.
+    # qdiv, qsub and qmul keep subnormal scales and zero points, as the round trip's kernels do
+    return _F.qmul(_F.qsub(_F.clip(np.rint(_F.qdiv(x, s) + z), -128.0, 127.0) + 0.0, z), s).astype(x.dtype)
 
 
 def _fq_grad(g, x, s, z):
     # straight-through: the gradient where the code was not clamped, 0 where it was
-    v = np.rint(x / s + z)
+    v = np.rint(_F.qdiv(x, s) + z)
     return _F.where((v >= -128.0) & (v <= 127.0), g, 0.0).astype(g.dtype)
 
 
