@@ -349,6 +349,16 @@ def test_p0_int_and_default_p(backend):
     check_result(got, x, 1, 0.1, "none", F32)
 
 
+@pytest.mark.parametrize("kw", [dict(training=False), dict(p=0.0)], ids=["eval", "p0"])
+def test_plain_gelu_errors_name_gelu_dropout(backend, kw):
+    """Plain GELU (eval mode, p = 0) runs bias_gelu's kernel; its errors name gelu_dropout."""
+    with pytest.raises(TypeError, match=r"^cufuse\.gelu_dropout: operand 1 .*int32"):
+        cufuse.gelu_dropout(backend.asarray(np.arange(6, dtype=np.int32)), **kw)
+    x = backend.asarray(dropout_input((6,), F32, 14))
+    with pytest.raises(ValueError, match=r"^cufuse\.gelu_dropout: out has shape"):
+        cufuse.gelu_dropout(x, out=backend.asarray(np.zeros(5, F32)), **kw)
+
+
 def test_positional_arguments(backend):
     x = dropout_input((1000,), F64, 12)
     got = backend.to_numpy(cufuse.gelu_dropout(backend.asarray(x), 0.25, True, 17, "tanh"))

@@ -10,6 +10,7 @@ fallback.
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import struct
 from typing import Callable
@@ -107,6 +108,14 @@ class ElementwiseOp:
         self.grad = None  # the key of its backward in cufuse/_autograd.py, where it has one
         self.torch_op = None  # (name, approximate) of its torch.ops.cufuse operator, where it has one
         self.fast = fast or D.FastPath(name)  # ops chosen by a call's values may share one (key_extra tells)
+
+    def renamed(self, name):
+        """The same op (kernels, gradient, registered operator) under another
+        public name, which its errors give, with a fast path of its own."""
+        op = copy.copy(self)
+        op.name = name
+        op.fast = D.FastPath(name)
+        return op
 
     def width(self, in_dt, out_dt):
         """Elements per pack of the (input dtype, output dtype) kernels."""
@@ -503,6 +512,7 @@ _bias_gelu_ops = {
 _bias_gelu_ops[False].grad, _bias_gelu_ops[True].grad = "bias_gelu", "bias_gelu_tanh"
 _bias_gelu_ops[False].torch_op, _bias_gelu_ops[True].torch_op = ("bias_gelu", "none"), ("bias_gelu", "tanh")
 _bias_gelu = {t: op.public("xb", "") for t, op in _bias_gelu_ops.items()}
+_gelu_eval = {t: op.renamed("gelu_dropout").public("xb", "") for t, op in _bias_gelu_ops.items()}  # (errors: its name)
 _dropout_ops = {  # (tanh, lanes16): float32/float64 results take 32-bit lanes either way
     (t, l16): ElementwiseOp(
         "gelu_dropout",
@@ -600,7 +610,7 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     if seed is not None:
         seed = _random.check_seed(seed, "cufuse.gelu_dropout")
     if not training or p == 0.0:
-        return _bias_gelu[tanh](x, 0.0, out=out)
+        return _gelu_eval[tanh](x, 0.0, out=out)
     if TO.compiling():  # torch.compile: the registered operator; seed=None drawn by torch, in the graph
         AG.no_out("gelu_dropout", out)
         return TO.gelu_dropout(x, p, seed, approximate)
