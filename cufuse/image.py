@@ -16,6 +16,7 @@ implementation (float64 math, then the same cast).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
@@ -113,6 +114,13 @@ def _int(what, v, lo=None):
     return v
 
 
+def _bool(what, v):
+    """v, which must be a bool (a string such as "False" would be true)."""
+    if not isinstance(v, (bool, np.bool_)):
+        raise TypeError(_err(f"{what} must be a bool, got {v!r}"))
+    return bool(v)
+
+
 def _size(size):
     """(H, W) from an int (square) or a pair."""
     if isinstance(size, (int, np.integer)) and not isinstance(size, (bool, np.bool_)):
@@ -160,10 +168,7 @@ def _as_images(images: Any, layout: str | None, yuv: str | None) -> tuple[str, n
     if isinstance(images, (list, tuple)):
         if not images:
             raise ValueError(_err("got an empty list of source images"))
-        arrays = list(images)
-        if layout is not None and layout.startswith("N"):
-            raise ValueError(_err(f"layout {layout!r} is for one batch array; a list of images takes "
-                                  "'HWC', 'CHW' or 'HW'"))
+        arrays = list(images)  # (batches in it count as their images, as without layout=)
     else:
         arrays = [images]
     if any(isinstance(x, Planes) for x in arrays):
@@ -233,6 +238,8 @@ def _yuv_image(x, shape, st, yuv, item):
     if len(shape) != 2:
         raise ValueError(_err(f"a {yuv} frame is a 2-D array of (height * 3 / 2, width); got shape {shape}"))
     rows, w = shape
+    if rows == 0 or w == 0:
+        raise ValueError(_err(f"empty {yuv} frame: shape {shape}"))
     if rows % 3 or (rows // 3 * 2) % 2 or w % 2:
         raise ValueError(_err(f"a {yuv} frame of shape {shape}: the frame's height and width must be even and "
                               "the array's height 3 / 2 of the frame's"))
@@ -257,7 +264,7 @@ def _planes_image(f: Planes, kind, yuv, item):
     if len(tuple(y.shape)) != 2:
         raise ValueError(_err(f"the Y plane must be 2-D (height, width), got shape {tuple(y.shape)}"))
     h, w = tuple(y.shape)
-    if h % 2 or w % 2 or h == 0:
+    if h % 2 or w % 2 or h == 0 or w == 0:
         raise ValueError(_err(f"a 4:2:0 frame needs an even, nonzero height and width; the Y plane is {h}x{w}"))
     sy, sx = A.strides_of(y, kind)
     gpu = kind in A.GPU_KINDS
@@ -310,9 +317,12 @@ def _items(imgs, rects, sources):
     if isinstance(rects, A.CupyArray) or (A.is_torch_tensor(rects) and rects.is_cuda):
         raise TypeError(_err("rects must be host data (a list, a NumPy array or a torch CPU tensor): the "
                              "rectangles are checked before the launch"))
-    r = np.asarray(rects)
+    try:
+        r = np.asarray(rects)
+    except ValueError:  # (ragged)
+        raise ValueError(_err(f"rects must be (x, y, w, h) or a sequence of them, got {rects!r}")) from None
     if r.dtype.kind not in "iu":
-        if r.dtype.kind == "f" and r.size and np.all(r == np.round(r)):
+        if r.dtype.kind == "f" and r.size and np.all(np.abs(r) < 2.0**62) and np.all(r == np.round(r)):
             r = r.astype(np.int64)
         elif r.size:
             raise TypeError(_err(f"rects must be integers (x, y, w, h), got dtype {r.dtype}"))
@@ -463,28 +473,46 @@ class Pipeline:
     # call signature -> _Launcher (the fast path); each Pipeline (every replace() too) has its own
     _fast: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def __post_init__(self):
+        # every field checked (and normalized) here: a Pipeline(...) built directly, and each step's
+        # replace(), as the step methods' arguments (hflip / vflip and colors are checked per call)
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ValueError(_err(f"layout must be one of {LAYOUTS}, got {self.layout!r}"))
+        if self.yuv is not None and self.yuv not in YUV_FORMATS:
+            raise ValueError(_err(f"yuv must be one of {YUV_FORMATS} or None, got {self.yuv!r}"))
+        if self.matrix not in _YUV_MATRIX:
+            raise ValueError(_err(f"matrix must be one of {tuple(_YUV_MATRIX)}, got {self.matrix!r}"))
+        if self.yuv is not None and self.layout is not None:
+            raise ValueError(_err("a yuv frame has its own layout; leave layout None"))
+        if self.interpolation not in INTERPOLATIONS:
+            raise ValueError(_err(f"interpolation must be one of {tuple(INTERPOLATIONS)}, got "
+                                  f"{self.interpolation!r}"))
+        if self.out_layout not in OUT_LAYOUTS:
+            raise ValueError(_err(f"the output layout must be one of {OUT_LAYOUTS}, got {self.out_layout!r}"))
+        sc = self.scale
+        if isinstance(sc, (bool, np.bool_)) or not isinstance(sc, (int, float, np.integer, np.floating)):
+            raise TypeError(_err(f"scale must be one number (the factor before mean and std), got {sc!r}"))
+        if not math.isfinite(sc):
+            raise ValueError(_err(f"scale must be finite, got {sc!r}"))
+        fixed = {"full_range": _bool("full_range", self.full_range), "letterbox": _bool("letterbox", self.letterbox),
+                 "size": None if self.size is None else _size(self.size), "dtype": _out_dtype(self.dtype),
+                 "fill": _values("fill", self.fill), "mean": _values("mean", self.mean),
+                 "std": _values("std", self.std), "scale": float(sc)}
+        for k, v in fixed.items():
+            object.__setattr__(self, k, v)  # (frozen)
+
     # ---- composing
     def read(self, layout: str | None = None, *, yuv: str | None = None, matrix: str = "bt601",
              full_range: bool = False) -> Pipeline:
         """Source layout (one of LAYOUTS; None: HW, HWC or NHWC by the array's dimensions); or a
         4:2:0 video frame, ``yuv`` "nv12" or "i420", converted to RGB with ``matrix`` "bt601" or
         "bt709", ``full_range`` or limited (Y 16-235, U/V 16-240, for 8 bits; scaled for 16)."""
-        if layout is not None and layout not in LAYOUTS:
-            raise ValueError(_err(f"layout must be one of {LAYOUTS}, got {layout!r}"))
-        if yuv is not None and yuv not in YUV_FORMATS:
-            raise ValueError(_err(f"yuv must be one of {YUV_FORMATS} or None, got {yuv!r}"))
-        if matrix not in _YUV_MATRIX:
-            raise ValueError(_err(f"matrix must be one of {tuple(_YUV_MATRIX)}, got {matrix!r}"))
-        if yuv is not None and layout is not None:
-            raise ValueError(_err("a yuv frame has its own layout; leave layout None"))
-        return replace(self, layout=layout, yuv=yuv, matrix=matrix, full_range=bool(full_range))
+        return replace(self, layout=layout, yuv=yuv, matrix=matrix, full_range=full_range)
 
     def resize(self, size: Any, interpolation: str = "bilinear") -> Pipeline:
         """Resize each crop to ``size`` (H, W) (an int: square). ``interpolation``: "bilinear"
         (half-pixel centers, as OpenCV INTER_LINEAR and torchvision antialias=False), "nearest" (OpenCV
         INTER_NEAREST, torch "nearest") or "nearest_exact" (torch "nearest-exact")."""
-        if interpolation not in INTERPOLATIONS:
-            raise ValueError(_err(f"interpolation must be one of {tuple(INTERPOLATIONS)}, got {interpolation!r}"))
         return replace(self, size=_size(size), interpolation=interpolation, letterbox=False)
 
     def letterbox_to(self, size: Any, fill: Any = 0.0, interpolation: str = "bilinear") -> Pipeline:
@@ -492,7 +520,7 @@ class Pipeline:
         centered; the rest is ``fill`` (one value or one per output channel, in source units: it
         goes through normalize and cast)."""
         p = self.resize(size, interpolation)
-        return replace(p, letterbox=True, fill=_values("fill", fill))
+        return replace(p, letterbox=True, fill=fill)
 
     def flip(self, horizontal: Any = False, vertical: Any = False) -> Pipeline:
         """Flip each crop (before it is resized): a bool, or one per item (may also be given per call)."""
@@ -506,17 +534,13 @@ class Pipeline:
     def normalize(self, mean: Any = 0.0, std: Any = 1.0, scale: float = 1.0) -> Pipeline:
         """(x * scale - mean) / std per output channel (mean, std: one value or one per channel; their
         values are copied here)."""
-        if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, (int, float, np.integer, np.floating)):
-            raise TypeError(_err(f"scale must be one number (the factor before mean and std), got {scale!r}"))
-        return replace(self, mean=_values("mean", mean), std=_values("std", std), scale=float(scale))
+        return replace(self, mean=mean, std=std, scale=scale)
 
     def cast(self, dtype: Any) -> Pipeline:
         """Output dtype: float32, float16, bfloat16 or uint8 (saturating, rounded to nearest even)."""
-        return replace(self, dtype=_out_dtype(dtype))
+        return replace(self, dtype=dtype)
 
     def write(self, layout: str = "NCHW") -> Pipeline:
-        if layout not in OUT_LAYOUTS:
-            raise ValueError(_err(f"the output layout must be one of {OUT_LAYOUTS}, got {layout!r}"))
         return replace(self, out_layout=layout)
 
     # ---- running
@@ -539,6 +563,7 @@ def process(images: Any, rects: Any = None, *, size: Any = None, interpolation: 
     (None: no resize, every crop of one size), flip, ``color``, (x * scale - mean) / std, cast to
     ``dtype``, write ``out_layout``. See ``Pipeline`` for each step."""
     p = Pipeline().read(layout, yuv=yuv, matrix=matrix, full_range=full_range)
+    letterbox = _bool("letterbox", letterbox)
     if size is not None:
         p = p.letterbox_to(size, fill, interpolation) if letterbox else p.resize(size, interpolation)
     elif letterbox:
@@ -570,8 +595,9 @@ class _Plan:
     yuv_params: tuple     # (Rv, Gu, Gv, Bu, y_offset, y_gain, c_offset, c_gain, range)
 
 
-def _color_spec(colors, c, yuv):
-    """(reads, gray weights or None) for a color argument and c source channels."""
+def _color_spec(colors, c, yuv, layout=None):
+    """(reads, gray weights or None) for a color argument and c source channels (``layout``: the
+    one given, None for the default by dimensions)."""
     if yuv is not None:
         if colors is None:
             colors = "rgb"
@@ -581,9 +607,10 @@ def _color_spec(colors, c, yuv):
         return ((0, 1, 2), _GRAY_RGB) if spec == "gray" else (spec, None)
     if colors is None:
         if c > 4:
-            raise ValueError(_err(f"the source images have {c} channels (the last axis of HWC, the default "
-                                  "layout); at most 4 are written: pass layout='CHW' (or 'NCHW') for channels "
-                                  "first, or color= (a tuple of the channels to keep)"))
+            raise ValueError(_err(f"the source images have {c} channels; at most 4 are written: pass color= (a "
+                                  "tuple of the channels to keep)" + ("" if layout is not None else
+                                  ", or layout='CHW' (or 'NCHW') if the channels come first (HWC is the "
+                                  "default for 3-D arrays)")))
         return tuple(range(c)), None
     if isinstance(colors, str):
         if colors not in COLORS:
@@ -624,7 +651,7 @@ def _yuv_params(p: Pipeline, dt):
 def _plan(p: Pipeline, images, rects, sources, hflip, vflip, out) -> _Plan:
     kind, dt, dev, imgs = _as_images(images, p.layout, p.yuv)
     odt = _out_dtype(p.dtype)
-    reads, gray = _color_spec(p.colors, imgs[0].c, p.yuv)
+    reads, gray = _color_spec(p.colors, imgs[0].c, p.yuv, p.layout)
     cout = 1 if gray is not None else len(reads)
     its = _items(imgs, rects, sources)
     n = its.shape[0]
@@ -1253,7 +1280,11 @@ class Compose:
         t = self._todtype
         if t is None or not t.scale:
             return self._pipeline
-        first = images[0] if isinstance(images, (list, tuple)) and images else images
+        if isinstance(images, (list, tuple)) and not images:
+            raise ValueError(_err("got an empty list of source images"))
+        first = images[0] if isinstance(images, (list, tuple)) else images
+        if isinstance(first, Planes):
+            first = first.planes[0]
         dt = _in_dtype(first, A.array_kind(_NAME, first, "the source image"))
         p = self._pipelines.get(dt)
         if p is None:

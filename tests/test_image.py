@@ -792,7 +792,7 @@ def test_matches_opencv_nv12(backend, matrix, full_range):
     (lambda x: I.process(x, size=3, mean=(0, float("nan"), 0)), ValueError, "mean must be finite"),
     (lambda x: I.process(x, size=3, letterbox=True, fill=None), TypeError, "fill must be a number"),
     (lambda x: I.process(x, size=3, mean=[[1, 2, 3]]), ValueError, r"got shape \(1, 3\)"),
-    (lambda x: I.process(np.zeros((3, 8, 8), np.uint8), size=4), ValueError, "pass layout='CHW'"),
+    (lambda x: I.process(np.zeros((3, 8, 8), np.uint8), size=4), ValueError, "or layout='CHW'"),
     (lambda x: I.process(x, size=3, dtype=np.int32), TypeError, "output dtype must be one of uint8"),
     (lambda x: I.process(x, size=3, layout="WHC"), ValueError, "layout must be one of"),
     (lambda x: I.process(x, size=3, layout="NHWC"), ValueError, "needs a 4-D array"),
@@ -812,11 +812,43 @@ def test_matches_opencv_nv12(backend, matrix, full_range):
     (lambda x: I.process(np.zeros((1, 40000), np.uint8), None, size=(1, 30000)), ValueError,
      "32-bit index arithmetic"),
     (lambda x: I.process(np.zeros((1, 2**22), np.uint8), None, size=1), ValueError, "at most 2\\*\\*22 - 1"),
+    # string flags ("False" was true: full range, a letterbox)
+    (lambda x: I.process(np.full((6, 4), 100, np.uint8), yuv="nv12", full_range="False"), TypeError,
+     "full_range must be a bool"),
+    (lambda x: I.process(x, size=4, letterbox="False"), TypeError, "letterbox must be a bool"),
+    # empty frames (were accepted: empty results, or an IndexError)
+    (lambda x: I.process(np.zeros((0, 4), np.uint8), yuv="nv12"), ValueError, "empty nv12 frame"),
+    (lambda x: I.process(np.zeros((3, 0), np.uint8), yuv="nv12", size=4), ValueError, "empty nv12 frame"),
+    (lambda x: I.process(I.Planes(np.zeros((2, 0), np.uint8), np.zeros((1, 0), np.uint8)), yuv="nv12"),
+     ValueError, "nonzero height and width"),
+    (lambda x: I.process(x, [(np.inf, 0, 2, 2)], size=3), TypeError, "must be integers"),
+    (lambda x: I.process(x, [(0, 0, 2, 2), (0, 0, 2)], size=3), ValueError, r"rects must be \(x, y, w, h\)"),
+    (lambda x: I.process(x, size=3, scale=float("nan")), ValueError, "scale must be finite"),
+    # more than 4 channels with the layout given: no advice to give that layout
+    (lambda x: I.process(np.zeros((1, 6, 4, 4), np.uint8), layout="NCHW"), ValueError,
+     r"keep\)$"),
+    # a Pipeline built directly is checked as the step methods check (a yuy2 frame was read as nv12)
+    (lambda x: I.Pipeline(yuv="yuy2"), ValueError, "yuv must be one of"),
+    (lambda x: I.Pipeline(out_layout="HWC"), ValueError, "output layout must be one of"),
+    (lambda x: I.Pipeline(size=(0, 3)), ValueError, "output height must be >= 1"),
+    (lambda x: I.Pipeline(interpolation="bicubic"), ValueError, "interpolation must be one of"),
+    (lambda x: I.Pipeline(yuv="nv12", matrix="bt2020"), ValueError, "matrix must be one of"),
+    (lambda x: I.Pipeline(dtype=np.int32), TypeError, "output dtype must be one of"),
 ])
 def test_errors(call, exc, match):
     x = np.zeros((5, 8, 3), np.uint8)
     with pytest.raises(exc, match=match):
         call(x)
+
+
+def test_list_of_batches_with_their_layout(backend):
+    """A list of NHWC batches reads as their images, with layout= given or not (given, it was refused)."""
+    a = np.random.default_rng(31).integers(0, 255, (2, 5, 6, 3)).astype(np.uint8)
+    b = np.random.default_rng(32).integers(0, 255, (1, 4, 7, 3)).astype(np.uint8)
+    want = run(backend, [a[0], a[1], b[0]], None, size=(3, 3))
+    for layout in (None, "NHWC"):
+        got = run(backend, [a, b], None, size=(3, 3), layout=layout)
+        np.testing.assert_array_equal(got, want, err_msg=str(layout))
 
 
 def test_values_are_copied():
