@@ -410,6 +410,8 @@ def _boxes(items, oh, ow, letterbox):
 def _values(what, v):
     """A per-channel argument as the pipeline keeps it: a float, or a tuple of floats (a copy: a NumPy
     array changed in place later changes no pipeline, whose calls may have cached the values)."""
+    if type(v) is float:
+        return v
     vals = v if isinstance(v, (list, tuple)) else [v]
     if any(x is None or isinstance(x, (str, bytes)) for x in vals):
         raise TypeError(_err(f"{what} must be a number or one number per output channel, got {v!r}"))
@@ -562,14 +564,12 @@ def process(images: Any, rects: Any = None, *, size: Any = None, interpolation: 
     """One call of a ``Pipeline``: crop ``rects`` from ``images``, resize (or letterbox) to ``size``
     (None: no resize, every crop of one size), flip, ``color``, (x * scale - mean) / std, cast to
     ``dtype``, write ``out_layout``. See ``Pipeline`` for each step."""
-    p = Pipeline().read(layout, yuv=yuv, matrix=matrix, full_range=full_range)
-    letterbox = _bool("letterbox", letterbox)
-    if size is not None:
-        p = p.letterbox_to(size, fill, interpolation) if letterbox else p.resize(size, interpolation)
-    elif letterbox:
+    if _bool("letterbox", letterbox) and size is None:
         raise ValueError(_err("letterbox needs a size"))
-    return p.color(color).normalize(mean, std, scale).cast(dtype).write(out_layout)(
-        images, rects, sources=sources, hflip=hflip, vflip=vflip, out=out)
+    p = Pipeline(layout=layout, size=size, interpolation=interpolation, letterbox=letterbox, fill=fill, colors=color,
+                 yuv=yuv, matrix=matrix, full_range=full_range, mean=mean, std=std, scale=scale, dtype=dtype,
+                 out_layout=out_layout)  # (one construction: each step method's replace() checks every field)
+    return p(images, rects, sources=sources, hflip=hflip, vflip=vflip, out=out)
 
 
 # ------------------------------------------------------------------ planning
