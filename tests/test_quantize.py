@@ -954,6 +954,38 @@ def test_dequantize_per_channel_errors(backend, what, launches):
     assert launches == []
 
 
+def test_integer_zero_points_and_0d_scales(backend, launches):
+    """Per-channel zero points of an integer dtype (torch's are int64 tensors) are taken as their
+    values; a 0-d scale (NumPy, or a CPU tensor) per tensor is its number."""
+    x = rand((6, 5), F32, 87, 4.0)
+    s = np.linspace(0.05, 0.2, 5).astype(F32)
+    zi = np.array([-3, 0, 2, 7, -1], np.int64)
+    got = backend.to_numpy(cufuse.quantize_int8(backend.asarray(x), backend.asarray(s), backend.asarray(zi), 1))
+    want = backend.to_numpy(cufuse.quantize_int8(backend.asarray(x), backend.asarray(s),
+                                                 backend.asarray(zi.astype(F32)), 1))
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(got)) > 5
+    if backend.name != "cupy":  # (a 0-d CuPy array would be read by waiting for the GPU: refused)
+        zero_d = backend.torch.tensor(0.125) if backend.is_torch else np.array(0.125, F32)  # (a CPU tensor)
+        got = backend.to_numpy(cufuse.quantize_int8(backend.asarray(x), zero_d, 1.0))
+        np.testing.assert_array_equal(got, backend.to_numpy(cufuse.quantize_int8(backend.asarray(x), 0.125, 1.0)))
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (["a", "b", "c", "d", "e"], TypeError, r"scale must be 5 real numbers"),
+    ([0.1, [0.2], 0.3, 0.1, 0.1], TypeError, r"scale must be 5 real numbers"),
+    ([1j] * 5, TypeError, r"scale must be 5 real numbers"),
+    ([True] * 5, TypeError, r"scale must hold real numbers, got a bool"),
+    ([0.1, 2**2000, 0.1, 0.1, 0.1], ValueError, r"every scale must be finite"),
+])
+def test_per_channel_list_errors(bad, exc, match):
+    """Lists that do not make numbers: the op's own errors (NumPy's conversion errors came through)."""
+    with pytest.raises(exc, match=r"^cufuse\.quantize_int8: " + match):
+        cufuse.quantize_int8(rand((4, 5), F32, 88), bad, 0.0, 1)
+    with pytest.raises(TypeError, match="zero_point has dtype bool"):
+        cufuse.quantize_int8(rand((4, 5), F32, 88), [0.1] * 5, np.ones(5, np.bool_), 1)
+
+
 @pytest.mark.parametrize("dtype, out_dtype", [(F32, F64), (F32, F16), (F64, F32), (F16, F32), (F32, I8)], ids=str)
 def test_dequantize_out_wrong_dtype(backend, dtype, out_dtype, launches):
     q = backend.asarray(all_int8((4, 5), 84))

@@ -126,8 +126,11 @@ def test_errors():
         cufuse.scatter_add(v, i, 3, activation="tanh")
     with pytest.raises(ValueError, match="dim_size"):
         cufuse.scatter_add(v, i, -1)
-    with pytest.raises(ValueError, match="dim_size"):
-        cufuse.scatter_add(v, i, True)
+    for bad in (True, 6.0, np.array(6)):  # (type errors: a bool, a float, an array)
+        with pytest.raises(TypeError, match="dim_size must be an int"):
+            cufuse.scatter_add(v, i, bad)
+    with pytest.raises(TypeError, match="activation must be None or a str"):
+        cufuse.scatter_add(v, i, 3, activation=["relu"])
     with pytest.raises(TypeError, match="accepted dtypes"):
         cufuse.scatter_add(v.astype(np.int32), i, 3)
     with pytest.raises(ValueError, match="0-d"):

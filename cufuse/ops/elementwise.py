@@ -348,7 +348,9 @@ _COMMON = """
 add_relu = _add_relu.public("ab", "relu(a + b), fused: one pass over memory.\n" + _COMMON)
 mul_tanh = _mul_tanh.public("ab", "tanh(a * b), fused: one pass over memory.\n" + _COMMON)
 add_mul_exp = _add_mul_exp.public("xy", "exp((x + y) * 2), fused: one pass over memory.\n" + _COMMON)
-fma = _fma.public("qkv", "q * k + v, fused (a fused multiply-add): one pass over memory.\n" + _COMMON)
+fma = _fma.public("qkv", "q * k + v, fused: one pass over memory. On the GPU one rounding (fmaf / fma: the\n"
+                  "product is not rounded first); the NumPy fallback rounds the product, then the sum, as\n"
+                  "NumPy's ``q * k + v`` (float16 and bfloat16: exact products in float32 either way).\n" + _COMMON)
 
 
 # ------------------------------------------------------------ GELU family

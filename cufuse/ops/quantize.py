@@ -9,6 +9,7 @@ for bit; NaN quantizes to 0, +inf to 127, -inf to -128.
 from __future__ import annotations
 
 import math
+import reprlib
 from numbers import Real
 
 import numpy as np
@@ -168,9 +169,18 @@ _dequant_ch = _channel_ops("dequantize_int8", "DequantizeCh", lambda i, o: o, _d
 def _scalar_param(name, what, v, positive, real):
     """A scalar parameter as a float, checked in ``real`` (the dtype the kernel
     computes in): 1e-46 is a positive float64 but 0 in float32."""
+    if isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "iuf":  # a 0-d array: its number
+        v = v.item()
+    elif A.is_torch_tensor(v) and v.dim() == 0 and not v.is_cuda and not v.dtype.is_complex and \
+            v.dtype != A.torch().bool:  # (a CUDA one would be read by waiting for the GPU: refused below)
+        _no_param_grad(name, what, v)
+        v = v.item()
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (Real, np.integer, np.floating)):
+        zero_d = len(getattr(v, "shape", (1,))) == 0
         raise TypeError(f"cufuse.{name}: {what} must be a real scalar when axis is None, got "
-                        f"{type(v).__module__}.{type(v).__name__}; pass axis= for per-channel parameters")
+                        f"{type(v).__module__}.{type(v).__name__}" +
+                        (f" ({A.describe(v, A.kind_of(v))}: pass a Python number)" if zero_d else
+                         "; pass axis= for per-channel parameters"))
     need = "finite and > 0" if positive else "finite"
     try:
         f = float(v)
@@ -207,15 +217,16 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
         vk = A.kind_of(v) if not isinstance(v, (list, tuple)) else A.NUMPY
     except A.RefusedArray as e:  # (masked, matrix, a negative bit: its reason says what to pass)
         raise A.RefusedArray(f"cufuse.{name}: {what} is refused: {e}") from None
-    arr = np.asarray(v, dtype=np.float64) if isinstance(v, (list, tuple)) else v  # a list of numbers
+    arr = _param_list(name, what, v, nch) if isinstance(v, (list, tuple)) else v  # a list of numbers
     if vk not in (A.NUMPY, kind):
         raise TypeError(f"cufuse.{name}: {what} is {A.describe(arr, vk)}; pass a NumPy array or the same "
                         f"array kind as the data ({kind})")
     dt = A.dtype_of(arr, vk)
     if vk in (A.TORCH_CPU, A.TORCH_CUDA):
         _no_param_grad(name, what, arr)
-    if dt not in _FLOATS:
-        raise TypeError(f"cufuse.{name}: {what} has dtype {dt}; accepted dtypes are {A.FLOAT_NAMES}")
+    if dt not in _FLOATS and not (not positive and dt.kind in "iu"):  # (zero points: torch's are int64 tensors)
+        raise TypeError(f"cufuse.{name}: {what} has dtype {dt}; accepted dtypes are {A.FLOAT_NAMES}"
+                        + ("" if positive else " and the integer ones"))
     if tuple(arr.shape) != (nch,):
         raise ValueError(f"cufuse.{name}: {what} has shape {tuple(arr.shape)}; axis {axis} of the data "
                          f"has length {nch}, so ({nch},) is needed")
@@ -236,8 +247,21 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
                          f"{A.device_of(x, kind)}; per-channel parameters must be on the data's GPU")
     if vk == A.CUPY:
         with R._cp.cuda.Device(dev):
-            return _cupy_cast(arr, real)
+            return _cupy_cast(arr, real) if dt in _FLOATS else arr.astype(real)
     return arr.to(A.numpy_to_torch_dtype(real)).contiguous()  # torch: the data's device (checked above)
+
+
+def _param_list(name, what, v, nch):
+    """A list or tuple of per-channel parameters as float64 NumPy (its checks are the caller's)."""
+    if any(isinstance(e, (bool, np.bool_)) for e in v):
+        raise TypeError(f"cufuse.{name}: {what} must hold real numbers, got a bool")
+    try:
+        return np.asarray(v, dtype=np.float64)
+    except OverflowError:  # an int beyond any float
+        raise ValueError(f"cufuse.{name}: every {what} must be finite; an int is beyond any float") from None
+    except (TypeError, ValueError):  # (a str, a complex, a nested list)
+        raise TypeError(f"cufuse.{name}: {what} must be {nch} real numbers (one per channel), got "
+                        f"{reprlib.repr(v)}") from None
 
 
 def _cupy_cast(arr, real):

@@ -30,9 +30,21 @@ _BLOCK = (32, 8)
 
 
 def _check_activation(name, activation):
-    """ValueError unless ``activation`` is one of ACTIVATIONS (a list, say, is not even hashable)."""
-    if not (activation is None or isinstance(activation, str)) or activation not in ACTIVATIONS:
+    """TypeError unless ``activation`` is None or a str (a list, say, is not even hashable), ValueError
+    unless it is one of ACTIVATIONS."""
+    if not (activation is None or isinstance(activation, str)):
+        raise TypeError(f"cufuse.{name}: activation must be None or a str (one of {list(ACTIVATIONS)}), got "
+                        f"{type(activation).__name__}")
+    if activation not in ACTIVATIONS:
         raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
+
+
+def _check_dim_size(name, dim_size):
+    """TypeError unless ``dim_size`` is an int (not a bool, a float or a tensor), ValueError if negative."""
+    if isinstance(dim_size, (bool, np.bool_)) or not isinstance(dim_size, (int, np.integer)):
+        raise TypeError(f"cufuse.{name}: dim_size must be an int >= 0, got {type(dim_size).__name__}")
+    if dim_size < 0:
+        raise ValueError(f"cufuse.{name}: dim_size must be an int >= 0, got {dim_size!r}")
 
 
 _R2, _RPI2, _K0, _K1 = 1 / math.sqrt(2), 1 / math.sqrt(2 * math.pi), math.sqrt(2 / math.pi), 0.044715
@@ -75,8 +87,7 @@ def _check(name, values, index, dim_size, activation):
                          f"got shape {tuple(index.shape)}")
     if kind in A.GPU_KINDS and A.device_of(index, ik) != dev:
         raise ValueError(f"cufuse.{name}: index is on GPU {A.device_of(index, ik)} but values on GPU {dev}")
-    if isinstance(dim_size, (bool, np.bool_)) or not isinstance(dim_size, (int, np.integer)) or dim_size < 0:
-        raise ValueError(f"cufuse.{name}: dim_size must be an int >= 0, got {dim_size!r}")
+    _check_dim_size(name, dim_size)
     _check_activation(name, activation)
     # (a uint64 index beyond int64 would wrap negative in the int64 copy; others (torch's uint64 has no max):
     # that copy's range check)
@@ -173,8 +184,7 @@ def scatter_add(values: Array, index: Array, dim_size: int, *, activation: str |
     backward gathers the output gradient per row, times act' (one pass)."""
     name = "scatter_add"
     if TO.compiling():  # the registered operator (the index range is checked in it, on real tensors)
-        if isinstance(dim_size, bool) or not isinstance(dim_size, int) or dim_size < 0:
-            raise ValueError(f"cufuse.{name}: dim_size must be an int >= 0, got {dim_size!r}")
+        _check_dim_size(name, dim_size)
         _check_activation(name, activation)
         return TO.scatter_add(values, index, dim_size, activation)
     if DK.is_dask(values) or DK.is_dask(index):
