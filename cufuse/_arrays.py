@@ -186,6 +186,8 @@ def kind_of(x):
         _whole_strides(x)
         return CUPY
     if is_torch_tensor(x):
+        if x.is_nested or x.layout is not t.strided or x.is_meta:
+            raise RefusedArray(_unstrided(x))
         return TORCH_CUDA if x.is_cuda else TORCH_CPU
     if isinstance(x, (bool, np.bool_)):
         raise TypeError("bool scalars are not accepted; pass a float (or int) scalar")
@@ -195,6 +197,16 @@ def kind_of(x):
         raise TypeError(f"{type(x).__name__} scalars are not accepted; pass a float (or int) scalar")
     raise TypeError(f"got {type(x).__module__}.{type(x).__name__}; accepted are numpy.ndarray, "
                     "cupy.ndarray, torch.Tensor and Python/NumPy int or float scalars")
+
+
+def _unstrided(x):
+    """Why a torch tensor without strided memory (nested, sparse, meta) is refused."""
+    if x.is_nested:
+        return ("got a nested torch tensor; cufuse computes on strided tensors: pad the sequences to one length "
+                "(torch.nested.to_padded_tensor), or run each one")
+    if x.is_meta:
+        return "got a meta tensor, which holds no data"
+    return f"got a torch tensor of layout {x.layout}; pass x.to_dense()"
 
 
 def _whole_strides(x):
@@ -256,6 +268,8 @@ def array_kind(name, x, what):
         kind, why = None, str(e)
     except TypeError:
         kind, why = None, ""
+    except ValueError as e:  # (_whole_strides)
+        raise ValueError(f"cufuse.{name}: {what}: {e}") from None
     if kind is None:
         raise TypeError(f"cufuse.{name}: {what} must be an array (numpy.ndarray, cupy.ndarray or "
                         f"torch.Tensor), {why or f'got {type(x).__module__}.{type(x).__name__}'}")
@@ -343,6 +357,8 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None
             k = kind_of(x)
         except TypeError as e:
             raise TypeError(f"cufuse.{name}: operand {i + 1}: {e}") from None
+        except ValueError as e:  # (_whole_strides)
+            raise ValueError(f"cufuse.{name}: operand {i + 1}: {e}") from None
         kinds.append(k)
         if k is not None:
             d = dtype_of(x, k)
@@ -425,6 +441,8 @@ def check_out(name, out, kind, dtype, shape, device):
         ok, why = None, str(e)
     except TypeError:
         ok, why = None, ""
+    except ValueError as e:  # (_whole_strides)
+        raise ValueError(f"cufuse.{name}: out: {e}") from None
     if ok is None:
         raise TypeError(f"cufuse.{name}: out must be a {kind}; "
                         f"{why or f'got {type(out).__module__}.{type(out).__name__}'}")

@@ -636,36 +636,39 @@ def signature(items):
     general path), so a kept recipe never skips that."""
     Cupy, Tensor = A.CupyArray, TORCH.Tensor
     key, ptrs = [], []
-    for a in items:
-        t = type(a)
-        if t is Cupy:
-            d = a.data
-            p = d.ptr
-            key.append((a.dtype, a.shape, a.strides, p & 15, d.device_id))
-            ptrs.append(p)
-        elif t is Tensor:
-            d = a.get_device()  # -1 off the GPU
-            if d < 0:
-                return None
-            if a.requires_grad and TORCH.grad_enabled() or a.is_neg():  # (a lazy negation: refused there)
-                return None
-            p = a.data_ptr()
-            key.append((a.dtype, a.shape, a.stride(), p & 15, d))
-            ptrs.append(p)
-        elif t in SCALAR_TYPES or a is None:
-            key.append(t)  # a scalar's type fixes its dtype; its value is read at each call
-        elif Tensor is None and A.is_torch_tensor(a):
-            torch_api()
-            return signature(items)
-        elif Tensor is not None and isinstance(a, Tensor):  # a subclass (nn.Parameter): as a tensor
-            d = a.get_device()
-            if d < 0 or a.requires_grad and TORCH.grad_enabled() or a.is_neg():
-                return None
-            p = a.data_ptr()
-            key.append((t, a.dtype, a.shape, a.stride(), p & 15, d))
-            ptrs.append(p)
-        else:
-            return None  # NumPy arrays, CuPy subclasses, anything to be rejected: the general path
+    try:
+        for a in items:
+            t = type(a)
+            if t is Cupy:
+                d = a.data
+                p = d.ptr
+                key.append((a.dtype, a.shape, a.strides, p & 15, d.device_id))
+                ptrs.append(p)
+            elif t is Tensor:
+                d = a.get_device()  # -1 off the GPU
+                if d < 0:
+                    return None
+                if a.requires_grad and TORCH.grad_enabled() or a.is_neg():  # (a lazy negation: refused there)
+                    return None
+                p = a.data_ptr()
+                key.append((a.dtype, a.shape, a.stride(), p & 15, d))
+                ptrs.append(p)
+            elif t in SCALAR_TYPES or a is None:
+                key.append(t)  # a scalar's type fixes its dtype; its value is read at each call
+            elif Tensor is None and A.is_torch_tensor(a):
+                torch_api()
+                return signature(items)
+            elif Tensor is not None and isinstance(a, Tensor):  # a subclass (nn.Parameter): as a tensor
+                d = a.get_device()
+                if d < 0 or a.requires_grad and TORCH.grad_enabled() or a.is_neg():
+                    return None
+                p = a.data_ptr()
+                key.append((t, a.dtype, a.shape, a.stride(), p & 15, d))
+                ptrs.append(p)
+            else:
+                return None  # NumPy arrays, CuPy subclasses, anything to be rejected: the general path
+    except RuntimeError:  # a CUDA tensor without strided memory (sparse, nested): the general path refuses it
+        return None
     return tuple(key), ptrs
 
 

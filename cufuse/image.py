@@ -1041,7 +1041,7 @@ def _array_key(x):
         return (x.dtype.str, x.shape, x.strides, x.data.device_id)
     try:
         kind = A.kind_of(x)
-    except TypeError:
+    except (TypeError, ValueError):  # (the general path says what is wrong)
         return None
     if kind not in A.GPU_KINDS:
         return None

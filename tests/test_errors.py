@@ -429,9 +429,31 @@ def test_strides_of_partial_items_rejected():
     calls = [lambda: cufuse.add_relu(x, 1.0), lambda: cufuse.layer_norm(x, 6), lambda: cufuse.softmax(x),
              lambda: cufuse.sum_squared(x), lambda: cufuse.fuse(lambda a: a * 2)(x),
              lambda: cufuse.image.process(x, None)]
-    for call in calls:
-        with pytest.raises(ValueError, match="not multiples of its 4-byte items"):
+    calls += [lambda: cufuse.quantize_int8(x, 0.1), lambda: cufuse.scatter_add(x, np.zeros(4, np.int64), 2),
+              lambda: cufuse.add_relu(rand((4, 6), F32, 7), 1.0, out=x)]
+    for call in calls:  # (each names the op: the message came without it)
+        with pytest.raises(ValueError, match=r"^cufuse\.\S+: .*not multiples of its 4-byte items"):
             call()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_unstrided_torch_tensors_rejected(device):
+    """Nested, sparse and meta tensors: a TypeError naming the op and what to pass (torch's own
+    errors came through: "NestedTensorImpl doesn't support sizes", a numpy conversion of a meta
+    tensor; on the GPU the fast path's strides of a sparse tensor)."""
+    torch = pytest.importorskip("torch")
+    q = torch.randn(2, 3, 5, 8, device=device)
+    nested = torch.nested.nested_tensor([torch.randn(5, 8), torch.randn(3, 8)], layout=torch.jagged, device=device)
+    cases = {"nested": (nested, "nested torch tensor"),
+             "sparse": (q.to_sparse(), "layout torch.sparse_coo; pass x.to_dense"),
+             "meta": (q.to("meta"), "meta tensor")}
+    tables = torch.ones(5, 8, device=device)
+    for name, (t, match) in cases.items():
+        calls = [lambda: cufuse.add_relu(t, 1.0), lambda: cufuse.attention(t, q, q), lambda: cufuse.softmax(t),
+                 lambda: cufuse.rope(t, None, tables, tables)]
+        for call in calls:
+            with pytest.raises(TypeError, match=r"^cufuse\.\S+: .*" + match):
+                call()
 
 
 def test_masked_arrays_rejected():
@@ -462,7 +484,7 @@ def test_refused_inputs_say_why():
         cufuse.softmax(torch.randn(3), out=neg)
     with pytest.raises(TypeError, match=r"cufuse\.cross_entropy: target must be .*negative bit set.*resolve_neg"):
         cufuse.cross_entropy(torch.randn(4, 5), torch._neg_view(torch.tensor([-1, -2, -3, -4])))
-    with pytest.raises(ValueError, match=r"cufuse\.scatter_add: activation must be one of .*\['relu'\]"):
+    with pytest.raises(TypeError, match=r"cufuse\.scatter_add: activation must be None or a str .*\['relu'\]$"):
         cufuse.scatter_add(np.ones((4, 5)), np.array([0, 1, 1, 0]), 2, activation=["relu"])
     with pytest.raises(TypeError, match=r"cufuse\.quantize_int8: scale is refused: .*negative bit set"):
         cufuse.quantize_int8(torch.randn(4, 3), torch._neg_view(torch.ones(3)), axis=1)

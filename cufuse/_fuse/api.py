@@ -221,6 +221,8 @@ class Fused:
                 k = A.kind_of(x)
             except TypeError as e:
                 raise TypeError(f"cufuse.{name}: argument {i + 1}: {e}") from None
+            except ValueError as e:  # (a structured array's field)
+                raise ValueError(f"cufuse.{name}: argument {i + 1}: {e}") from None
             if k is None:  # a scalar kind_of accepts but we do not (e.g. np.float128)
                 raise TypeError(f"cufuse.{name}: argument {i + 1}: {type(x).__name__} scalars are not accepted; "
                                 "pass a Python or NumPy int, float or bool")

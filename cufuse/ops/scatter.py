@@ -34,7 +34,7 @@ def _check_activation(name, activation):
     unless it is one of ACTIVATIONS."""
     if not (activation is None or isinstance(activation, str)):
         raise TypeError(f"cufuse.{name}: activation must be None or a str (one of {list(ACTIVATIONS)}), got "
-                        f"{type(activation).__name__}")
+                        f"{activation!r}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"cufuse.{name}: activation must be one of {list(ACTIVATIONS)}, got {activation!r}")
 
