@@ -140,6 +140,24 @@ def test_errors():
         cufuse.rope(q, None, wrong, wrong)
     with pytest.raises(ValueError, match="do not broadcast against k's rows"):
         cufuse.rope(q, np.ones((1, 2, 4, 8), np.float32), cos, cos)
+    # a (batch, tokens, dim) q with a (tokens, r) table: the message says to pass unsqueeze_dim=0
+    with pytest.raises(ValueError, match="for \\(batch, tokens, dim\\) pass unsqueeze_dim=0"):
+        cufuse.rope(np.ones((2, 3, 8), np.float32), None, cos[0], cos[0])
+    got, _ = cufuse.rope(np.ones((2, 3, 8), np.float32), None, cos[0], cos[0], unsqueeze_dim=0)
+    assert got.shape == (2, 3, 8)
+    with pytest.raises(TypeError, match="unsqueeze_dim must be an int, got float"):
+        cufuse.rope(q, None, cos, cos, unsqueeze_dim=1.0)
+    got, _ = cufuse.rope(q, None, cos, cos, unsqueeze_dim=np.int64(1))  # (a NumPy int was refused)
+    np.testing.assert_array_equal(got, cufuse.rope(q, None, cos, cos)[0])
+    # positions beyond the tables (an IndexError of NumPy's came through); -1 counts from the end
+    with pytest.raises(ValueError, match=r"position_ids hold values in \[0, 5\]; the tables have 3 positions"):
+        cufuse.rope(q, None, cos[0], cos[0], position_ids=np.array([[0, 5, 1]]))
+    with pytest.raises(ValueError, match="position_ids hold values in"):
+        cufuse.rope(q, None, cos[0], cos[0], position_ids=np.array([[0, -4, 1]]))
+    tab = np.random.default_rng(5).standard_normal((3, 8)).astype(np.float32)
+    back = cufuse.rope(q, None, tab, tab, position_ids=np.array([[0, -1, 1]]))[0]
+    np.testing.assert_array_equal(back, cufuse.rope(q, None, tab, tab, position_ids=np.array([[0, 2, 1]]))[0])
+    assert not np.array_equal(back, cufuse.rope(q, None, tab, tab, position_ids=np.array([[0, 1, 1]]))[0])
 
 
 # ---------------------------------------------------------------- autograd

@@ -94,6 +94,12 @@ def _tables(name, q, cos, sin, position_ids, unsqueeze_dim, kind, dt, dev):
             raise ValueError(f"cufuse.{name}: position_ids is on GPU {A.device_of(position_ids, kind)}, q on GPU "
                              f"{dev}")
         pos = D.astype(position_ids, np.dtype(np.int64), kind)  # (torch reads uint8 indices as a mask)
+        n = cos.shape[0]
+        if kind not in A.GPU_KINDS and A.count(tuple(pos.shape)) and not -n <= int(pos.min()) <= int(pos.max()) < n:
+            # (negative ones count from the end, as the indexing of Hugging Face's tables; GPU ones are not
+            # read: that would wait for the device)
+            raise ValueError(f"cufuse.{name}: position_ids hold values in [{int(pos.min())}, {int(pos.max())}]; the "
+                             f"tables have {n} positions")
         cos, sin = cos[pos], sin[pos]
     nd = len(q.shape)
     if nd > 2 and len(cos.shape) == nd - 1:  # (batch, tokens, r): the heads' dim added (HF's unsqueeze_dim)
@@ -327,8 +333,10 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
     nd = len(q.shape)
     if nd < 2:
         raise ValueError(f"cufuse.{name}: q must have a head dim and at least one more dim, got shape {tuple(q.shape)}")
-    if isinstance(unsqueeze_dim, bool) or not isinstance(unsqueeze_dim, int) or (
-            nd > 2 and not 0 <= unsqueeze_dim < nd - 1):  # (a q of (tokens, dim) has no heads' dim to insert)
+    if isinstance(unsqueeze_dim, (bool, np.bool_)) or not isinstance(unsqueeze_dim, (int, np.integer)):
+        raise TypeError(f"cufuse.{name}: unsqueeze_dim must be an int, got {type(unsqueeze_dim).__name__}")
+    unsqueeze_dim = int(unsqueeze_dim)
+    if nd > 2 and not 0 <= unsqueeze_dim < nd - 1:  # (a q of (tokens, dim) has no heads' dim to insert)
         raise ValueError(f"cufuse.{name}: unsqueeze_dim must be an int in [0, {nd - 1}), got {unsqueeze_dim!r}")
     if k is not None:
         _check(name, k, "k", kind, dt, dev, nd)
@@ -340,7 +348,10 @@ def rope(q: Array, k: Array | None, cos: Array, sin: Array, /, *, position_ids: 
     for what, x in (("q", q), ("k", k)):
         if x is not None and not _fits(tuple(cos.shape[:-1]), tuple(x.shape[:-1])):
             raise ValueError(f"cufuse.{name}: cos and sin (as shaped for q: {tuple(cos.shape)}) do not broadcast "
-                             f"against {what}'s rows {tuple(x.shape[:-1])}")
+                             f"against {what}'s rows {tuple(x.shape[:-1])}" + (
+                                 "; a 3-D q is read as (tokens, heads, dim) with unsqueeze_dim=1, as Hugging Face's "
+                                 "function reads it: for (batch, tokens, dim) pass unsqueeze_dim=0"
+                                 if nd == 3 and unsqueeze_dim == 1 else ""))
     interleaved = bool(interleaved)
     if grad and AG.wants_grad((q, k)):
         return AG.apply("rope", _function, q, k, cos, sin, r, interleaved)
