@@ -154,6 +154,28 @@ def test_empty_sequences(backend, shape):
     np.testing.assert_array_equal(backend.to_numpy(lse), want_lse.astype(np.float32))
 
 
+@pytest.mark.parametrize("shape", [(2, 0, 0, 5, 5, 64), (1, 2, 2, 5, 7, 0), (1, 4, 2, 3, 3, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_no_heads_and_head_dim_zero(backend, shape, causal):
+    """No heads in q, k and v (they were refused as "not a whole multiple"), and a head dim of 0 (refused;
+    torch's SDPA gives an empty result): empty outputs, and for a head dim of 0 each row's lse is the log
+    of the keys it sees (every score is 0). Scores alike; the gradients are empty for torch."""
+    q, k, v = _inputs(shape, np.float16, 7)
+    o, lse = cufuse.attention(backend.asarray(q), backend.asarray(k), backend.asarray(v), causal=causal,
+                              return_lse=True)
+    want_o, want_lse = _reference(q, k, v, 1.0, causal)
+    assert tuple(o.shape) == q.shape and tuple(lse.shape) == q.shape[:3]
+    np.testing.assert_array_equal(backend.to_numpy(lse), want_lse.astype(np.float32))
+    s = cufuse.attention_score(backend.asarray(q), backend.asarray(k))
+    assert tuple(s.shape) == (*q.shape[:3], k.shape[2])
+    np.testing.assert_array_equal(backend.to_numpy(s), np.zeros(s.shape, np.float16))
+    if backend.is_torch:
+        ts = [backend.asarray(x).requires_grad_(True) for x in (q, k, v)]
+        o, lse = cufuse.attention(*ts, causal=causal, return_lse=True)
+        (o.float().sum() + lse.sum()).backward()
+        assert [tuple(t.grad.shape) for t in ts] == [q.shape, k.shape, v.shape]
+
+
 @pytest.mark.parametrize("dt", DTYPES_ALL, ids=lambda d: d.name)
 def test_causal_rows_without_keys(backend, dt):
     """seq_q > seq_k with the bottom-right causal mask: the first rows see no key (0, lse -inf)."""

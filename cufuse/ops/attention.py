@@ -168,6 +168,18 @@ def _operands(name, q, others):
     return kind, dt, dev
 
 
+def _check_heads(name, h, hk, what, of):
+    """ValueError unless q's h heads are a whole multiple of k's hk (none of none: an empty result)."""
+    if (h % hk if hk else h):
+        raise ValueError(f"cufuse.{name}: q has {h} heads and {what} {hk}: the query heads must be a whole multiple "
+                         f"of the {of}")
+
+
+def _group(q, k):
+    """Query heads per key head (0 for a q of no heads)."""
+    return q.shape[1] // k.shape[1] if k.shape[1] else 0
+
+
 def _scale_arg(name, scale, d):
     """The scale as a float: 1/sqrt(d) by default, else a finite number."""
     if scale is None:
@@ -204,15 +216,11 @@ def _args(name, q, k, v, causal, scale):
     if vs[3] != d:
         raise ValueError(f"cufuse.{name}: v's head dim is {vs[3]} and q's {d}; a different value head dim is not "
                          "supported")
-    if hk == 0 or h % hk:
-        raise ValueError(f"cufuse.{name}: q has {h} heads and k, v {hk}: the query heads must be a whole multiple "
-                         "of the key/value heads (grouped-query attention)")
-    if d == 0:
-        raise ValueError(f"cufuse.{name}: the head dim is 0")
+    _check_heads(name, h, hk, "k, v", "key/value heads (grouped-query attention)")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"cufuse.{name}: causal must be a bool, got {type(causal).__name__}")
     scale = _scale_arg(name, scale, d)
-    if kind in A.GPU_KINDS and dt in A.HALVES and _kernels_fit(dev, d) and d not in HEAD_DIMS:
+    if kind in A.GPU_KINDS and dt in A.HALVES and _kernels_fit(dev, d) and d not in HEAD_DIMS and d:
         raise ValueError(f"cufuse.{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
                          f"(supported: {', '.join(map(str, HEAD_DIMS))})")
     return kind, dt, dev, q, k, v, float(scale), bool(causal), nd == 3
@@ -280,7 +288,7 @@ def _dense_forward(kind, dt, q, k, v, scale, causal):
     """(o in dt, lse float32) by the dense math, in the compute dtype."""
     xp, cdt = _xp(kind), _compute_dtype(kind, dt)
     qc, kc, vc = (_to_xp(x, kind).astype(cdt) for x in (q, k, v))
-    group = qc.shape[1] // kc.shape[1]
+    group = _group(qc, kc)
     kc, vc = _repeat(xp, kc, group), _repeat(xp, vc, group)
     b, h, sq, d = qc.shape
     if kc.shape[2] == 0:
@@ -305,7 +313,7 @@ def _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal, glse=None):
     qc, kc, vc, oc, dc = (_to_xp(x, kind).astype(cdt) for x in (q, k, v, o, do))
     lc = _to_xp(lse, kind).astype(cdt)[..., None]
     b, hk, sk, d = kc.shape
-    group = qc.shape[1] // hk
+    group = _group(qc, kc)
     kr, vr = _repeat(xp, kc, group), _repeat(xp, vc, group)
     s = _scores(xp, qc, kr, scale, causal)
     with np.errstate(all="ignore"):
@@ -449,7 +457,10 @@ def _scale_fits(scale):
 
 
 def _uses_kernels(kind, dt, dev, q, scale):
-    return kind in A.GPU_KINDS and dt in A.HALVES and _scale_fits(scale) and _kernels_fit(dev, q.shape[-1])
+    """The flash kernels (a head dim of 0 takes the dense math: nothing to multiply, and a row's lse is
+    the log of the keys it sees)."""
+    return (kind in A.GPU_KINDS and dt in A.HALVES and _scale_fits(scale) and q.shape[-1] > 0
+            and _kernels_fit(dev, q.shape[-1]))
 
 
 def forward(kind, dt, dev, q, k, v, scale, causal):
@@ -524,9 +535,7 @@ def _score_args(name, q, k, scale, mask):
     (b, h, sq, d), (bk, hk, sk, dk) = tuple(q4.shape), tuple(k4.shape)
     if bk != b or dk != d:
         raise ValueError(f"cufuse.{name}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head dim")
-    if hk == 0 or h % hk:
-        raise ValueError(f"cufuse.{name}: q has {h} heads and k {hk}: the query heads must be a whole multiple of "
-                         "the key heads")
+    _check_heads(name, h, hk, "k", "key heads")
     scale = _scale_arg(name, scale, d)
     out_shape = (b, sq, sk) if nd == 3 else (b, h, sq, sk)
     if mask is not None:
@@ -563,7 +572,7 @@ def _score_args(name, q, k, scale, mask):
 def _score_dense(kind, dt, q, k, scale, mask):
     xp, cdt = _xp(kind), _compute_dtype(kind, dt)
     qc, kc = (_to_xp(x, kind).astype(cdt) for x in (q, k))
-    s = xp.matmul(qc, xp.swapaxes(_repeat(xp, kc, qc.shape[1] // kc.shape[1]), -1, -2)) * scale
+    s = xp.matmul(qc, xp.swapaxes(_repeat(xp, kc, _group(qc, kc)), -1, -2)) * scale
     if mask is not None:
         m = _to_xp(mask, kind)
         s = xp.where(m, s, -xp.inf) if m.dtype == np.bool_ else s + m.astype(cdt)
@@ -650,7 +659,8 @@ def _score_compiled(q, k, scale, mask):
     three = q.dim() == 3
     if three:
         q, k = q.unsqueeze(1), k.unsqueeze(1)
-    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or k.shape[1] == 0 or q.shape[1] % k.shape[1]:
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3] or (q.shape[1] % k.shape[1] if k.shape[1]
+                                                                  else q.shape[1]):
         raise ValueError(f"{name}: q {tuple(q.shape)} and k {tuple(k.shape)} do not agree")
     scale = _scale_arg("attention_score", scale, q.shape[-1])  # as eager mode checks it
     if mask is not None:
@@ -680,7 +690,7 @@ def score_backward(g, q, k, scale, mask, want_q=True, want_k=True):
     if mask is not None and mask.dtype == A.torch().bool:
         g = g.masked_fill(~mask, 0)
     g = g * scale
-    group = q.shape[1] // k.shape[1]
+    group = _group(q, k)
     dq = dk = None
     if want_q:
         dq = g @ (k.repeat_interleave(group, 1) if group != 1 else k)
@@ -724,15 +734,15 @@ def _compiled(q, k, v, causal, scale, return_lse):
     if q.dim() != 4:
         raise ValueError(f"{name}: q, k and v must be (batch, seq, dim) or (batch, heads, seq, dim)")
     b, h, sq, d = q.shape
-    if (k.shape[0] != b or k.shape[3] != d or v.shape != k.shape or k.shape[1] == 0 or h % k.shape[1]
-            or d == 0):
+    if (k.shape[0] != b or k.shape[3] != d or v.shape != k.shape
+            or (h % k.shape[1] if k.shape[1] else h)):
         raise ValueError(f"{name}: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not agree "
                          "(k and v of one shape, q's batch and head dim, heads a multiple of k's)")
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"{name}: causal must be a bool")
     causal = bool(causal)
     scale = _scale_arg("attention", scale, d)  # as eager mode checks it
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d not in HEAD_DIMS:
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and d not in HEAD_DIMS and d:
         raise ValueError(f"{name}: head dim {d} is not supported by the float16/bfloat16 GPU kernels "
                          f"(supported: {', '.join(map(str, HEAD_DIMS))})")
     o, lse = TO.attention(q, k, v, scale, causal)
