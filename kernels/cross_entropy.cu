@@ -161,11 +161,15 @@ cross_entropy_backward(T* dx, const T* x, const long long* __restrict__ target,
         const C sc = (t >= 0 && t < cols) ? scale[r * sstride] : quiet_nan<C>();
         const C pz = z != 0.0 ? C(1) + C(2) * static_cast<C>(z) * (l + c) : C(1);
         const C hit = C(1) - e;
+        // p_j = 2**((x_j - c) log2(e) - (lse - c) log2(e)): one FMA after the shift, as many operations as
+        // exp(x_j - lse) took before the shift
+        const C log2e = C(1.4426950408889634), l2 = l * log2e;
         T* drow = dx + r * ldd;
         each_pack(x + r * ldx, cols, vec, [&](long long e0, const C* tv, int n) {
             C o[V];
             for (int i = 0; i < n; ++i)
-                o[i] = ignored ? C(0) : (math::exp_fast((tv[i] - c) - l) * pz - ec - (e0 + i == t ? hit : C(0))) * sc;
+                o[i] = ignored ? C(0)
+                               : (math::exp2_fast(math::fma(tv[i] - c, log2e, -l2)) * pz - ec - (e0 + i == t ? hit : C(0))) * sc;
             if (n == V) {
                 Pack<T, V> p;
 #pragma unroll

@@ -165,7 +165,7 @@ def test_no_heads_and_head_dim_zero(backend, shape, causal):
                               return_lse=True)
     want_o, want_lse = _reference(q, k, v, 1.0, causal)
     assert tuple(o.shape) == q.shape and tuple(lse.shape) == q.shape[:3]
-    np.testing.assert_array_equal(backend.to_numpy(lse), want_lse.astype(np.float32))
+    np.testing.assert_allclose(backend.to_numpy(lse), want_lse, rtol=2e-7)  # (the GPU's log in float32)
     s = cufuse.attention_score(backend.asarray(q), backend.asarray(k))
     assert tuple(s.shape) == (*q.shape[:3], k.shape[2])
     np.testing.assert_array_equal(backend.to_numpy(s), np.zeros(s.shape, np.float16))

@@ -258,9 +258,17 @@ def _lse_dtype(dt):
     return dt if dt == np.float64 else _F32
 
 
+def _qk(xp, q, k):
+    """q k^T over the last dims ([b, h, sq, d] by [b, h, sk, d]); zeros for d = 0 (written: a matmul of
+    an empty inner dim need not write its result)."""
+    if q.shape[-1] == 0:
+        return xp.zeros((*q.shape[:-1], k.shape[-2]), q.dtype)
+    return xp.matmul(q, xp.swapaxes(k, -1, -2))
+
+
 def _scores(xp, q, k, scale, causal):
     """Scaled scores [b, h, sq, sk] with the causal mask as -inf; k already repeated per query head."""
-    s = xp.matmul(q, xp.swapaxes(k, -1, -2)) * scale
+    s = _qk(xp, q, k) * scale
     if causal:
         sq, sk = s.shape[-2], s.shape[-1]
         row = xp.arange(sq).reshape(-1, 1)
@@ -319,7 +327,7 @@ def _dense_backward(kind, dt, q, k, v, o, lse, do, scale, causal, glse=None):
     with np.errstate(all="ignore"):
         p = xp.where(xp.isfinite(lc), xp.exp(s - xp.where(xp.isfinite(lc), lc, 0)), 0)
     dv = xp.matmul(xp.swapaxes(p, -1, -2), dc)
-    dp = xp.matmul(dc, xp.swapaxes(vr, -1, -2))
+    dp = _qk(xp, dc, vr)
     delta = (dc * oc).sum(axis=-1, keepdims=True)
     if glse is not None:
         delta = delta - _to_xp(glse, kind).astype(cdt)[..., None]
@@ -572,7 +580,7 @@ def _score_args(name, q, k, scale, mask):
 def _score_dense(kind, dt, q, k, scale, mask):
     xp, cdt = _xp(kind), _compute_dtype(kind, dt)
     qc, kc = (_to_xp(x, kind).astype(cdt) for x in (q, k))
-    s = xp.matmul(qc, xp.swapaxes(_repeat(xp, kc, _group(qc, kc)), -1, -2)) * scale
+    s = _qk(xp, qc, _repeat(xp, kc, _group(qc, kc))) * scale
     if mask is not None:
         m = _to_xp(mask, kind)
         s = xp.where(m, s, -xp.inf) if m.dtype == np.bool_ else s + m.astype(cdt)
