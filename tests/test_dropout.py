@@ -253,6 +253,25 @@ def test_manual_seed_reproduces(backend):
     assert ((a1 != 0) != (c1 != 0)).mean() > 0.4       # another manual seed: another sequence
 
 
+def test_refused_calls_draw_no_seed(backend):
+    """A call that raises (a wrong dtype, a wrong out=, out= under autograd) leaves the generator its
+    seed would come from as it was: the next masks are those of a run without it."""
+    x = dropout_input((4096,), F32, 33)
+    bads = [lambda: cufuse.gelu_dropout(backend.asarray(np.arange(8, dtype=np.int32)), 0.5),
+            lambda: cufuse.gelu_dropout(backend.asarray(x), 0.5, out=backend.asarray(np.zeros(5, F32)))]
+    if backend.is_torch:
+        bads.append(lambda: cufuse.gelu_dropout(backend.asarray(x).requires_grad_(True), 0.5,
+                                                out=backend.asarray(np.zeros(4096, F32))))
+    run(backend, x, p=0.5)  # (a first call keeps the signature's recipe: later ones take the fast path)
+    _manual_seed(backend, 99)
+    want = run(backend, x, p=0.5)
+    _manual_seed(backend, 99)
+    for bad in bads:
+        with pytest.raises((TypeError, ValueError, RuntimeError)):
+            bad()
+    np.testing.assert_array_equal(run(backend, x, p=0.5), want)
+
+
 def test_torch_draws_from_torch_and_checkpoint_recomputes_the_mask():
     """seed=None on torch tensors draws from torch's generator: torch.utils.checkpoint, whose
     recompute restores it (reentrant: the first forward ran without grad), gives the gradient of

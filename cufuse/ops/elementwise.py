@@ -149,12 +149,13 @@ class ElementwiseOp:
             return_annotation="Array")
         return op
 
-    def call(self, args, out, out_dtype=None, params=(), np_params=None, key_extra=None):
+    def call(self, args, out, out_dtype=None, params=(), np_params=None, key_extra=None, sig=False):
         """The one entry of every call: the fast path when this signature (and
         ``key_extra``: what else selects the recipe) has a recipe, else the
-        general path. ``params``: per-call values passed after the count."""
+        general path. ``params``: per-call values passed after the count;
+        ``sig``: ``D.signature((*args, out))`` where the caller has it."""
         if len(args) == self.arity:
-            s = D.signature((*args, out))
+            s = D.signature((*args, out)) if sig is False else sig
             if s is not None:
                 key, ptrs = s
                 key = (key, key_extra)
@@ -616,15 +617,36 @@ def gelu_dropout(x: Array, /, p: float = 0.1, training: bool = True, seed: int |
     if TO.compiling():  # torch.compile: the registered operator; seed=None drawn by torch, in the graph
         AG.no_out("gelu_dropout", out)
         return TO.gelu_dropout(x, p, seed, approximate)
+    grad = AG.wants_grad((x,))
+    if grad:
+        AG.no_out("gelu_dropout", out)
+    sig = False
     if seed is None:
+        sig = _check_before_draw(tanh, p, x, out, grad)
         # torch tensors: from torch's generator, as torch's dropout (torch.utils.checkpoint's recompute,
         # which restores that generator, draws the same mask; DataLoader workers reseed it)
         seed = _random.torch_seed() if A.is_torch_tensor(x) else _random.next_seed()
     fwd, bwd, params, np_params = _dropout_call(tanh, p, seed, approximate)
-    if AG.wants_grad((x,)):  # recorded: the backward draws the mask again from (seed, p)
-        AG.no_out("gelu_dropout", out)
+    if grad:  # recorded: the backward draws the mask again from (seed, p)
         return AG.dropout_apply(fwd, bwd, x, params, np_params)
-    return fwd.call((x,), out, params=params, np_params=np_params)
+    return fwd.call((x,), out, params=params, np_params=np_params, sig=sig)
+
+
+def _check_before_draw(tanh, p, x, out, grad):
+    """gelu_dropout's checks of x and out where the call will not find a kept recipe (the general path:
+    the CPU, a first call of its signature, autograd), before a seed is drawn: a call that raises leaves
+    torch's and cufuse's generators as they were. A signature with a recipe was checked when it was kept.
+    Returns the call's signature (ElementwiseOp.call's ``sig``), or False where it was not taken."""
+    fwd = _dropout_ops[tanh, (_DROPOUT_P.get(p) or _dropout_constants(p))[4]]
+    sig = False
+    if not grad:
+        sig = D.signature((x, out))
+        if sig is not None and (sig[0], None) in fwd.fast.recipes:
+            return sig
+    if DK.is_dask(x):
+        fwd.call((x,), out)  # (its refusal: the mask depends on each element's place in the whole array)
+    A.plan_elementwise(fwd.name, (x.detach() if grad else x,), out, accepted=fwd.in_dtypes)
+    return sig
 
 
 def _dropout_call(tanh, p, seed, approximate):
