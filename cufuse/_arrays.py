@@ -186,7 +186,7 @@ def kind_of(x):
         _whole_strides(x)
         return CUPY
     if is_torch_tensor(x):
-        if x.is_nested or x.layout is not t.strided or x.is_meta:
+        if x.is_nested or x.layout is not t.strided:
             raise RefusedArray(_unstrided(x))
         return TORCH_CUDA if x.is_cuda else TORCH_CPU
     if isinstance(x, (bool, np.bool_)):
@@ -200,13 +200,18 @@ def kind_of(x):
 
 
 def _unstrided(x):
-    """Why a torch tensor without strided memory (nested, sparse, meta) is refused."""
+    """Why a torch tensor without strided memory (nested, sparse) is refused."""
     if x.is_nested:
         return ("got a nested torch tensor; cufuse computes on strided tensors: pad the sequences to one length "
                 "(torch.nested.to_padded_tensor), or run each one")
-    if x.is_meta:
-        return "got a meta tensor, which holds no data"
     return f"got a torch tensor of layout {x.layout}; pass x.to_dense()"
+
+
+def _no_meta(name, what, x, kind):
+    """TypeError for a meta tensor given to an op (it holds no data). Not kind_of's: cufuse.fuse traces
+    its graphs under torch.compile on meta tensors."""
+    if kind == TORCH_CPU and x.is_meta:
+        raise TypeError(f"cufuse.{name}: {what} is a meta tensor, which holds no data")
 
 
 def _whole_strides(x):
@@ -273,6 +278,7 @@ def array_kind(name, x, what):
     if kind is None:
         raise TypeError(f"cufuse.{name}: {what} must be an array (numpy.ndarray, cupy.ndarray or "
                         f"torch.Tensor), {why or f'got {type(x).__module__}.{type(x).__name__}'}")
+    _no_meta(name, what, x, kind)
     return kind
 
 
@@ -359,6 +365,7 @@ def plan_elementwise(name: str, args, out, accepted=FLOAT_DTYPES, out_dtype=None
             raise TypeError(f"cufuse.{name}: operand {i + 1}: {e}") from None
         except ValueError as e:  # (_whole_strides)
             raise ValueError(f"cufuse.{name}: operand {i + 1}: {e}") from None
+        _no_meta(name, f"operand {i + 1}", x, k)
         kinds.append(k)
         if k is not None:
             d = dtype_of(x, k)

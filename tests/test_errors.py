@@ -446,7 +446,7 @@ def test_unstrided_torch_tensors_rejected(device):
     nested = torch.nested.nested_tensor([torch.randn(5, 8), torch.randn(3, 8)], layout=torch.jagged, device=device)
     cases = {"nested": (nested, "nested torch tensor"),
              "sparse": (q.to_sparse(), "layout torch.sparse_coo; pass x.to_dense"),
-             "meta": (q.to("meta"), "meta tensor")}
+             "meta": (q.to("meta"), "is a meta tensor")}
     tables = torch.ones(5, 8, device=device)
     for name, (t, match) in cases.items():
         calls = [lambda: cufuse.add_relu(t, 1.0), lambda: cufuse.attention(t, q, q), lambda: cufuse.softmax(t),
