@@ -351,6 +351,8 @@ def norm_backward(kind, g, x, n, w, b, eps, gadd=None):
         rstd = torch.rsqrt(R["ms"](x2) + eps)
         xh = x2 * rstd
     else:
+        x2 = x2 - x2[:, :1]  # (each row shifted by its first element, as the NumPy forward: an offset common to
+        # the row, 1000 + randn, costs the statistics nothing, and the relu mask agrees with the forward's)
         mu = R["mean"](x2)
         rstd = torch.rsqrt(R["var"](x2, mu) + eps)  # (rows, 1): a small torch op
         xh = R["xhat"](x2, mu, rstd)
