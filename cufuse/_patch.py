@@ -50,6 +50,7 @@ import copy
 import functools
 import sys
 import threading
+import weakref
 
 import torch
 from torch import nn
@@ -116,7 +117,9 @@ def _rms_probe(old):
     w = old.weight
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, *w.shape, generator=g).to(w.device, w.dtype)
-    other = torch.bfloat16 if w.dtype != torch.bfloat16 else torch.float32
+    # an input dtype that the weight's promotes away from (bfloat16 with float32 gives float32 either way:
+    # a norm that casts back could not be told from one that promotes)
+    other = torch.float16 if w.dtype == torch.bfloat16 else torch.bfloat16
     try:
         with torch.no_grad():
             want, out = type(old).forward(old, x), type(old).forward(old, x.to(other))
@@ -429,17 +432,49 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     heads. Returns ((batch, seq, heads, dim), None) as the interface wants."""
     extras = any(kwargs.get(k) is not None for k in ("softcap", "s_aux", "sinks", "position_bias"))
     fits = (not query.is_cuda) or (query.dtype in (torch.float16, torch.bfloat16) and query.shape[-1] in HEAD_DIMS)
-    if (attention_mask is not None or (dropout and module.training) or extras or kwargs.get("output_attentions")
-            or not fits or value.shape[-1] != query.shape[-1]):
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward  # (only where it is used)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # (as transformers' SDPA path: one query token attends to every key; cufuse aligns a causal mask to the
-    # bottom right, so a chunk of queries after a cache sees the cache and its own past)
+    # (as transformers' SDPA path: one query token attends to every key)
     causal = bool(causal) and query.shape[2] > 1
+    if (attention_mask is not None or (dropout and module.training) or extras or kwargs.get("output_attentions")
+            or not fits or value.shape[-1] != query.shape[-1]
+            # no mask with more keys than queries (a static cache's prefill, its free slots at the end): SDPA's
+            # causal mask aligns to the top left, cufuse's to the bottom right
+            or (causal and query.shape[2] != key.shape[2])):
+        fn = _fallback_attention(module)
+        if attention_mask is None and causal and fn is not _sdpa_attention():
+            # the "cufuse" mask interface is SDPA's, which leaves a purely causal mask to is_causal (aligned to
+            # the top left): the eager functions take it as a tensor
+            sq, sk = query.shape[2], key.shape[2]
+            keep = torch.ones(sq, sk, dtype=torch.bool, device=query.device).tril()
+            attention_mask = torch.zeros(sq, sk, dtype=query.dtype, device=query.device).masked_fill(
+                ~keep, torch.finfo(query.dtype).min)[None, None]
+        return fn(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal,
+                  **kwargs)
     out = _attention(query, key, value, causal=causal, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
+
+
+_FALLBACK: dict = {}  # id(config) -> (its weak reference, the attention implementation before the patch)
+
+
+def _sdpa_attention():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    return sdpa_attention_forward
+
+
+def _fallback_attention(module):
+    """The attention function the module's model used before the patch (its modeling file's eager
+    function, or one of transformers' interface), for the calls cufuse.attention does not take;
+    transformers' SDPA where that is not known."""
+    sdpa_attention_forward = _sdpa_attention()
+    cfg = getattr(module, "config", None)
+    ref, name = _FALLBACK.get(id(cfg), (None, None))
+    if ref is None or ref() is not cfg or name in (None, "sdpa", "cufuse"):
+        return sdpa_attention_forward
+    if name == "eager":
+        return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", sdpa_attention_forward)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    return ALL_ATTENTION_FUNCTIONS.get(name, sdpa_attention_forward)
 
 
 def _use_cufuse_attention(model):
@@ -454,10 +489,17 @@ def _use_cufuse_attention(model):
         return False
     AttentionInterface.register("cufuse", attention_forward)
     AttentionMaskInterface.register("cufuse", sdpa_mask)  # masks as for SDPA: None where purely causal
+    before = {id(m.config): (m.config, getattr(m.config, "_attn_implementation", None))
+              for m in model.modules() if getattr(m, "config", None) is not None}
     try:
         model.set_attn_implementation("cufuse")
     except (ValueError, NotImplementedError):
         return False
+    for k, (cfg, name) in before.items():
+        try:
+            _FALLBACK[k] = (weakref.ref(cfg), name)
+        except TypeError:  # (a config that takes no weak reference: SDPA)
+            pass
     return True
 
 
@@ -469,14 +511,8 @@ _HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hook
 
 
 def _patched(model):
-    """The model holds what cufuse.patch puts in (its modules, its loss)."""
-    ours = (cnn.LayerNorm, cnn.RMSNorm, cnn.GELU, cnn.SwiGLU, LMHead)
-    if any(isinstance(m, ours) for m in model.modules()):
-        return True
-    try:
-        return vars(model).get("loss_function") is causal_lm_loss
-    except TypeError:  # (an object without __dict__)
-        return False
+    """cufuse.patch went through the model (it marks it: a model built with cufuse.nn modules is not)."""
+    return getattr(model, "_cufuse_patched", False) is True
 
 
 def patch(model, *, attention=False, linear_loss=True):
@@ -494,13 +530,13 @@ def patch(model, *, attention=False, linear_loss=True):
         if not isinstance(v, bool):
             raise TypeError(f"cufuse.patch: {what} must be a bool, got {type(v).__name__}")
     if _patched(model):
-        raise ValueError("cufuse.patch: the model is patched already (it holds cufuse's modules or loss); "
-                         "nothing was changed")
+        raise ValueError("cufuse.patch: the model is patched already (cufuse.patch went through it); nothing "
+                         "was changed")
     report = PatchReport()
     steps = []
     done: set = set()  # a swapped MLP's own submodules are its old ones: not planned again
     root = None  # the model's own type where it is a module patch replaces (it has no parent to go into)
-    for name, mod in model.named_modules():
+    for name, mod in model.named_modules(remove_duplicate=False):  # (a module at two paths: replaced at both)
         if any(name == d or name.startswith(d + ".") for d in done):
             continue
         make, why = _plan(name, mod)
@@ -529,7 +565,9 @@ def patch(model, *, attention=False, linear_loss=True):
             + [f"; {n or 'the model'} stays: {why}" for n, why in report.skipped])
         raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
                          f"gated SiLU or GELU MLP, rotary embedding, causal-LM loss); nothing was changed{detail}")
-    built = [(parent, attr, name, mod, make(mod)) for parent, attr, name, mod, make in steps]  # all, then swap
+    made: dict = {}  # id(old) -> its one replacement (installed at each of its paths)
+    built = [(parent, attr, name, mod, made[id(mod)] if id(mod) in made else made.setdefault(id(mod), make(mod)))
+             for parent, attr, name, mod, make in steps]  # all, then swap
     for parent, attr, name, old, new in built:
         new.train(old.training)
         for h in _HOOKS:  # the old module's hooks, as they are (their handles remove them from the new one)
@@ -555,4 +593,5 @@ def patch(model, *, attention=False, linear_loss=True):
             report.replaced.append(("attention", str(before), "cufuse.attention"))
         else:
             report.skipped.append(("attention", "the model does not use transformers' attention interface"))
+    model._cufuse_patched = True  # (a second patch refuses)
     return report

@@ -597,6 +597,53 @@ def test_patch_attention(family, device):
         AttentionInterface.register("cufuse", real)
 
 
+def test_patch_attention_static_cache_and_fallback():
+    """A static cache's prefill (12 queries, 32 cache slots, no mask: SDPA's causal mask is top-left, cufuse's
+    bottom-right) gives the unpatched logits (they differed by 0.8); calls cufuse does not take go to the
+    model's own implementation before the patch: Gemma2's softcap under eager (SDPA refuses softcap, so
+    every forward raised)."""
+    from transformers import StaticCache
+    cfg = T.LlamaConfig(**_LLAMA_KW)
+    torch.manual_seed(0)
+    ref = T.LlamaForCausalLM(cfg).eval()
+    model = copy.deepcopy(ref)
+    cufuse.patch(model, attention=True)
+    ids = torch.randint(1, 100, (2, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a = ref(ids, past_key_values=StaticCache(config=cfg, max_cache_len=32)).logits
+        b = model(ids, past_key_values=StaticCache(config=cfg, max_cache_len=32)).logits
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    gcfg = T.Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=100, attn_implementation="eager")
+    torch.manual_seed(0)
+    gref = T.Gemma2ForCausalLM(gcfg).eval()
+    gm = copy.deepcopy(gref)
+    report = cufuse.patch(gm, attention=True)
+    assert ("attention", "eager", "cufuse.attention") in report.replaced, str(report)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(ids).logits, gref(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+def test_patch_bfloat16_cast_back_norm_and_shared_modules():
+    """An RMSNorm that casts back to its input's dtype, patched with bfloat16 weights, keeps doing so (the
+    probe's float32 input promoted either way: it was taken for one that promotes). A module at two paths is
+    replaced at both (it was at the first only, and the model then counted as patched). A model built with
+    cufuse.nn modules can be patched (it counted as patched already)."""
+    norm = _CastBackRMSNorm(8).bfloat16()
+    seq = torch.nn.Sequential(torch.nn.Linear(8, 8), norm)
+    cufuse.patch(seq)
+    seq.float()
+    assert seq[1](torch.randn(2, 8).bfloat16()).dtype == torch.bfloat16
+    act = torch.nn.GELU()
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), act, torch.nn.Linear(4, 4), act)
+    report = cufuse.patch(m)
+    assert isinstance(m[1], cufuse.nn.GELU) and m[3] is m[1], str(report)
+    own = torch.nn.Sequential(cufuse.nn.GELU(), torch.nn.LayerNorm(4))
+    assert cufuse.patch(own).counts() == {"LayerNorm -> LayerNorm": 1}
+    with pytest.raises(ValueError, match="patched already"):
+        cufuse.patch(own)
+
+
 def test_patch_attention_errors():
     model = MODELS["llama"][0]()
     with pytest.raises(TypeError, match="attention must be a bool"):
