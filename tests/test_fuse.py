@@ -868,6 +868,12 @@ def test_reduction_errors(backend):
         assert "reduction" in str(ei.value).lower()
     with pytest.raises((TypeError, ValueError)):   # several outputs: all reductions or none
         cufuse.fuse(lambda x: (x.sum(axis=-1), x * 2.0))(xa)
+    # astype after the reduction: refused (it cast the input, elementwise, and dropped the sum); to the
+    # reduction's own dtype it is the value itself
+    with pytest.raises(cufuse.TraceError, match=r"astype\(float64\) after the reduction"):
+        cufuse.fuse(lambda x: x.sum(axis=-1).astype(np.float64))(xa)
+    got = backend.to_numpy(cufuse.fuse(lambda x: x.sum(axis=-1).astype(np.float32))(xa))
+    np.testing.assert_allclose(got, x.astype(np.float64).sum(-1), rtol=1e-5)
 
 
 # =============================================================================
@@ -1871,6 +1877,40 @@ def test_float_to_int_cast_edges(backend, src):
         if platform.machine() in ("x86_64", "AMD64"):
             with np.errstate(invalid="ignore", over="ignore"):
                 assert_exact(vals.astype(dst), ref, dst, f"NumPy's own {src.name} -> {dst.name}")
+
+
+def test_clip_and_round_of_booleans(numpy_rules_backend):
+    """numpy.clip of a boolean array takes NumPy's type of all three operands (a Python bound with an int8
+    array gave int64, with a float32 scalar float64), and accepts NumPy 2.1's min= and max=; numpy.round
+    of booleans is float16, as NumPy's (it stayed bool)."""
+    backend = numpy_rules_backend
+    m = np.array([True, False, True, True])
+    b8 = np.array([1, 2, 3, 0], np.int8)
+    ma, b8a = backend.asarray(m), backend.asarray(b8)
+    for fn, args, np_args in [(lambda v, b: np.clip(v, 0, b), (ma, b8a), (m, b8)),
+                              (lambda v: np.clip(v, 0.0, np.float32(0.5)), (ma,), (m,)),
+                              (lambda v: np.clip(v, min=0, max=1), (ma,), (m,)),
+                              (lambda v: np.round(v), (ma,), (m,))]:
+        ref = fn(*np_args)
+        assert_exact(backend.to_numpy(cufuse.fuse(fn)(*args)), ref, ref.dtype, str(ref.dtype))
+    with pytest.raises(cufuse.TraceError, match="numpy.maximum"):
+        cufuse.fuse(lambda v: np.clip(v, 0, None))(ma)
+
+
+def test_call_and_method_error_messages(backend):
+    """Keyword arguments, a tensor method, a NumPy scalar type not taken: each says what to do."""
+    x = backend.asarray(rand((4,), F32, 40))
+    with pytest.raises(TypeError, match="pass the arguments positionally.*got b="):
+        cufuse.fuse(lambda a, b: a * b)(x, b=2.0)
+    with pytest.raises(AttributeError, match=r"use cufuse.clip\(x, lo, hi\)"):
+        cufuse.fuse(lambda a: a.clamp(0, 1))(x)
+    with pytest.raises(AttributeError, match=r"use \.astype\(dtype\)"):
+        cufuse.fuse(lambda a: a.to(np.float16))(x)
+    with pytest.raises(AttributeError, match=r"use cufuse's functions or NumPy's ufuncs$"):
+        cufuse.fuse(lambda a: a.frobnicate())(x)
+    with pytest.raises(TypeError, match="uint32 scalars are not accepted; pass a Python int, float or bool, or a "
+                                        "NumPy scalar of bool"):
+        cufuse.fuse(lambda a, s: a * s)(x, np.uint32(3))
 
 
 def test_rounding_ufuncs_follow_numpy_result_types(backend):

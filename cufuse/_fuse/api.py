@@ -225,7 +225,7 @@ class Fused:
                 raise ValueError(f"cufuse.{name}: argument {i + 1}: {e}") from None
             if k is None:  # a scalar kind_of accepts but we do not (e.g. np.float128)
                 raise TypeError(f"cufuse.{name}: argument {i + 1}: {type(x).__name__} scalars are not accepted; "
-                                "pass a Python or NumPy int, float or bool")
+                                f"pass a Python int, float or bool, or a NumPy scalar of {G.DTYPE_NAMES}")
             dt = A.dtype_of(x, k)
             if not isinstance(dt, np.dtype) or dt not in G.INPUT_DTYPES:
                 raise TypeError(f"cufuse.{name}: argument {i + 1} is {A.describe(x, k)}; accepted dtypes are "
@@ -281,7 +281,10 @@ class Fused:
         kind, spec, _, _ = self._classify(args)
         return self._signature(spec, len(args), kind).source
 
-    def __call__(self, *args: Any, out: Any = None) -> Any:
+    def __call__(self, *args: Any, out: Any = None, **kwargs: Any) -> Any:
+        if kwargs:  # (the signature and the trace are positional)
+            raise TypeError(f"cufuse.{self._name}: pass the arguments positionally (out= is the one keyword); got "
+                            f"{', '.join(sorted(kwargs))}=")
         if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
             return TO.fused_call(self, args, out)
         # Fast path: a signature seen before (arrays' dtypes, shapes, strides,

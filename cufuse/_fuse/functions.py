@@ -119,16 +119,21 @@ def _np_reduction(kind):
     return f
 
 
-def _np_clip(x, a_min=None, a_max=None, **kw):
-    if kw or a_min is None or a_max is None:
-        raise G.TraceError("cufuse.fuse: numpy.clip inside a fused function takes (x, lo, hi) only")
-    return clip(x, a_min, a_max)
+def _np_clip(x, a_min=None, a_max=None, *, min=None, max=None, **kw):
+    lo, hi = (a if a is not None else b for a, b in ((a_min, min), (a_max, max)))  # (NumPy 2.1's min= and max=)
+    if kw or lo is None or hi is None:
+        raise G.TraceError("cufuse.fuse: numpy.clip inside a fused function takes both bounds, (x, lo, hi) or "
+                           "min= and max=; for one bound use numpy.maximum(x, lo) or numpy.minimum(x, hi)")
+    return clip(x, lo, hi)
 
 
 def _np_round(x, decimals=0, out=None):
     if decimals != 0 or out is not None:
         raise G.TraceError("cufuse.fuse: numpy.round inside a fused function takes no decimals or out")
-    return round(x)
+    a = G.lift(G._graph_of(x), x)
+    if a.dtype == np.bool_:  # NumPy rounds booleans in its rint loop's type (float16), integers as they are
+        return _np_rounding(np.rint, "round")(a)
+    return round(a)
 
 
 def _np_rounding(ufunc, op):

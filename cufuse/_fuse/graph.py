@@ -206,6 +206,11 @@ class Traced:
 
     def astype(self, dtype, copy=True):
         dt = _dtype_arg(dtype)
+        if self.reduced:  # (cast() would start from the value before the reduction)
+            if dt == self.dtype:
+                return self
+            raise TraceError(f"cufuse.fuse: astype({dt}) after the reduction (sum/mean/max/min) is not supported: "
+                             "cast before it (x.astype(t).sum(...)), or cast the result")
         if dt in A.HALVES and self.dtype == dt and not self.weak:
             # float16 / bfloat16 values are held in float32 until stored: astype rounds them now
             g = self.graph
@@ -256,13 +261,24 @@ class Traced:
         # (only names a Traced lacks: x.exp(), x.clamp(), x.to(); dunders stay plain for hasattr and copy)
         if name.startswith("__"):
             raise AttributeError(name)
+        import cufuse
+        use = _METHOD_INSTEAD.get(name) or (f"cufuse.{name}(x)" if name in cufuse.__all__ else
+                                            "cufuse's functions or NumPy's ufuncs")
         raise AttributeError(f"cufuse.fuse: a traced value has no .{name} (tensor and array methods other than "
-                             ".astype/.sum/.mean/.max/.min are not traced); use cufuse's functions "
-                             f"(cufuse.{name}(x) where it exists) or NumPy's ufuncs")
+                             f".astype/.sum/.mean/.max/.min are not traced); use {use}")
 
     def __array__(self, *a, **k):
         raise TraceError("cufuse.fuse: a traced value was converted to a NumPy array (numpy.asarray or a "
                          "non-NumPy function); only cufuse's functions and NumPy ufuncs can be traced")
+
+
+# what to use for tensor and array methods a traced value lacks (others: cufuse.<name> where it exists)
+_METHOD_INSTEAD = {"clamp": "cufuse.clip(x, lo, hi)", "clamp_min": "cufuse.maximum(x, lo)",
+                   "clamp_max": "cufuse.minimum(x, hi)", "to": ".astype(dtype)", "type": ".astype(dtype)",
+                   "float": ".astype(numpy.float32)", "double": ".astype(numpy.float64)",
+                   "half": ".astype(numpy.float16)", "int": ".astype(numpy.int32)", "long": ".astype(numpy.int64)",
+                   "pow": "x ** y", "square": "x * x", "reshape": "reshaping outside the fused function",
+                   "view": "reshaping outside the fused function", "T": "transposing outside the fused function"}
 
 
 def _numpy_result(g, r):
@@ -586,7 +602,7 @@ def clip(x, lo, hi):
         lo, hi = (cast(v, x.dtype) if v.weak and v.dtype.kind == "i" else v for v in (lo, hi))
     # clip_lo / clip_hi: maximum / minimum by value, with torch.clamp's gradient (an input on a bound
     # keeps all of it; maximum and minimum split it at ties: half of it at the bounds)
-    if x.weak or x.dtype.kind not in "iu" or g.torch_float is not None:
+    if x.weak or x.dtype.kind not in "iub" or g.torch_float is not None:
         return binary("clip_hi", binary("clip_lo", x, lo), hi)
     # NumPy: the result type of all three (Python scalars weak: a float bound makes it a float, a wider
     # integer array wider), each bound then applied in it
