@@ -366,6 +366,10 @@ template <typename C> __device__ __forceinline__ C floordiv(C a, C b) {
         return copysign(C(0), a / b);
     } else {
         if (b == C(0)) return C(0);
+        if constexpr (C(-1) < C(0)) {
+            // the lowest value over -1 overflows (undefined in C++): NumPy's wrapped -a, by unsigned arithmetic
+            if (b == C(-1)) return static_cast<C>(0ull - static_cast<unsigned long long>(a));
+        }
         C q = a / b;
         if ((a % b != 0) && ((a < 0) != (b < 0))) q -= 1;
         return q;
@@ -383,6 +387,9 @@ template <typename C> __device__ __forceinline__ C pymod(C a, C b) {
         return mod;
     } else {
         if (b == C(0)) return C(0);
+        if constexpr (C(-1) < C(0)) {
+            if (b == C(-1)) return C(0);  // (the lowest value % -1 overflows in C++; NumPy gives 0)
+        }
         C r = a % b;
         if (r != 0 && ((r < 0) != (b < 0))) r += b;
         return r;

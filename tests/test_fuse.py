@@ -1897,6 +1897,21 @@ def test_clip_and_round_of_booleans(numpy_rules_backend):
         cufuse.fuse(lambda v: np.clip(v, 0, None))(ma)
 
 
+@pytest.mark.parametrize("dtype", [I32, I64], ids=str)
+def test_lowest_int_over_minus_one(numpy_rules_backend, dtype):
+    """The lowest value // -1 and % -1: NumPy's wrapped quotient (the value itself) and 0; in C++ both
+    overflow (undefined), which the kernels now avoid."""
+    backend = numpy_rules_backend
+    lo = np.iinfo(dtype).min
+    a = np.array([lo, lo, 7, -7, lo + 1], dtype)
+    b = np.array([-1, 1, -1, 2, -1], dtype)
+    with np.errstate(all="ignore"):
+        want = (a // b, a % b)
+    got = cufuse.fuse(lambda x, y: (x // y, x % y))(backend.asarray(a), backend.asarray(b))
+    for g, w in zip(got, want):
+        assert_exact(backend.to_numpy(g), w, dtype, "//, %")
+
+
 def test_call_and_method_error_messages(backend):
     """Keyword arguments, a tensor method, a NumPy scalar type not taken: each says what to do."""
     x = backend.asarray(rand((4,), F32, 40))
