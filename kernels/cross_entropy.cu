@@ -66,6 +66,11 @@ template <typename C> __device__ __forceinline__ void block_merge(C& m, C& s, C&
     }
 }
 
+// A compile-time bool as a value (a generic lambda's argument).
+template <bool B> struct Flag {
+    static constexpr bool value = B;
+};
+
 // The row's shift c (the header): x_t where t is a class and x_t is finite, else 0.
 template <typename C, typename T> __device__ __forceinline__ C row_shift(const T* row, long long t, long long cols) {
     if (t < 0 || t >= cols) return C(0);
@@ -108,25 +113,33 @@ cross_entropy_forward(cufuse::compute_t<T>* __restrict__ loss, cufuse::compute_t
     using namespace cufuse;
     using C = compute_t<T>;
     __shared__ C red[kCeThreads / 32][3];
+    const bool smooth = eps != 0.0;  // (the sum of the row, for label smoothing)
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* row = x + r * ld;
         const long long t = target[r];
-        const C c = row_shift<C>(row, t, cols);
+        // every thread needs c for the sum of x - c; without smoothing only the first, after the loop, which
+        // then waits for no load of x_t (a forward 6% slower at bfloat16 4096x128256 with it first)
+        C c = smooth ? row_shift<C>(row, t, cols) : C(0);
         C m = -infinity<C>(), s = C(0), sx = C(0);  // sx: the sum of x - c
-        each_pack(row, cols, vec, [&](long long, const C* t, int n) {
-            C pm = t[0];
-            for (int i = 1; i < n; ++i) pm = math::max_nan(pm, t[i]);
-            if (pm > m || pm != pm) {  // a new max (or NaN): rescale what was summed
-                s *= exp_shift(m, pm);
-                m = pm;
-            }
-            for (int i = 0; i < n; ++i) {
-                s += exp_shift(t[i], m);
-                sx += t[i] - c;
-            }
-        });
+        const auto pass = [&](auto with_sum) {
+            each_pack(row, cols, vec, [&](long long, const C* v, int n) {
+                C pm = v[0];
+                for (int i = 1; i < n; ++i) pm = math::max_nan(pm, v[i]);
+                if (pm > m || pm != pm) {  // a new max (or NaN): rescale what was summed
+                    s *= exp_shift(m, pm);
+                    m = pm;
+                }
+                for (int i = 0; i < n; ++i) {
+                    s += exp_shift(v[i], m);
+                    if constexpr (decltype(with_sum)::value) sx += v[i] - c;
+                }
+            });
+        };
+        if (smooth) pass(Flag<true>{});
+        else pass(Flag<false>{});
         block_merge(m, s, sx, red);
         if (threadIdx.x == 0) {
+            if (!smooth) c = row_shift<C>(row, t, cols);
             const C l = (m - c) + math::log(s);  // lse - c; all -inf: -inf; a NaN: NaN
             C out = C(0);
             if (t != ignore_index) {
