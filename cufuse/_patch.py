@@ -565,7 +565,7 @@ def patch(model, *, attention=False, linear_loss=True):
             + [f"; {n or 'the model'} stays: {why}" for n, why in report.skipped])
         raise ValueError("cufuse.patch: no module of the model is one cufuse has (RMSNorm, LayerNorm, GELU, "
                          f"gated SiLU or GELU MLP, rotary embedding, causal-LM loss); nothing was changed{detail}")
-    made: dict = {}  # id(old) -> its one replacement (installed at each of its paths)
+    made = {}  # id(old) -> its one replacement (installed at each of its paths)
     built = [(parent, attr, name, mod, made[id(mod)] if id(mod) in made else made.setdefault(id(mod), make(mod)))
              for parent, attr, name, mod, make in steps]  # all, then swap
     for parent, attr, name, old, new in built:
