@@ -87,6 +87,9 @@ def reduction(name, x, axis, keepdims, dtype, mean, chunk_fn, out=None):
     nd = x.ndim
     axes = tuple(range(nd)) if axis is None else tuple(a % nd for a in ((axis,) if np.isscalar(axis) else axis))
     total = math.prod(x.shape[a] for a in axes)
+    if mean and math.isnan(total):  # (a boolean mask's result: its chunk sizes are known after a compute)
+        raise ValueError(f"cufuse.{name}: a mean over axes of unknown length (a Dask array of shape {x.shape}): "
+                         "call x.compute_chunk_sizes() first")
 
     def chunk(b, axis, keepdims):
         n = math.prod(b.shape[a] for a in axis)

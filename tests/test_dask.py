@@ -87,6 +87,32 @@ def test_reductions_with_empty_chunks():
                                rtol=1e-6)
 
 
+def test_fused_reduction_of_differently_chunked_inputs():
+    """A fused function ending in a reduction, its Dask inputs chunked otherwise (or broadcast): Dask's
+    chunk alignment (blocks were paired by position: ten results for six rows, other rows' values)."""
+    sq = cufuse.fuse(lambda x, y: ((x - y) ** 2).sum(axis=-1))
+    x, y = rand((6, 2), np.float64, 21), rand((6, 2), np.float64, 22)
+    want = ((x - y) ** 2).sum(-1)
+    for cx, cy in ((((1, 5), 2), ((5, 1), 2)), (((2, 2, 2), 2), ((3, 3), 2))):
+        got = sq(da.from_array(x, chunks=cx), da.from_array(y, chunks=cy))
+        assert got.shape == (6,)
+        np.testing.assert_allclose(got.compute(), want, rtol=1e-12)
+    got = sq(da.from_array(x, chunks=((2, 2, 2), 2)), da.from_array(y[0], chunks=1))
+    np.testing.assert_allclose(got.compute(), ((x - y[0]) ** 2).sum(-1), rtol=1e-12)
+
+
+def test_mean_over_unknown_lengths_refused():
+    """A mean over an axis of unknown length (a boolean mask's result) says to compute the chunk sizes (it
+    gave NaN); once computed, the NumPy mean."""
+    x = rand((9, 4), np.float64, 23)
+    d = da.from_array(x, chunks=(3, 4))
+    masked = d[d[:, 0] > 0]
+    with pytest.raises(ValueError, match="compute_chunk_sizes"):
+        cufuse.mean_abs(masked, axis=0)
+    got = cufuse.mean_abs(masked.compute_chunk_sizes(), axis=0).compute()
+    np.testing.assert_allclose(got, np.abs(x[x[:, 0] > 0]).mean(0), rtol=1e-12)
+
+
 def test_dask_errors():
     x = rand((6, 8), F32, 5)
     d = da.from_array(x, chunks=(3, 4))

@@ -529,6 +529,9 @@ class Fused:
             bargs = [da.broadcast_to(a, shape) if DK.is_dask(a) else a for a in args]
             first = next(a for a in bargs if DK.is_dask(a))
             DK._whole(self._name, first, [len(shape) - 1], "the reduced (last)")
+            # one chunking for all (map_blocks pairs blocks by position: inputs chunked otherwise gave
+            # other rows' values, and more of them)
+            bargs = [a.rechunk(first.chunks) if DK.is_dask(a) and a.chunks != first.chunks else a for a in bargs]
             res = [da.map_blocks(pick(k), *bargs, dtype=sig.out_dtypes[k],  # scalars pass through as they are
                                  drop_axis=None if g.outputs[k][2] else len(shape) - 1,
                                  chunks=first.chunks[:-1] + ((1,),) if g.outputs[k][2] else None)
