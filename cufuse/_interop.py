@@ -47,8 +47,12 @@ def to_torch(a: Any) -> Any:
     if isinstance(a, np.ndarray):
         try:
             A.kind_of(a)  # (a masked array or np.matrix: refused, as by every op)
-        except TypeError as e:
-            raise TypeError(f"cufuse.to_torch: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise type(e)(f"cufuse.to_torch: {e}") from None
+        if not a.flags.writeable:  # (torch tensors have no read-only flag: a write crashed on a read-only
+            # memory map, or changed an immutable bytes object)
+            raise ValueError("cufuse.to_torch: the array is read-only (a read-only memory map, np.frombuffer of "
+                             "bytes, a broadcast view); a tensor sharing its memory could be written: pass a.copy()")
         return A.torch_from_numpy(a)
     if isinstance(a, A.CupyArray):
         return torch.from_dlpack(a)

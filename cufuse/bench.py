@@ -121,7 +121,10 @@ def _pyplot():
 
 
 def _leaves(res):
-    return list(res) if isinstance(res, (tuple, list)) else [res]
+    """The arrays of a result: itself, a tuple's or list's items, a dict's values (in key order)."""
+    if isinstance(res, dict):
+        return [v for k in sorted(res, key=str) for v in _leaves(res[k])]
+    return [v for r in res for v in _leaves(r)] if isinstance(res, (tuple, list)) else [res]
 
 
 def _kind_of(x):
@@ -136,7 +139,8 @@ def _to_numpy(x):
     if k == A.CUPY:
         return x.get()
     if k in (A.TORCH_CPU, A.TORCH_CUDA):
-        return x.detach().cpu().numpy()
+        t = x.detach().cpu()
+        return (t.float() if t.dtype == A.torch().bfloat16 else t).numpy()  # (bfloat16 exactly in float32)
     return np.asarray(x)
 
 
@@ -144,11 +148,17 @@ def _errors(got, ref):
     """Max abs and max relative error of ``got`` against ``ref`` (float64; NaN
     where both are NaN counts as equal; infinities must match)."""
     abs_e = rel_e = 0.0
-    for g, r in zip(_leaves(got), _leaves(ref)):
-        g = _to_numpy(g).astype(np.float64)
-        r = _to_numpy(r).astype(np.float64)
+    gl, rl = _leaves(got), _leaves(ref)
+    if len(gl) != len(rl):  # (another number of outputs: nothing to compare them by)
+        return float("inf"), float("inf")
+    for g, r in zip(gl, rl):
+        g, r = _to_numpy(g), _to_numpy(r)
         if g.shape != r.shape:
             return float("inf"), float("inf")
+        if np.iscomplexobj(g) or np.iscomplexobj(r):  # real and imaginary parts side by side
+            g, r = (np.stack([v.real, v.imag]) if np.iscomplexobj(v) else np.stack([v, np.zeros_like(v)])
+                    for v in (g, r))
+        g, r = g.astype(np.float64), r.astype(np.float64)
         both_nan = np.isnan(g) & np.isnan(r)
         same_inf = np.isinf(g) & (g == r)
         d = np.where(both_nan | same_inf, 0.0, np.abs(g - r))
@@ -516,20 +526,29 @@ def profile_model(model, inputs, *, train=False, loss_fn=None, steps=3, warmup=1
     """Time and peak memory of each module of a torch ``model`` and of the
     whole step, for a forward (``train=False``, under ``torch.no_grad()``)
     or a training step (forward, then backward of ``loss_fn(output)``:
-    default the output's ``.loss`` where it has one, else its sum).
+    default the output's ``.loss`` or ``["loss"]`` where it has one, else
+    the sum of the output, or of its first item for a tuple or list; after
+    each step the parameters' ``.grad`` are set to None, so gradients
+    accumulated before the call are dropped).
 
     ``inputs``: a dict of keyword arguments, a tuple of positional ones, or
     one tensor. Forward times come from hooks around every module's forward
     (CUDA events on the GPU, the clock on the CPU; a module's time includes
     its children's); backward is reported for the whole model. Peak memory
     (GPU only): the most allocated during the module beyond its start.
-    Medians over ``steps`` steps after ``warmup``. The hooks cost host time
+    Medians over ``steps`` steps after ``warmup``. The model runs in its
+    current mode (``model.train()`` / ``eval()``: batch norms update their
+    statistics in train mode). Modules run again by activation checkpointing
+    in the backward are not counted as forward calls. The hooks cost host time
     of their own: compare totals of two models profiled the same way."""
     import torch
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"cufuse.bench.profile_model: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"cufuse.bench.profile_model: steps must be an int >= 1, got {steps!r}")
+    for what, v, lo in (("steps", steps, 1), ("warmup", warmup, 0)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise TypeError(f"cufuse.bench.profile_model: {what} must be an int, got {type(v).__name__}")
+        if v < lo:
+            raise ValueError(f"cufuse.bench.profile_model: {what} must be >= {lo}, got {v}")
     params = list(model.parameters())
     cuda = bool(params) and params[0].is_cuda
     if isinstance(inputs, dict):
@@ -540,6 +559,11 @@ def profile_model(model, inputs, *, train=False, loss_fn=None, steps=3, warmup=1
     if loss_fn is None:
         def loss_fn(out):
             loss = getattr(out, "loss", None)
+            if loss is None and isinstance(out, dict):
+                loss = out.get("loss")
+                if loss is None:
+                    raise TypeError("cufuse.bench.profile_model: the model returns a dict without a 'loss'; pass "
+                                    "loss_fn= (what to call backward on)")
             if loss is None:
                 loss = (out[0] if isinstance(out, (tuple, list)) else out)
                 loss = loss.float().sum()
@@ -549,6 +573,7 @@ def profile_model(model, inputs, *, train=False, loss_fn=None, steps=3, warmup=1
     peaks: dict = {m: [] for m in names}  # module -> per call: peak bytes beyond its start
     stack: list = []  # [module, start bytes, highest bytes seen] of the modules running
     clock = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else None
+    forward = [False]  # the hooks count calls of the step's forward only (not a checkpoint's recompute)
 
     def mark():
         if cuda:
@@ -558,6 +583,8 @@ def profile_model(model, inputs, *, train=False, loss_fn=None, steps=3, warmup=1
         return time.perf_counter()
 
     def pre(mod, _args):
+        if not forward[0]:
+            return
         if cuda:
             if stack:  # what the parent reached so far, then count afresh for the child
                 stack[-1][2] = max(stack[-1][2], torch.cuda.max_memory_allocated())
@@ -567,6 +594,8 @@ def profile_model(model, inputs, *, train=False, loss_fn=None, steps=3, warmup=1
         marks[mod].append([mark(), None])
 
     def post(mod, _args, _out):
+        if not forward[0]:
+            return
         marks[mod][-1][1] = mark()
         if cuda:
             top = stack.pop()
@@ -578,13 +607,22 @@ def profile_model(model, inputs, *, train=False, loss_fn=None, steps=3, warmup=1
 
     def run():
         if train:
-            out = model(*args, **kwargs)
-            t = mark()
-            loss_fn(out).backward()
+            with torch.enable_grad():  # (called under no_grad, say)
+                forward[0] = True
+                try:
+                    out = model(*args, **kwargs)
+                finally:
+                    forward[0] = False
+                t = mark()
+                loss_fn(out).backward()
             model.zero_grad(set_to_none=True)
             return t
         with torch.no_grad():
-            model(*args, **kwargs)
+            forward[0] = True
+            try:
+                model(*args, **kwargs)
+            finally:
+                forward[0] = False
         return None
 
     for _ in range(warmup):

@@ -253,6 +253,55 @@ def test_profile_model_errors():
         profile_model(lambda x: x, torch.ones(2))
     with pytest.raises(ValueError, match="steps"):
         profile_model(torch.nn.Linear(2, 2), torch.ones(2), steps=0)
+    with pytest.raises(ValueError, match="warmup must be >= 0"):
+        profile_model(torch.nn.Linear(2, 2), torch.ones(2), warmup=-1)
+    with pytest.raises(TypeError, match="warmup must be an int"):
+        profile_model(torch.nn.Linear(2, 2), torch.ones(2), warmup=1.5)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_profile_model_checkpointed_dict_and_no_grad(reentrant):
+    """Activation checkpointing's recompute is not a forward call (reentrant: counted twice; not
+    reentrant: a crash); a dict output's "loss" is the loss, one without says to pass loss_fn; a
+    training step under torch.no_grad() still steps."""
+    torch = pytest.importorskip("torch")
+    from torch.utils.checkpoint import checkpoint
+    from cufuse.bench import profile_model
+
+    class M(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return checkpoint(self.b, self.a(x).sin(), use_reentrant=reentrant)
+
+    class Logits(torch.nn.Module):
+        def __init__(self, with_loss):
+            super().__init__()
+            self.lin, self.with_loss = torch.nn.Linear(4, 4), with_loss
+
+        def forward(self, x):
+            y = self.lin(x)
+            return {"loss": y.square().sum(), "logits": y} if self.with_loss else {"logits": y}
+
+    prof = profile_model(M(), torch.randn(2, 4, requires_grad=True), train=True)
+    assert {r["name"]: r["calls"] for r in prof.rows} == {"": 1, "a": 1, "b": 1}
+    with torch.no_grad():
+        assert profile_model(Logits(True), torch.randn(2, 4), train=True).rows[0]["calls"] == 1
+    with pytest.raises(TypeError, match="without a 'loss'; pass loss_fn="):
+        profile_model(Logits(False), torch.randn(2, 4), train=True)
+
+
+def test_compare_errors_of_other_outputs():
+    """Another number of outputs is an infinite error (zip dropped the extra one: 0); complex results
+    compare their imaginary parts (dropped: 0); bfloat16 tensors and dicts of results compare."""
+    x = np.linspace(-1, 1, 8)
+    assert bench._errors((x, x), (x,))[0] == float("inf")
+    assert bench._errors(x * 1j, x * -1j)[0] == 2.0
+    assert bench._errors({"a": x, "b": x}, {"b": x, "a": x + 1})[0] == 1.0
+    torch = pytest.importorskip("torch")
+    assert bench._errors(torch.ones(3, dtype=torch.bfloat16), torch.ones(3)) == (0.0, 0.0)
 
 
 @pytest.mark.cuda

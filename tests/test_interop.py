@@ -37,6 +37,18 @@ def test_to_torch_rejects_non_array(bad):
         cufuse.to_torch(bad)
 
 
+def test_to_torch_refuses_read_only_arrays(tmp_path):
+    """A read-only array (a read-only memory map, np.frombuffer of bytes): a tensor sharing its memory
+    could be written (a write to the memory map crashed the process, one to bytes changed them)."""
+    pytest.importorskip("torch")
+    f = tmp_path / "m.bin"
+    np.ones(4, np.float32).tofile(f)
+    for a in (np.memmap(f, dtype=np.float32, mode="r"), np.frombuffer(b"\x00" * 16, np.float32)):
+        with pytest.raises(ValueError, match="read-only.*pass a.copy"):
+            cufuse.to_torch(a)
+    assert cufuse.to_torch(np.frombuffer(bytearray(16), np.float32)).shape == (4,)
+
+
 def test_arrays_whose_memory_is_not_their_values():
     """np.matrix (its * is a matrix product: the fallbacks' math gave
     products), a masked array given to to_torch (its mask dropped), and a
