@@ -22,6 +22,8 @@ import itertools
 import sys
 import weakref
 
+import numpy as np
+
 from . import _arrays as A
 from . import _autograd as AG
 from . import _random
@@ -586,8 +588,10 @@ def _register_fused(torch):
 # ------------------------------------------------------------ cross entropy
 def _ce_ignore(name, ignore_index):
     """ignore_index under torch.compile: an int in int64's range, as eager mode checks (int() truncated a float)."""
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int) or not -2**63 <= ignore_index < 2**63:
-        raise TypeError(f"{name}: ignore_index must be an int in int64's range, got {ignore_index!r}")
+    if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
+        raise TypeError(f"{name}: ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not -2**63 <= int(ignore_index) < 2**63:
+        raise ValueError(f"{name}: ignore_index must be in int64's range, got {ignore_index!r}")
 
 
 def cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reduction, dtype):

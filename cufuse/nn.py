@@ -172,6 +172,9 @@ class SwiGLU(nn.Module):
                              f"got {activation!r}")
         kw = {"bias": bias, "device": device, "dtype": dtype}
         self.hidden_size, self.intermediate_size, self.activation = hidden_size, intermediate_size, activation
+        if not isinstance(inplace_backward, (bool, np.bool_)):  # ("False" would be true)
+            raise TypeError(f"cufuse.nn.{type(self).__name__}: inplace_backward must be a bool, got "
+                            f"{type(inplace_backward).__name__}")
         self.inplace_backward = bool(inplace_backward)
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, **kw)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, **kw)
@@ -224,8 +227,12 @@ class CrossEntropyLoss(nn.Module):
             raise NotImplementedError("cufuse.nn.CrossEntropyLoss: size_average and reduce (deprecated in torch) are "
                                       f"not supported, got size_average={size_average!r}, reduce={reduce!r}; pass "
                                       "reduction='mean', 'sum' or 'none'")
+        if not isinstance(inplace_backward, (bool, np.bool_)):  # ("False" would be true)
+            raise TypeError(f"cufuse.nn.CrossEntropyLoss: inplace_backward must be a bool, got "
+                            f"{type(inplace_backward).__name__}")
+        self.register_buffer("weight", None)  # (torch's module has one: code that reads it finds None)
         self.ignore_index, self.reduction, self.label_smoothing = ignore_index, reduction, label_smoothing
-        self.z_loss, self.inplace_backward = z_loss, inplace_backward
+        self.z_loss, self.inplace_backward = z_loss, bool(inplace_backward)
 
     def forward(self, logits, target):
         return _ops.cross_entropy(logits, target, ignore_index=self.ignore_index,

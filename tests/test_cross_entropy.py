@@ -224,6 +224,20 @@ def test_gradient_at_large_common_offset(device, offset):
                                    msg=lambda m: f"eps {eps} z {z}: {m}")
 
 
+def test_flags_and_module_attributes():
+    """inplace_backward must be a bool ("no" was true: the gradient went into the logits); the module has
+    torch's weight attribute (None)."""
+    import cufuse.nn
+    x = torch.randn(4, 5, requires_grad=True)
+    t = torch.tensor([0, 1, 2, IGNORE])
+    with pytest.raises(TypeError, match="inplace_backward must be a bool, got str"):
+        cufuse.cross_entropy(x * 1.0, t, inplace_backward="no")
+    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+        cufuse.nn.CrossEntropyLoss(inplace_backward="False")
+    loss = cufuse.nn.CrossEntropyLoss()
+    assert loss.weight is None and list(loss.state_dict()) == []
+
+
 def test_errors():
     x = np.zeros((4, 5), np.float32) + 0.5
     t = np.arange(4, dtype=np.int64)
@@ -277,6 +291,10 @@ def test_under_compile(device):
         torch.compile(lambda x: cufuse.cross_entropy(x, t), fullgraph=True)(x0[None])
     with pytest.raises(Exception, match="ignore_index must be an int"):  # (int() truncated it: a row ignored)
         torch.compile(lambda x: cufuse.cross_entropy(x, t, ignore_index=2.7), fullgraph=True)(x0)
+    # a NumPy int ignore_index, taken in eager mode, was refused compiled
+    ii = np.int64(IGNORE)
+    got = torch.compile(lambda x: cufuse.cross_entropy(x, t, ignore_index=ii), backend="aot_eager")(x0)
+    torch.testing.assert_close(got, cufuse.cross_entropy(x0, t))
 
 
 def test_dtype_of_the_loss(backend):

@@ -260,6 +260,8 @@ def cross_entropy(logits: Array, target: Array, /, *, ignore_index: int = -100, 
     its row (checking would take a host synchronization).
     """
     name = "cross_entropy"
+    if not isinstance(inplace_backward, (bool, np.bool_)):  # ("False" would be true)
+        raise TypeError(f"cufuse.{name}: inplace_backward must be a bool, got {type(inplace_backward).__name__}")
     if TO.compiling():  # torch.compile: the registered operator (cufuse/_torch_ops.py)
         return TO.cross_entropy(logits, target, ignore_index, label_smoothing, z_loss, reduction, dtype)
     if AG.wants_grad((logits,)):
