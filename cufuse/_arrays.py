@@ -208,10 +208,17 @@ def _unstrided(x):
 
 
 def _no_meta(name, what, x, kind):
-    """TypeError for a meta tensor given to an op (it holds no data). Not kind_of's: cufuse.fuse traces
-    its graphs under torch.compile on meta tensors."""
-    if kind == TORCH_CPU and x.is_meta:
+    """TypeError for a meta tensor given to an op (it holds no data), or a tensor of a torch.func
+    transform (vmap, grad: a wrapper without memory of its own). Not kind_of's: cufuse.fuse traces its
+    graphs under torch.compile on meta tensors."""
+    if kind not in (TORCH_CPU, TORCH_CUDA):
+        return
+    if x.is_meta:
         raise TypeError(f"cufuse.{name}: {what} is a meta tensor, which holds no data")
+    if torch()._C._functorch.is_functorch_wrapped_tensor(x):
+        raise TypeError(f"cufuse.{name}: {what} is a tensor of a torch.func transform (vmap, grad, jacrev, ...), "
+                        "which cufuse's ops do not support; call them on plain tensors (torch.autograd for "
+                        "gradients)")
 
 
 def _whole_strides(x):

@@ -56,8 +56,9 @@ def apply(key, make, *args):
     f = _APPLY.get(key)
     if f is None:
         f = _bind_apply(key, make)
-    if _functorch_active():
-        return _CLASSES[key].apply(*args)
+    if _functorch_active():  # (the Functions have no setup_context, which torch.func's route needs)
+        raise TypeError("cufuse: torch.func transforms (vmap, grad, jacrev, ...) are not supported; call "
+                        "cufuse's ops on plain tensors (torch.autograd for gradients)")
     return f(*args)
 
 

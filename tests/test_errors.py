@@ -437,6 +437,24 @@ def test_strides_of_partial_items_rejected():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_torch_func_transforms_refused(device):
+    """torch.func's vmap and grad: a TypeError that says they are not supported (torch's "Cannot access data
+    pointer of Tensor that doesn't have storage" and "must override the setup_context" came through)."""
+    torch = pytest.importorskip("torch")
+    x = torch.randn(3, 4, device=device)
+    t = torch.tensor([0, 1, 2, 3], device=device)
+    calls = [lambda: torch.func.vmap(lambda v: cufuse.softmax(v))(x),
+             lambda: torch.func.vmap(lambda v: cufuse.add_relu(v, 1.0))(x),
+             lambda: torch.func.vmap(cufuse.fuse(lambda a: a * 2))(x),
+             lambda: torch.func.vmap(lambda v: cufuse.cross_entropy(v, t))(x[:, None].expand(3, 4, 4)),
+             lambda: torch.func.grad(lambda v: cufuse.layer_norm(v, 4).sum())(x),
+             lambda: torch.func.grad(lambda v: cufuse.fuse(lambda a: a * 2)(v).sum())(x)]
+    for call in calls:
+        with pytest.raises(TypeError, match="torch.func transform"):
+            call()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_unstrided_torch_tensors_rejected(device):
     """Nested, sparse and meta tensors: a TypeError naming the op and what to pass (torch's own
     errors came through: "NestedTensorImpl doesn't support sizes", a numpy conversion of a meta
