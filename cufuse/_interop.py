@@ -29,6 +29,8 @@ def from_torch(t: Any) -> Any:
             return _cp.from_dlpack(t.detach())
     if t.device.type != "cpu":
         raise TypeError(f"cufuse.from_torch: tensors on {t.device} are not supported (CPU or CUDA only)")
+    if A.BF16 is None and t.dtype == A.torch().bfloat16:
+        raise TypeError(f"cufuse.from_torch: a bfloat16 CPU tensor as NumPy: {A.NO_BF16}")
     return A.torch_numpy(t)
 
 

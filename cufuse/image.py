@@ -101,7 +101,8 @@ def _out_dtype(dtype) -> np.dtype:
         except TypeError:
             d = None
     if d is None or d not in OUT_DTYPES:
-        raise TypeError(_err(f"the output dtype must be one of {A.dtype_names(OUT_DTYPES)}, got {dtype!r}"))
+        hint = f" ({A.NO_BF16})" if A.BF16 is None and "bfloat16" in str(dtype) else ""
+        raise TypeError(_err(f"the output dtype must be one of {A.dtype_names(OUT_DTYPES)}, got {dtype!r}{hint}"))
     return d
 
 

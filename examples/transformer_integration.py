@@ -19,6 +19,12 @@ import torch
 import cufuse
 
 
+
+def _adam_eps(model):
+    """AdamW's eps for the model's parameters: 1e-8 rounds to 0 in float16 (pure float16 training then
+    divides 0 by 0: NaN losses), so 1e-4 there."""
+    return 1e-4 if next(model.parameters()).dtype == torch.float16 else 1e-8
+
 def models(small):
     import transformers as T
     if small:  # CPU: the NumPy fallback, tiny sizes
@@ -37,7 +43,7 @@ def run(model, batches, device):
     """Losses per step, tokens/s over the steps after the first (which
     compiles and warms caches), peak MiB (GPU)."""
     torch.manual_seed(2)  # the same dropout masks in both runs (cufuse's ops draw none from torch)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=_adam_eps(model))
     losses = []
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()

@@ -20,6 +20,12 @@ import cufuse
 from _timing import timed  # examples/_timing.py, beside this script
 
 
+
+def _adam_eps(model):
+    """AdamW's eps for the model's parameters: 1e-8 rounds to 0 in float16 (pure float16 training then
+    divides 0 by 0: NaN losses), so 1e-4 there."""
+    return 1e-4 if next(model.parameters()).dtype == torch.float16 else 1e-8
+
 def config(small):
     import transformers as T
     if small:  # CPU: the NumPy fallback, tiny sizes
@@ -59,7 +65,7 @@ def main():
             logits[label], t_inf = timed(lambda: model(pixel_values=images).logits, a.steps, device)
         model.train()
         torch.manual_seed(2)  # the same dropout masks in both runs (a ViT config has none by default)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, eps=_adam_eps(model))
         losses = []
 
         def step():
