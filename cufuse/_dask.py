@@ -68,11 +68,33 @@ def elementwise(name, fn, args, out=None, dtype=None):
 
 
 # ------------------------------------------------------------------ row ops
+def _probe(fn, x, shape, *args):
+    """``fn(ones, *args)``: ones of x's dtype and ``shape``, of its chunks' kind (NumPy, or CuPy on the
+    current GPU), so that the op's checks raise before the graph is built (at compute they named a chunk);
+    its errors say which Dask array they are about."""
+    meta = getattr(x, "_meta", None)
+    if meta is not None and type(meta).__module__.startswith("cupy"):
+        import cupy as cp
+        ones = cp.ones(shape, dtype=x.dtype)
+    else:
+        ones = np.ones(shape, dtype=x.dtype)
+    try:
+        return fn(ones, *args)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{e} (checked on a block of ones of the Dask array's dtype; the array: {x.dtype}, shape "
+                      f"{x.shape})") from None
+
+
 def rows(name, fn, x, axes, dtype, out=None):
-    """``fn`` on each chunk; the rows (``axes``) must be one chunk each."""
+    """``fn`` on each chunk; the rows (``axes``) must be one chunk each. ``fn`` runs first on one row of
+    ones (its dtype and weights checked: an int array gave a lazy result of its dtype, and the error at
+    compute), whose result's dtype is the lazy result's."""
     _no_out(name, out)
     nd = x.ndim
-    _whole(name, x, [a % nd for a in axes], "the normalized / reduced")
+    rows_axes = [a % nd for a in axes]
+    _whole(name, x, rows_axes, "the normalized / reduced")
+    if not any(math.isnan(x.shape[a]) for a in rows_axes):
+        dtype = _probe(fn, x, tuple(x.shape[i] if i in rows_axes else 1 for i in range(nd))).dtype
     return x.map_blocks(fn, dtype=dtype)
 
 
@@ -90,6 +112,7 @@ def reduction(name, x, axis, keepdims, dtype, mean, chunk_fn, out=None):
     if mean and math.isnan(total):  # (a boolean mask's result: its chunk sizes are known after a compute)
         raise ValueError(f"cufuse.{name}: a mean over axes of unknown length (a Dask array of shape {x.shape}): "
                          "call x.compute_chunk_sizes() first")
+    _probe(chunk_fn, x, (1,) * nd, axes, True, np.float64)
 
     def chunk(b, axis, keepdims):
         n = math.prod(b.shape[a] for a in axis)

@@ -113,6 +113,20 @@ def test_mean_over_unknown_lengths_refused():
     np.testing.assert_allclose(got, np.abs(x[x[:, 0] > 0]).mean(0), rtol=1e-12)
 
 
+def test_row_ops_and_reductions_check_before_the_graph():
+    """An int Dask array, or a weight of another shape: the error at the call (the lazy result had the int
+    dtype, and compute raised naming one chunk); the lazy dtype is the computed one."""
+    d = da.from_array(np.ones((4, 3), np.int32), chunks=(2, 3))
+    for call in (lambda: cufuse.sum_squared(d, axis=1), lambda: cufuse.layer_norm(d, 3), lambda: cufuse.softmax(d)):
+        with pytest.raises(TypeError, match=r"int32.*accepted dtypes.*the array: int32, shape \(4, 3\)"):
+            call()
+    x = da.from_array(rand((4, 6), np.float16, 24), chunks=(2, 6))
+    with pytest.raises(ValueError, match="weight has shape"):
+        cufuse.layer_norm(x, 6, np.ones(4, np.float16))
+    for lazy in (cufuse.layer_norm(x, 6), cufuse.sum_squared(x, axis=1), cufuse.softmax(x)):
+        assert lazy.dtype == lazy.compute().dtype
+
+
 def test_dask_errors():
     x = rand((6, 8), F32, 5)
     d = da.from_array(x, chunks=(3, 4))
