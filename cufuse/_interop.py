@@ -21,6 +21,9 @@ def from_torch(t: Any) -> Any:
     if t.is_neg():  # (DLPack would drop the bit: the values negated, silently)
         raise TypeError("cufuse.from_torch: the tensor has its negative bit set (a lazy negation, such as "
                         "z.conj().imag), whose memory holds the values negated; pass t.resolve_neg()")
+    if t.is_conj():
+        raise TypeError("cufuse.from_torch: the tensor has its conjugate bit set (a lazy z.conj()), whose memory "
+                        "holds the values unconjugated; pass t.resolve_conj()")
     if t.is_cuda:
         from ._runtime import _cp, CUDA_AVAILABLE
         if _cp is None or not CUDA_AVAILABLE:
@@ -51,6 +54,12 @@ def to_torch(a: Any) -> Any:
             A.kind_of(a)  # (a masked array or np.matrix: refused, as by every op)
         except (TypeError, ValueError) as e:
             raise type(e)(f"cufuse.to_torch: {e}") from None
+        if any(st < 0 for st, n in zip(a.strides, a.shape) if n > 1):
+            raise ValueError("cufuse.to_torch: the array has negative strides (a reversed view), which a torch "
+                             "tensor cannot share; pass a.copy()")
+        if not a.dtype.isnative:
+            raise ValueError(f"cufuse.to_torch: the array's dtype {a.dtype.str} is not in this machine's byte "
+                             "order, which a torch tensor cannot share; pass a.astype(a.dtype.newbyteorder('='))")
         if not a.flags.writeable:  # (torch tensors have no read-only flag: a write crashed on a read-only
             # memory map, or changed an immutable bytes object)
             raise ValueError("cufuse.to_torch: the array is read-only (a read-only memory map, np.frombuffer of "

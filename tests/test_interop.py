@@ -49,6 +49,18 @@ def test_to_torch_refuses_read_only_arrays(tmp_path):
     assert cufuse.to_torch(np.frombuffer(bytearray(16), np.float32)).shape == (4,)
 
 
+def test_conversions_torch_cannot_share_say_why():
+    """A conjugate-bit tensor, a reversed view, a big-endian array: cufuse's errors with what to pass
+    (torch's own RuntimeError and ValueErrors came through)."""
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="conjugate bit.*resolve_conj"):
+        cufuse.from_torch(torch.ones(2, dtype=torch.complex64).conj())
+    with pytest.raises(ValueError, match="negative strides.*a.copy"):
+        cufuse.to_torch(np.arange(4.0)[::-1])
+    with pytest.raises(ValueError, match="byte order.*newbyteorder"):
+        cufuse.to_torch(np.arange(4.0).astype(">f8"))
+
+
 def test_arrays_whose_memory_is_not_their_values():
     """np.matrix (its * is a matrix product: the fallbacks' math gave
     products), a masked array given to to_torch (its mask dropped), and a

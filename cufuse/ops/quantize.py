@@ -166,9 +166,10 @@ _dequant_ch = _channel_ops("dequantize_int8", "DequantizeCh", lambda i, o: o, _d
                            ppt=lambda w, i, o: 2 if w in (IN_CHANNEL, ACROSS) and o != _F64 else 1)
 
 
-def _scalar_param(name, what, v, positive, real):
+def _scalar_param(name, what, v, positive, real, axis=None):
     """A scalar parameter as a float, checked in ``real`` (the dtype the kernel
-    computes in): 1e-46 is a positive float64 but 0 in float32."""
+    computes in): 1e-46 is a positive float64 but 0 in float32. ``axis``: the
+    per-channel axis, where one value stands for every channel."""
     if isinstance(v, np.ndarray) and v.ndim == 0 and v.dtype.kind in "iuf":  # a 0-d array: its number
         v = v.item()
     elif A.is_torch_tensor(v) and v.dim() == 0 and not v.is_cuda and not v.dtype.is_complex and \
@@ -177,6 +178,9 @@ def _scalar_param(name, what, v, positive, real):
         v = v.item()
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (Real, np.integer, np.floating)):
         zero_d = len(getattr(v, "shape", (1,))) == 0
+        if axis is not None:
+            raise TypeError(f"cufuse.{name}: {what} must be a real number (one for every channel) or an array of "
+                            f"one per channel along axis {axis}, got {type(v).__module__}.{type(v).__name__}")
         raise TypeError(f"cufuse.{name}: {what} must be a real scalar when axis is None, got "
                         f"{type(v).__module__}.{type(v).__name__}" +
                         (f" ({A.describe(v, A.kind_of(v))}: pass a Python number)" if zero_d else
@@ -211,7 +215,7 @@ def _channel_param(name, what, v, x, kind, axis, real, positive):
             raise TypeError(f"cufuse.{name}: {what} is a scalar ({type(v).__name__}) but axis={axis} asks for "
                             f"one {what} per channel: pass {nch} values (shape ({nch},)), or axis=None for one "
                             f"{what} for the whole tensor")
-        f = _scalar_param(name, what, v, positive, real)  # one value for every channel
+        f = _scalar_param(name, what, v, positive, real, axis)  # one value for every channel
         return np.full(nch, f, dtype=real)
     try:
         vk = A.kind_of(v) if not isinstance(v, (list, tuple)) else A.NUMPY
