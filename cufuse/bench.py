@@ -506,9 +506,11 @@ class ModelProfile:
         """A bar chart of the ``top`` modules by forward time (leaves and
         containers alike). Saved to ``path`` when given; returns the Figure."""
         plt = _pyplot()
-        rows = sorted((r for r in self.rows if r["name"]), key=lambda r: -r["forward_ms"])[:top][::-1]
+        rows = [r for r in self.rows if r["name"]] or self.rows  # (a model without children: itself)
+        rows = sorted(rows, key=lambda r: -r["forward_ms"])[:top][::-1]
         fig, ax = plt.subplots(figsize=(7, 0.6 + 0.3 * len(rows)))
-        ax.barh([f"{r['name']} ({r['type']})" for r in rows], [r["forward_ms"] for r in rows], color="#4c72b0")
+        ax.barh([f"{r['name'] or 'the model'} ({r['type']})" for r in rows], [r["forward_ms"] for r in rows],
+                color="#4c72b0")
         ax.set_xlabel("forward ms per step (with children)")
         ax.set_title(f"{self.device}: step {self.totals['step_ms']:.2f} ms", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
