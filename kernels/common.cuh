@@ -67,13 +67,6 @@ __device__ __forceinline__ float exp_fast(float x) {
     return r;
 }
 __device__ __forceinline__ double exp_fast(double x) { return ::exp(x); }
-// 2**y: ex2.approx (float), exp2 (double); exp_fast(x) is exp2_fast(x log2(e))
-__device__ __forceinline__ float exp2_fast(float y) {
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(y));
-    return r;
-}
-__device__ __forceinline__ double exp2_fast(double y) { return ::exp2(y); }
 __device__ __forceinline__ float tanh(float x) { return ::tanhf(x); }
 __device__ __forceinline__ double tanh(double x) { return ::tanh(x); }
 __device__ __forceinline__ float fma(float a, float b, float c) { return ::fmaf(a, b, c); }

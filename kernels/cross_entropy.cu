@@ -13,11 +13,6 @@
 // p_j = exp(x_j - lse), into dx, which may be x itself (the gradient in place
 // of the logits: no second vocabulary-sized buffer); scale_r is the incoming
 // gradient (divided by the count of rows for a mean), scale[r * sstride].
-// Both work relative to the row's shift c = x_t (the target's logit where it
-// is finite, else 0): the saved per-row value is lse - c = (m - c) + log(s),
-// and p_j = exp((x_j - c) - (lse - c)), the mean is c + sum(x_j - c) / C. So
-// logits sharing a large offset lose nothing to it: lse itself, rounded with
-// the offset inside, is off by half its ulp (5e-4 at 1e4 in float32).
 // A target outside [0, cols) other than ignore_index gives NaN for its row
 // (checking on the host would need a synchronization).
 #include "common.cuh"
@@ -66,18 +61,6 @@ template <typename C> __device__ __forceinline__ void block_merge(C& m, C& s, C&
     }
 }
 
-// A compile-time bool as a value (a generic lambda's argument).
-template <bool B> struct Flag {
-    static constexpr bool value = B;
-};
-
-// The row's shift c (the header): x_t where t is a class and x_t is finite, else 0.
-template <typename C, typename T> __device__ __forceinline__ C row_shift(const T* row, long long t, long long cols) {
-    if (t < 0 || t >= cols) return C(0);
-    const C xt = to_compute<C>(row[t]);
-    return xt - xt == C(0) ? xt : C(0);  // (inf - inf and NaN - NaN are NaN)
-}
-
 // f(k, pack) over this thread's packs of a row of `cols` elements at `row`:
 // whole 16-byte packs where the row starts on one (vec), the elements after
 // the last whole pack one by one (a row of an odd vocabulary in a buffer
@@ -113,41 +96,32 @@ cross_entropy_forward(cufuse::compute_t<T>* __restrict__ loss, cufuse::compute_t
     using namespace cufuse;
     using C = compute_t<T>;
     __shared__ C red[kCeThreads / 32][3];
-    const bool smooth = eps != 0.0;  // (the sum of the row, for label smoothing)
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* row = x + r * ld;
-        const long long t = target[r];
-        // every thread needs c for the sum of x - c; without smoothing only the first, after the loop, which
-        // then waits for no load of x_t (a forward 6% slower at bfloat16 4096x128256 with it first)
-        C c = smooth ? row_shift<C>(row, t, cols) : C(0);
-        C m = -infinity<C>(), s = C(0), sx = C(0);  // sx: the sum of x - c
-        const auto pass = [&](auto with_sum) {
-            each_pack(row, cols, vec, [&](long long, const C* v, int n) {
-                C pm = v[0];
-                for (int i = 1; i < n; ++i) pm = math::max_nan(pm, v[i]);
-                if (pm > m || pm != pm) {  // a new max (or NaN): rescale what was summed
-                    s *= exp_shift(m, pm);
-                    m = pm;
-                }
-                for (int i = 0; i < n; ++i) {
-                    s += exp_shift(v[i], m);
-                    if constexpr (decltype(with_sum)::value) sx += v[i] - c;
-                }
-            });
-        };
-        if (smooth) pass(Flag<true>{});
-        else pass(Flag<false>{});
+        C m = -infinity<C>(), s = C(0), sx = C(0);
+        each_pack(row, cols, vec, [&](long long, const C* t, int n) {
+            C pm = t[0];
+            for (int i = 1; i < n; ++i) pm = math::max_nan(pm, t[i]);
+            if (pm > m || pm != pm) {  // a new max (or NaN): rescale what was summed
+                s *= exp_shift(m, pm);
+                m = pm;
+            }
+            for (int i = 0; i < n; ++i) {
+                s += exp_shift(t[i], m);
+                sx += t[i];
+            }
+        });
         block_merge(m, s, sx, red);
         if (threadIdx.x == 0) {
-            if (!smooth) c = row_shift<C>(row, t, cols);
-            const C l = (m - c) + math::log(s);  // lse - c; all -inf: -inf; a NaN: NaN
+            const long long t = target[r];
+            const C l = m + math::log(s);  // all -inf: -inf; a NaN: NaN
             C out = C(0);
             if (t != ignore_index) {
-                const C xt = (t >= 0 && t < cols) ? to_compute<C>(row[t]) - c : quiet_nan<C>();
+                const C xt = (t >= 0 && t < cols) ? to_compute<C>(row[t]) : quiet_nan<C>();
                 const C e = static_cast<C>(eps);
                 out = (C(1) - e) * (l - xt);  // (terms of weight 0 left out: 0 * inf would be NaN)
                 if (eps != 0.0) out += e * (l - sx / static_cast<C>(cols));
-                if (z != 0.0) out += static_cast<C>(z) * (l + c) * (l + c);
+                if (z != 0.0) out += static_cast<C>(z) * l * l;
             }
             loss[r] = out;
             lse[r] = l;
@@ -168,21 +142,16 @@ cross_entropy_backward(T* dx, const T* x, const long long* __restrict__ target,
     for (long long r = blockIdx.x; r < rows; r += gridDim.x) {
         const long long t = target[r];
         const bool ignored = t == ignore_index;
-        const C l = lse[r], c = row_shift<C>(x + r * ldx, t, cols);  // (lse - c, c)
-        __syncthreads();  // every thread has read x_t before any writes the row (dx may be x)
+        const C l = lse[r];
         // a target out of range (not ignored): its loss is NaN, and so is every element of its gradient
         const C sc = (t >= 0 && t < cols) ? scale[r * sstride] : quiet_nan<C>();
-        const C pz = z != 0.0 ? C(1) + C(2) * static_cast<C>(z) * (l + c) : C(1);
+        const C pz = z != 0.0 ? C(1) + C(2) * static_cast<C>(z) * l : C(1);
         const C hit = C(1) - e;
-        // p_j = 2**((x_j - c) log2(e) - (lse - c) log2(e)): one FMA after the shift, as many operations as
-        // exp(x_j - lse) took before the shift
-        const C log2e = C(1.4426950408889634), l2 = l * log2e;
         T* drow = dx + r * ldd;
         each_pack(x + r * ldx, cols, vec, [&](long long e0, const C* tv, int n) {
             C o[V];
             for (int i = 0; i < n; ++i)
-                o[i] = ignored ? C(0)
-                               : (math::exp2_fast(math::fma(tv[i] - c, log2e, -l2)) * pz - ec - (e0 + i == t ? hit : C(0))) * sc;
+                o[i] = ignored ? C(0) : (math::exp_fast(tv[i] - l) * pz - ec - (e0 + i == t ? hit : C(0))) * sc;
             if (n == V) {
                 Pack<T, V> p;
 #pragma unroll

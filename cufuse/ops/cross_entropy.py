@@ -100,38 +100,27 @@ def _target_args(name, data, what, kind, dev, need, target, ignore_index, label_
 
 
 # ---------------------------------------------------------------- the math
-def _np_shift(x, t):
-    """(the target's logit where t is a class, else NaN; the row's shift c:
-    that logit where finite, else 0), each (rows, 1): the kernels' shift
-    (kernels/cross_entropy.cu), which keeps a large offset that all of a
-    row's logits share out of the rounding of its lse."""
-    inside = (t >= 0) & (t < x.shape[1])
-    xt = np.where(inside, x[np.arange(x.shape[0]), np.clip(t, 0, x.shape[1] - 1)], np.nan)[:, None].astype(x.dtype)
-    return xt, np.where(np.isfinite(xt), xt, 0).astype(x.dtype)
-
-
 def _np_forward(x, t, ignore, eps, z):
-    """(per-row loss, per-row lse - c) in the compute dtype: the fallback
-    (c: ``_np_shift``'s, as the kernels save it)."""
+    """(per-row loss, per-row log-sum-exp) in the compute dtype: the fallback."""
     m = np.max(x, axis=1, keepdims=True)
     with np.errstate(all="ignore"):
-        xt, c = _np_shift(x, t)
         shift = np.where(m == -np.inf, 0, m)  # all -inf: -inf; +inf: NaN (inf - inf), as the kernel and torch
-        lse = (shift - c) + np.log(np.sum(np.exp(x - shift), axis=1, keepdims=True))
-        loss = (1 - eps) * (lse - (xt - c))  # (terms of weight 0 left out: 0 * inf would be NaN)
+        lse = (np.log(np.sum(np.exp(x - shift), axis=1, keepdims=True)) + shift)[:, 0]
+        valid = t != ignore
+        inside = (t >= 0) & (t < x.shape[1])
+        xt = np.where(inside, x[np.arange(x.shape[0]), np.clip(t, 0, x.shape[1] - 1)], np.nan)
+        loss = (1 - eps) * (lse - xt)  # (terms of weight 0 left out: 0 * inf would be NaN)
         if eps:
-            loss = loss + eps * (lse - np.mean(x - c, axis=1, keepdims=True))
+            loss = loss + eps * (lse - x.mean(axis=1))
         if z:
-            loss = loss + z * (lse + c) * (lse + c)
-    return np.where(t != ignore, loss[:, 0], 0).astype(x.dtype), lse[:, 0].astype(x.dtype)
+            loss = loss + z * lse * lse
+    return np.where(valid, loss, 0).astype(x.dtype), lse.astype(x.dtype)
 
 
 def _np_backward(x, t, lse, scale, ignore, eps, z):
     with np.errstate(all="ignore"):
-        _, c = _np_shift(x, t)
-        lse = lse[:, None]
-        p = np.exp((x - c) - lse)
-        d = (p * (1 + 2 * z * (lse + c)) if z else p) - eps / x.shape[1]
+        p = np.exp(x - lse[:, None])
+        d = (p * (1 + 2 * z * lse[:, None]) if z else p) - eps / x.shape[1]
         rows = np.arange(x.shape[0])
         inside = (t >= 0) & (t < x.shape[1])
         d[rows, np.clip(t, 0, x.shape[1] - 1)] -= np.where(inside, 1 - eps, 0.0)
