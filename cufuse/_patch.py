@@ -463,18 +463,16 @@ def _sdpa_attention():
 
 
 def _fallback_attention(module):
-    """The attention function the module's model used before the patch (its modeling file's eager
-    function, or one of transformers' interface), for the calls cufuse.attention does not take;
-    transformers' SDPA where that is not known."""
+    """For the calls cufuse.attention does not take: the model's own eager function where it used eager
+    attention before the patch (softcap and the like, which SDPA refuses), else transformers' SDPA."""
     sdpa_attention_forward = _sdpa_attention()
     cfg = getattr(module, "config", None)
     ref, name = _FALLBACK.get(id(cfg), (None, None))
-    if ref is None or ref() is not cfg or name in (None, "sdpa", "cufuse"):
+    if ref is None or ref() is not cfg or name != "eager":
+        # (others, flash attention's, read the config's implementation name, now "cufuse", and take their
+        # own mask format: SDPA takes the masks the "cufuse" mask interface makes)
         return sdpa_attention_forward
-    if name == "eager":
-        return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", sdpa_attention_forward)
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-    return ALL_ATTENTION_FUNCTIONS.get(name, sdpa_attention_forward)
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", sdpa_attention_forward)
 
 
 def _use_cufuse_attention(model):

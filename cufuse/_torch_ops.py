@@ -589,7 +589,9 @@ def _register_fused(torch):
 def _ce_ignore(name, ignore_index):
     """ignore_index under torch.compile: an int in int64's range, as eager mode checks (int() truncated a float)."""
     if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
-        raise TypeError(f"{name}: ignore_index must be an int, got {type(ignore_index).__name__}")
+        # (a NumPy int reaches here as an array under Dynamo: a Python int is what fullgraph takes)
+        raise TypeError(f"{name}: ignore_index must be an int (under torch.compile(fullgraph=True) a Python int), "
+                        f"got {type(ignore_index).__name__}")
     if not -2**63 <= int(ignore_index) < 2**63:
         raise ValueError(f"{name}: ignore_index must be in int64's range, got {ignore_index!r}")
 

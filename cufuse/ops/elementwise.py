@@ -638,15 +638,14 @@ def _check_before_draw(tanh, p, x, out, grad):
     torch's and cufuse's generators as they were. A signature with a recipe was checked when it was kept.
     Returns the call's signature (ElementwiseOp.call's ``sig``), or False where it was not taken."""
     fwd = _dropout_ops[tanh, (_DROPOUT_P.get(p) or _dropout_constants(p))[4]]
-    sig = False
-    if not grad:
-        sig = D.signature((x, out))
-        if sig is not None and (sig[0], None) in fwd.fast.recipes:
-            return sig
+    xs = x.detach() if grad else x  # (recorded: the Function's forward launches on x detached, out None)
+    sig = D.signature((xs, out))
+    if sig is not None and (sig[0], None) in fwd.fast.recipes:
+        return False if grad else sig
     if DK.is_dask(x):
         fwd.call((x,), out)  # (its refusal: the mask depends on each element's place in the whole array)
-    A.plan_elementwise(fwd.name, (x.detach() if grad else x,), out, accepted=fwd.in_dtypes)
-    return sig
+    A.plan_elementwise(fwd.name, (xs,), out, accepted=fwd.in_dtypes)
+    return False if grad else sig
 
 
 def _dropout_call(tanh, p, seed, approximate):
