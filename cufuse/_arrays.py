@@ -210,6 +210,13 @@ def _unstrided(x):
 _WRAPPED: list = []  # torch's is_functorch_wrapped_tensor, once bound
 
 
+def functorch_wrapped(t) -> bool:
+    """A torch tensor of a torch.func transform (vmap, grad: a wrapper without memory of its own)."""
+    if not _WRAPPED:  # (bound once: the attribute chain cost about 1 µs a tensor)
+        _WRAPPED.append(torch()._C._functorch.is_functorch_wrapped_tensor)
+    return _WRAPPED[0](t)
+
+
 def _no_meta(name, what, x, kind):
     """TypeError for a meta tensor given to an op (it holds no data), or a tensor of a torch.func
     transform (vmap, grad: a wrapper without memory of its own). Not kind_of's: cufuse.fuse traces its
@@ -218,9 +225,7 @@ def _no_meta(name, what, x, kind):
         return
     if x.is_meta:
         raise TypeError(f"cufuse.{name}: {what} is a meta tensor, which holds no data")
-    if not _WRAPPED:  # (bound once: the attribute chain cost about 1 µs a tensor)
-        _WRAPPED.append(torch()._C._functorch.is_functorch_wrapped_tensor)
-    if _WRAPPED[0](x):
+    if functorch_wrapped(x):
         raise TypeError(f"cufuse.{name}: {what} is a tensor of a torch.func transform (vmap, grad, jacrev, ...), "
                         "which cufuse's ops do not support; call them on plain tensors (torch.autograd for "
                         "gradients)")

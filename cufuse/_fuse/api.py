@@ -223,7 +223,7 @@ class Fused:
                 raise TypeError(f"cufuse.{name}: argument {i + 1}: {e}") from None
             except ValueError as e:  # (a structured array's field)
                 raise ValueError(f"cufuse.{name}: argument {i + 1}: {e}") from None
-            if k in (A.TORCH_CPU, A.TORCH_CUDA) and A.torch()._C._functorch.is_functorch_wrapped_tensor(x):
+            if k in (A.TORCH_CPU, A.TORCH_CUDA) and A.functorch_wrapped(x):
                 raise TypeError(f"cufuse.{name}: argument {i + 1} is a tensor of a torch.func transform (vmap, "
                                 "grad, ...), which cufuse.fuse does not support")
             if k is None:  # a scalar kind_of accepts but we do not (e.g. np.float128)

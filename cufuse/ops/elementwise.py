@@ -637,7 +637,7 @@ def _check_before_draw(tanh, p, x, out, grad):
     the CPU, a first call of its signature, autograd), before a seed is drawn: a call that raises leaves
     torch's and cufuse's generators as they were. A signature with a recipe was checked when it was kept.
     Returns the call's signature (ElementwiseOp.call's ``sig``), or False where it was not taken."""
-    fwd = _dropout_ops[tanh, (_DROPOUT_P.get(p) or _dropout_constants(p))[4]]
+    fwd = _dropout_ops[tanh, _dropout_p(p)[4]]
     xs = x.detach() if grad else x  # (recorded: the Function's forward launches on x detached, out None)
     sig = D.signature((xs, out))
     if sig is not None and (sig[0], None) in fwd.fast.recipes:
@@ -650,10 +650,7 @@ def _check_before_draw(tanh, p, x, out, grad):
 
 def _dropout_call(tanh, p, seed, approximate):
     """(forward op, backward op, kernel parameters, NumPy parameters) of gelu_dropout's p and seed."""
-    c = _DROPOUT_P.get(p)
-    if c is None:
-        c = _dropout_constants(p)
-    threshold, scale, scale_f, lift, lanes16 = c
+    threshold, scale, scale_f, lift, lanes16 = _dropout_p(p)
     params = (np.uint64(seed), threshold, scale, scale_f, lift)
     np_params = {"approximate": approximate, "seed": seed, "threshold": int(threshold), "scale": scale,
                  "lanes16": lanes16}
@@ -667,6 +664,12 @@ def gelu_dropout_grad(g, x, p, seed, approximate):
 
 
 _DROPOUT_P: dict = {}  # p -> its kernel constants (_dropout_constants)
+
+
+def _dropout_p(p):
+    """gelu_dropout's kernel constants of p (_dropout_constants), kept per p."""
+    c = _DROPOUT_P.get(p)
+    return c if c is not None else _dropout_constants(p)
 
 
 def _dropout_constants(p):
